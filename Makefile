@@ -1,0 +1,44 @@
+# kvledger — every target does its own set-up (idempotent, seconds when done).
+SHELL := /bin/bash
+PY    := .venv/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONDONTWRITEBYTECODE := 1
+export VLLM_LOGGING_LEVEL ?= WARNING
+
+.PHONY: setup verify verify-deep test test-fast gen diagram bench demo fuzz clean
+
+setup:
+	@scripts/setup.sh
+
+# The main job: TLC model check (fixed design passes, legacy design and mutants fail as expected),
+# then conformance (replay of TLC behaviours against the real connector, trace validation).
+verify: setup
+	$(PY) -m conformance.verify
+
+verify-deep: setup
+	$(PY) -m conformance.model_check --deep
+
+# The whole suite; the pure-core tests run a second time under python -O (safety checks must raise,
+# never assert).
+test: setup
+	$(PY) -m pytest -q tests
+	$(PY) -O -m pytest -q -p no:cacheprovider tests/unit
+
+gen: setup
+	$(PY) -m spec.gen
+
+diagram: setup
+	$(PY) -m spec.diagram
+
+bench: setup
+	$(PY) -m bench
+
+demo: setup
+	$(PY) -m connector.demo
+
+fuzz: setup
+	$(PY) -m pytest -q tests/conformance -k fuzz --hypothesis-profile=fuzz -s
+
+clean:
+	rm -rf .tlc-out .tlctmp states

