@@ -1,0 +1,25 @@
+"""make bench: every benchmark of the project, each printing ratios against a baseline measured in the
+same run (these machines are noisy, so only same-run ratios mean anything)."""
+import importlib
+import sys
+
+SUITES = ("bench.ledger", "bench.connector")
+
+
+def main() -> int:
+    rc = 0
+    for name in SUITES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                print(f"[bench] {name}: not present, skipped")
+                continue
+            raise
+        print(f"\n===== {name} =====", flush=True)
+        rc |= int(mod.main() or 0)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
