@@ -1,0 +1,4 @@
+---- MODULE Broken ----
+VARIABLE x
+Init == x = 
+====
