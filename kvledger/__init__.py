@@ -1,0 +1,62 @@
+"""kvledger: the job-lifecycle ledger for asynchronous KV-cache saves and loads (pure core).
+
+Theory of operation
+===================
+
+No threads, no I/O, no vLLM import. The connector (``connector/``) does the I/O and calls these ledgers
+under its own locks; every state change is checked against the lifecycle machines of
+``spec/machines.json`` (StoreJob, StoreRequest: :mod:`kvledger.machines`) and against the invariants of
+DESIGN §5, which raise :class:`LedgerInvariantError` (never ``assert``: the checks survive ``python -O``).
+
+Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
+
+  scheduler process                                  worker rank w (one WorkerLedger, one LoadLedger)
+  -----------------                                  ------------------------------------------------
+  schedule() / build_connector_meta
+    SchedulerLedger.open_job(req_id, block_ids)  ──► ReqMeta(store_job_id) ──► wait_for_save:
+      EmitStore: job id, pool.touch(blocks)              WorkerLedger.register(req_id, job)    Receive
+      None = DEFER (cap reached): retry next step      store thread:
+    preempted / finished req ids  ─────────────────────►  WorkerLedger.begin(job) RUN|STALE|SKIP  DmaRead
+                                                          ... put ... record_saved / record_failed  Put
+                                                          WorkerLedger.finish(job)  (finally)   Report
+                                                       get_finished:
+                                                          WorkerLedger.drop_generation(req_id) DropGeneration
+                                                       recv thread:
+                                                          LoadLedger.begin_load / record_results /
+                                                          fail_pending / finish_load            Load
+                                                       get_block_ids_with_load_errors:
+                                                          LoadLedger.take_errors()      HandleLoadErrors
+                                                       build_connector_worker_meta:
+                                                          WorkerLedger.take_completed() {job: 1}
+  engine: metadata.aggregate over ranks  ◄─────────────────────┘
+  update_connector_output
+    SchedulerLedger.collect({job: count})   Collect: ranks_left -= count; at 0 free_blocks(reversed)
+  has_requests(): SchedulerLedger.has_pending_work()
+
+Safety in one sentence per rule: a job's pin owns its blocks until every rank reported it (S2, S3); a
+job outside its request's live set is stale and changes nothing (S4) but is reported exactly once (S5);
+the scheduler never holds more than the cap (S6); a load never finishes with an attempted block neither
+loaded nor reported (S8).
+
+Hot path: the ledgers drive the compiled transition tables (a dict lookup) built from the same data as
+the ``transitions`` machines, which are kept as the definition (diagrams, equivalence test); a
+``transitions`` trigger costs ~21 µs, more than the scheduler's whole per-job budget.
+
+Tracing: pass ``trace=`` a :class:`~kvledger.trace.TraceSink` (e.g. :class:`~kvledger.trace.NdjsonTrace`)
+to get one event per action, schema in :mod:`kvledger.trace`.
+"""
+from .errors import INVARIANTS, LedgerError, LedgerInputError, LedgerInvariantError
+from .load import LoadLedger, LoadResult, rotate, rotation, sub_batches, unrotate_index
+from .metadata import aggregate, aggregate_all, aggregate_into, check_completed
+from .scheduler import NULL_BLOCK_ID, BlockPoolLike, SchedulerLedger
+from .trace import ListTrace, NdjsonTrace, TraceSink
+from .worker import StoreRequestState, Verdict, WorkerLedger
+
+__all__ = [
+    "INVARIANTS", "LedgerError", "LedgerInputError", "LedgerInvariantError",
+    "LoadLedger", "LoadResult", "rotate", "rotation", "sub_batches", "unrotate_index",
+    "aggregate", "aggregate_all", "aggregate_into", "check_completed",
+    "NULL_BLOCK_ID", "BlockPoolLike", "SchedulerLedger",
+    "ListTrace", "NdjsonTrace", "TraceSink",
+    "StoreRequestState", "Verdict", "WorkerLedger",
+]

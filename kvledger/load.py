@@ -1,0 +1,211 @@
+"""Load side (one per rank): every attempted block ends loaded or reported.
+
+Per load, on a receive thread (the connector holds one lock around every call)::
+
+    begin_load(req_id, block_ids) -> load_id         attempted = block_ids (an empty list is fine)
+    rotate(keys, tp_rank) / sub_batches(sizes, budget)   pure helpers: no division by len(keys)
+    record_results(load_id, block_ids, codes)         Load(w, r): per key, code >= 0 ok, < 0 failed
+    fail_pending(load_id, reason)                      exception, oversized key, or an earlier sub-batch
+                                                       failed: every block neither loaded nor reported fails
+    finish_load(load_id)                               raises S8 LoadErrorsReported if a block is pending
+    take_errors() -> set[int]                          HandleLoadErrors: vLLM's
+                                                       get_block_ids_with_load_errors (get-and-clear)
+
+Failures are kept by block id, so rotating the key list by ``tp_rank`` cannot mis-map them: the block id
+travels with its key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence, TypeVar
+
+from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
+from .trace import TraceSink
+
+T = TypeVar("T")
+
+
+def rotation(num_keys: int, tp_rank: int) -> int:
+    """How far rank ``tp_rank`` rotates a key list of ``num_keys`` (0 for an empty list, never a
+    ZeroDivisionError)."""
+    return tp_rank % num_keys if num_keys else 0
+
+
+def rotate(items: Sequence[T], tp_rank: int) -> list[T]:
+    """``items`` rotated left by ``rotation(len(items), tp_rank)``: position i holds
+    ``items[(i + r) % n]``."""
+    r = rotation(len(items), tp_rank)
+    return list(items[r:]) + list(items[:r])
+
+
+def unrotate_index(i: int, num_keys: int, tp_rank: int) -> int:
+    """The original index of position ``i`` of a rotated list."""
+    if not 0 <= i < num_keys:
+        raise LedgerInputError("i", i, f"not a position of a list of {num_keys}")
+    return (i + rotation(num_keys, tp_rank)) % num_keys
+
+
+def sub_batches(key_sizes: Sequence[int], budget: int) -> list[range] | None:
+    """Split keys (in order) into consecutive sub-batches whose sizes sum to at most ``budget``.
+    None when one key alone exceeds the budget (the whole load must then be reported failed)."""
+    check_positive_int("budget", budget)
+    out: list[range] = []
+    start, acc = 0, 0
+    for i, size in enumerate(key_sizes):
+        if size > budget:
+            return None
+        if acc + size > budget:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += size
+    if start < len(key_sizes):
+        out.append(range(start, len(key_sizes)))
+    return out
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    load_id: int
+    req_id: str
+    loaded: frozenset[int]
+    failed: frozenset[int]
+
+
+class _Load:
+    __slots__ = ("load_id", "req_id", "attempted", "loaded", "failed", "reasons")
+
+    def __init__(self, load_id: int, req_id: str, attempted: list[int]) -> None:
+        self.load_id = load_id
+        self.req_id = req_id
+        self.attempted = attempted
+        self.loaded: set[int] = set()
+        self.failed: set[int] = set()
+        self.reasons: list[str] = []
+
+    def pending(self) -> list[int]:
+        return [b for b in self.attempted if b not in self.loaded and b not in self.failed]
+
+
+class LoadLedger:
+    """Bounds: ``max_inflight_loads`` loads begun and not finished; ``max_error_blocks`` block ids
+    reported and not yet taken (vLLM takes them every step, so this is only reached if nobody does)."""
+
+    def __init__(self, rank: int = 0, *, max_inflight_loads: int, max_error_blocks: int = 1 << 20,
+                 trace: TraceSink | None = None) -> None:
+        check_positive_int("rank", rank, allow_zero=True)
+        check_positive_int("max_inflight_loads", max_inflight_loads)
+        check_positive_int("max_error_blocks", max_error_blocks)
+        self.rank = rank
+        self._actor = f"w{rank}"
+        self._max_loads = max_inflight_loads
+        self._max_errors = max_error_blocks
+        self._loads: dict[int, _Load] = {}
+        self._errors: set[int] = set()
+        self._next_load_id = 0
+        self._trace = trace
+        self.num_failed_blocks = 0
+        self.num_loads_finished = 0
+
+    def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
+        """Start a load of ``block_ids`` (the blocks the keys load into) for ``req_id``."""
+        if len(self._loads) >= self._max_loads:
+            raise LedgerInputError("max_inflight_loads", self._max_loads,
+                                   f"rank {self.rank}: that many loads in flight; {req_id!r} refused")
+        bad = [b for b in block_ids if b.__class__ is not int or b < 0]
+        if bad:
+            raise LedgerInputError("block_ids", bad, f"not block ids (load of {req_id!r})")
+        load_id = self._next_load_id
+        self._next_load_id += 1
+        self._loads[load_id] = _Load(load_id, req_id, list(dict.fromkeys(block_ids)))
+        return load_id
+
+    def _load(self, load_id: int) -> _Load:
+        ld = self._loads.get(load_id)
+        if ld is None:
+            raise LedgerInputError("load_id", load_id, f"not an in-flight load on rank {self.rank}")
+        return ld
+
+    def _check_attempted(self, ld: _Load, block_ids: Iterable[int]) -> list[int]:
+        ids = list(block_ids)
+        att = set(ld.attempted)
+        extra = [b for b in ids if b not in att]
+        if extra:
+            raise LedgerInputError("block_ids", extra, f"not attempted by load {ld.load_id} ({ld.req_id!r})")
+        return ids
+
+    def record_ok(self, load_id: int, block_ids: Iterable[int]) -> None:
+        """These blocks were loaded (a block already reported failed stays failed)."""
+        ld = self._load(load_id)
+        for b in self._check_attempted(ld, block_ids):
+            if b not in ld.failed:
+                ld.loaded.add(b)
+
+    def record_failed(self, load_id: int, block_ids: Iterable[int], reason: str) -> None:
+        """These blocks were not loaded: reported now (for :meth:`take_errors`)."""
+        ld = self._load(load_id)
+        ids = self._check_attempted(ld, block_ids)
+        new = [b for b in ids if b not in ld.failed]
+        if len(self._errors) + len(new) > self._max_errors:
+            raise LedgerInputError("max_error_blocks", self._max_errors,
+                                   f"{len(self._errors)} error blocks not taken; take_errors() is not called")
+        for b in new:
+            ld.loaded.discard(b)
+            ld.failed.add(b)
+        self._errors.update(new)
+        self.num_failed_blocks += len(new)
+        if new:
+            ld.reasons.append(reason)
+
+    def record_results(self, load_id: int, block_ids: Sequence[int], codes: Sequence[int]) -> list[int]:
+        """Per-key results of one batch get (Mooncake: bytes read >= 0, or a negative error code).
+        Returns the failed block ids."""
+        if len(block_ids) != len(codes):
+            raise LedgerInputError("codes", len(codes), f"expected one code per block ({len(block_ids)})")
+        ok = [b for b, c in zip(block_ids, codes) if c >= 0]
+        failed = [b for b, c in zip(block_ids, codes) if c < 0]
+        self.record_ok(load_id, ok)
+        if failed:
+            codes_seen = sorted({c for c in codes if c < 0})
+            self.record_failed(load_id, failed, f"store codes {codes_seen}")
+        return failed
+
+    def fail_pending(self, load_id: int, reason: str) -> list[int]:
+        """Report every attempted block of the load that is neither loaded nor reported (an exception, an
+        oversized key, or a failed sub-batch that stops the remaining ones). Returns them."""
+        ld = self._load(load_id)
+        pend = ld.pending()
+        if pend:
+            self.record_failed(load_id, pend, reason)
+        return pend
+
+    def pending(self, load_id: int) -> list[int]:
+        return self._load(load_id).pending()
+
+    def finish_load(self, load_id: int) -> LoadResult:
+        """The load is over. Raises S8 LoadErrorsReported (the load stays open, nothing is lost) if an
+        attempted block is neither loaded nor reported."""
+        ld = self._load(load_id)
+        pend = ld.pending()
+        if pend:
+            raise LedgerInvariantError.of(
+                "S8", f"rank {self.rank}: load {load_id} of {ld.req_id!r} would finish with blocks {pend} "
+                      f"neither loaded nor reported (call fail_pending first)")
+        del self._loads[load_id]
+        self.num_loads_finished += 1
+        if self._trace is not None:
+            self._trace.emit(self._actor, "Load", {
+                "load": load_id, "req_id": ld.req_id, "attempted": ld.attempted,
+                "loaded": sorted(ld.loaded), "failed": sorted(ld.failed)})
+        return LoadResult(load_id, ld.req_id, frozenset(ld.loaded), frozenset(ld.failed))
+
+    def take_errors(self) -> set[int]:
+        """Get and clear the block ids whose load failed (vLLM's ``get_block_ids_with_load_errors``)."""
+        errs = self._errors
+        self._errors = set()
+        if errs and self._trace is not None:
+            self._trace.emit(self._actor, "HandleLoadErrors", {"blocks": sorted(errs)})
+        return errs
+
+    @property
+    def num_inflight_loads(self) -> int:
+        return len(self._loads)

@@ -1,0 +1,250 @@
+"""Scheduler side: store job ids, block pins, the in-flight cap, and the release of pins on reports.
+
+One :class:`SchedulerLedger` per engine, owned by the scheduler-side connector and called from the
+scheduler thread only (no lock inside). Per engine step::
+
+    build_connector_meta ──► open_job(req_id, block_ids[, tail_block_ids]) ──► job id | None (DEFER)
+                                 pins: pool.touch(blocks)   record job -> [blocks, ranks_left=world_size]
+    update_connector_output ► collect({job_id: count})       merged over ranks by metadata.aggregate
+                                 ranks_left -= count; at 0: pool.free_blocks(reversed(blocks))  (tail first)
+    Scheduler.has_requests ─► has_pending_work()             True while any pin is held
+
+Lifecycle: a job is in StoreJob ``emitted`` from :meth:`open_job` until its ``ranks_left`` reaches 0; the
+workers drive its per-rank states (``queued`` .. ``reported``, see :mod:`kvledger.worker`); reaching 0
+means every rank is in ``reported`` and this ledger performs ``Collect -> released``. The per-job hot path
+therefore needs no table lookup here: the only transition the scheduler makes is implied by the count.
+
+Costs, per job: one ``min()`` scan, one ``set()`` for the duplicate check, one C-level ``map`` to block
+objects, the pool calls; the block objects are kept so the release does not index the pool again.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
+
+from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
+from .trace import TraceSink
+
+#: vLLM's null block id (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``; a test checks they agree).
+#: Real block ids are >= 1, so one ``min(ids) <= 0`` finds both the null block and negative ids.
+NULL_BLOCK_ID = 0
+
+B = TypeVar("B")
+
+
+class BlockPoolLike(Protocol[B]):
+    """What the ledger needs of vLLM's ``BlockPool`` (0.32.0): ``blocks`` indexed by block id, and the two
+    reference-count calls."""
+
+    blocks: Sequence[B]
+
+    def touch(self, blocks: Sequence[B]) -> None: ...
+
+    def free_blocks(self, ordered_blocks: Iterable[B]) -> None: ...
+
+
+class SchedulerLedger:
+    """Job ids, pins and the cap. ``max_pinned_blocks`` counts block pins (a block pinned by two jobs
+    counts twice): an upper bound on distinct pinned blocks, so the cap on it bounds them too."""
+
+    def __init__(self, block_pool: BlockPoolLike[Any], *, world_size: int, max_inflight_jobs: int,
+                 max_pinned_blocks: int, first_job_id: int = 0, trace: TraceSink | None = None) -> None:
+        check_positive_int("world_size", world_size)
+        check_positive_int("max_inflight_jobs", max_inflight_jobs)
+        check_positive_int("max_pinned_blocks", max_pinned_blocks)
+        check_positive_int("first_job_id", first_job_id, allow_zero=True)
+        for attr in ("blocks", "touch", "free_blocks"):
+            if not hasattr(block_pool, attr):
+                raise LedgerInputError("block_pool", type(block_pool).__name__, f"has no {attr!r}")
+        self._pool = block_pool
+        self._blocks = block_pool.blocks
+        self._world_size = world_size
+        self._max_jobs = max_inflight_jobs
+        self._max_pins = max_pinned_blocks
+        self._next_job_id = first_job_id
+        # job id -> [block objects in pin order, ranks_left]; a list so the count updates in place.
+        self._pinned: dict[int, list[Any]] = {}
+        self._num_pins = 0
+        self._trace = trace
+        # counters
+        self.num_jobs_opened = 0
+        self.num_jobs_released = 0
+        self.num_deferrals = 0
+        self.num_unknown_reports = 0
+        self.peak_pinned_blocks = 0
+        self.peak_inflight_jobs = 0
+
+    # ---------------------------------------------------------------- EmitStore
+    def open_job(self, req_id: str, block_ids: Sequence[int],
+                 tail_block_ids: Sequence[int] = ()) -> int | None:
+        """EmitStore: a new store job id, with every non-null block of ``block_ids`` then of
+        ``tail_block_ids`` (copy-on-write tail blocks outside the table) pinned, deduplicated in order.
+
+        Returns None (DEFER) when the cap on in-flight jobs or pinned blocks would be exceeded: nothing was
+        pinned and no id was used; the caller keeps the save and asks again in a later step. Raises
+        :class:`LedgerInputError` for a block id outside the pool, or for a job that needs more pins than
+        ``max_pinned_blocks`` (it could never be admitted)."""
+        try:
+            fast = not tail_block_ids and (not block_ids or min(block_ids) > NULL_BLOCK_ID)
+        except TypeError:  # a non-int id: the slow path names it
+            fast = False
+        if fast:
+            ids = block_ids
+            if len(set(ids)) != len(ids):
+                ids = list(dict.fromkeys(ids))
+        else:
+            ids = self._clean_ids(block_ids, tail_block_ids)
+        n = len(ids)
+        if len(self._pinned) >= self._max_jobs or self._num_pins + n > self._max_pins:
+            if n > self._max_pins:
+                raise LedgerInputError("block_ids", f"{n} blocks for {req_id!r}",
+                                       f"more than max_pinned_blocks={self._max_pins}: never admissible")
+            self.num_deferrals += 1
+            return None
+        try:
+            blocks = list(map(self._blocks.__getitem__, ids))
+        except (IndexError, TypeError):
+            bad = [b for b in ids if not isinstance(b, int) or not 0 < b < len(self._blocks)]
+            raise LedgerInputError("block_ids", bad, f"not block ids of this pool "
+                                   f"(1..{len(self._blocks) - 1}) for {req_id!r}") from None
+        job_id = self._next_job_id
+        self._next_job_id = job_id + 1
+        self._pool.touch(blocks)
+        self._pinned[job_id] = [blocks, self._world_size]
+        pins = self._num_pins = self._num_pins + n
+        if pins > self.peak_pinned_blocks:
+            self.peak_pinned_blocks = pins
+        if len(self._pinned) > self.peak_inflight_jobs:
+            self.peak_inflight_jobs = len(self._pinned)
+        self.num_jobs_opened += 1
+        if self._trace is not None:
+            self._trace.emit("sched", "EmitStore", {
+                "job": job_id, "req_id": req_id, "blocks": list(ids), "ranks_left": self._world_size,
+                "pinned_jobs": len(self._pinned), "pinned_blocks": pins})
+        return job_id
+
+    @staticmethod
+    def _clean_ids(block_ids: Sequence[int], tail_block_ids: Sequence[int]) -> list[int]:
+        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
+        ids.extend(b for b in tail_block_ids if b != NULL_BLOCK_ID)
+        neg = [b for b in ids if b.__class__ is not int or b < 0]
+        if neg:
+            raise LedgerInputError("block_ids", neg, "block ids must be non-negative ints")
+        return list(dict.fromkeys(ids))
+
+    # ---------------------------------------------------------------- Collect
+    def collect(self, completed: Mapping[int, int]) -> int:
+        """Collect: consume merged worker reports ``{job_id: number of ranks that finished it}``.
+
+        An unknown job id is ignored and counted (``num_unknown_reports``). When a job's ``ranks_left``
+        reaches 0 its blocks are freed in reverse pin order (tail first). Returns the number of jobs released.
+
+        A count that would take ``ranks_left`` below 0 raises ``LedgerInvariantError`` (S5 ReportedOnce) and
+        a count that is not a positive int raises ``LedgerInputError``, each after every other entry was
+        applied; the offending job keeps its pins (holding a pin too long is safe, freeing early is not)."""
+        pinned = self._pinned
+        free = self._pool.free_blocks
+        released = 0
+        bad: list[tuple[int, Any]] | None = None
+        trace = self._trace
+        rel_ids: list[int] | None = [] if trace is not None else None
+        unknown: list[Any] | None = [] if trace is not None else None
+        for job_id, n in completed.items():
+            rec = pinned.get(job_id)
+            if rec is None:
+                self.num_unknown_reports += 1
+                if unknown is not None:
+                    unknown.append(job_id)
+                continue
+            if n.__class__ is not int or n <= 0:
+                if bad is None:
+                    bad = []
+                bad.append((job_id, n))
+                continue
+            left = rec[1] - n
+            if left > 0:
+                rec[1] = left
+                continue
+            if left < 0:
+                if bad is None:
+                    bad = []
+                bad.append((job_id, n))
+                continue
+            del pinned[job_id]
+            blocks = rec[0]
+            self._num_pins -= len(blocks)
+            free(reversed(blocks))
+            released += 1
+            if rel_ids is not None:
+                rel_ids.append(job_id)
+        self.num_jobs_released += released
+        if trace is not None:
+            trace.emit("sched", "Collect", {
+                "completed": {str(k): v for k, v in completed.items()},
+                "released": rel_ids,
+                "ranks_left": {str(j): pinned[j][1] for j in completed if j in pinned},
+                "unknown": unknown, "pinned_jobs": len(pinned), "pinned_blocks": self._num_pins})
+        if bad is not None:
+            self._raise_bad(bad)
+        return released
+
+    def _raise_bad(self, bad: list[tuple[int, Any]]) -> None:
+        over = [(j, n) for j, n in bad if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        if over:
+            detail = ", ".join(f"job {j}: count {n} > ranks_left {self._pinned[j][1]}" for j, n in over)
+            raise LedgerInvariantError.of("S5", f"over-report ({detail}); pins kept")
+        j, n = bad[0]
+        raise LedgerInputError(f"completed[{j}]", n, "a report count must be a positive int")
+
+    # ---------------------------------------------------------------- queries
+    def has_pending_work(self) -> bool:
+        """True while any job holds pins (vLLM's ``has_pending_push_work``)."""
+        return bool(self._pinned)
+
+    @property
+    def num_inflight_jobs(self) -> int:
+        return len(self._pinned)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Block pins held (with multiplicity)."""
+        return self._num_pins
+
+    @property
+    def next_job_id(self) -> int:
+        return self._next_job_id
+
+    def pinned_block_ids(self, job_id: int) -> list[int]:
+        """Block ids pinned by a job, in pin order (introspection; not on the hot path)."""
+        rec = self._pinned.get(job_id)
+        if rec is None:
+            raise LedgerInputError("job_id", job_id, "not an in-flight store job")
+        return [b.block_id for b in rec[0]]
+
+    def ranks_left(self, job_id: int) -> int:
+        rec = self._pinned.get(job_id)
+        if rec is None:
+            raise LedgerInputError("job_id", job_id, "not an in-flight store job")
+        return rec[1]
+
+    def inflight_jobs(self) -> list[int]:
+        return list(self._pinned)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "inflight_jobs": len(self._pinned), "pinned_blocks": self._num_pins,
+            "jobs_opened": self.num_jobs_opened, "jobs_released": self.num_jobs_released,
+            "deferrals": self.num_deferrals, "unknown_reports": self.num_unknown_reports,
+            "peak_pinned_blocks": self.peak_pinned_blocks, "peak_inflight_jobs": self.peak_inflight_jobs,
+        }
+
+    def release_all(self) -> int:
+        """Free every pin now (engine shutdown, after the workers stopped: no DMA can read any more).
+        Returns the number of jobs released."""
+        n = 0
+        for job_id in list(self._pinned):
+            blocks, _ = self._pinned.pop(job_id)
+            self._num_pins -= len(blocks)
+            self._pool.free_blocks(reversed(blocks))
+            n += 1
+        self.num_jobs_released += n
+        return n

@@ -1,0 +1,300 @@
+"""Worker side (one per rank): which store jobs are live, per request generation.
+
+A :class:`StoreRequestState` is one generation of one request on this rank: its live job ids, its saved
+offset (tokens persisted by live jobs), its pressure-skip flag and its StoreRequest state
+(``open`` / ``closing`` / ``closed``). A preempted ``req_id`` that comes back gets a fresh state; the old
+one's leftover jobs are *stale*: they run nothing and change nothing, but are still reported, so the
+scheduler releases their pins.
+
+Per job, on the rank's store thread (the connector holds one lock around every call; no lock inside)::
+
+    wait_for_save ─► register(req_id, job_id)            Receive   emitted -> queued      (before enqueue)
+    store thread ──► begin(job_id) -> RUN|STALE|SKIP      DmaRead   queued -> running|stale|skipped
+                     saved_offset(job_id)                 where the put resumes
+                     record_saved(job_id, num_tokens)     Put       running -> stored  (offset, if live)
+                     record_failed(job_id, pressure=..)   Put/DmaRead -> failed
+                     finish(job_id)   (in a finally)      Report    -> reported  (exactly once)
+    get_finished ──► drop_generation(req_id, finished=)   DropGeneration  open -> closed | closing
+    build_connector_worker_meta ─► take_completed()       {job_id: 1} for the scheduler's collect
+
+Every lifecycle change goes through the compiled StoreJob / StoreRequest tables (:mod:`kvledger.machines`).
+Bounds: live jobs plus reported-not-taken jobs <= ``max_live_jobs`` (the scheduler's in-flight cap bounds
+them: a job stays pinned there until its report is taken and collected), request states <=
+``max_requests``.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
+from .machines import STORE_JOB, STORE_REQUEST, step
+from .trace import TraceSink
+
+
+class Verdict(enum.Enum):
+    RUN = "running"
+    STALE = "stale"
+    SKIP = "skipped"
+
+
+class StoreRequestState:
+    """One generation of one request on one rank."""
+
+    __slots__ = ("req_id", "generation", "live", "saved_offset", "pressure_skip", "state")
+
+    def __init__(self, req_id: str, generation: int) -> None:
+        self.req_id = req_id
+        self.generation = generation
+        self.live: set[int] = set()
+        self.saved_offset = 0
+        self.pressure_skip = False
+        self.state = "open"
+
+    def __repr__(self) -> str:
+        return (f"StoreRequestState({self.req_id!r}, gen={self.generation}, {self.state}, "
+                f"live={sorted(self.live)}, offset={self.saved_offset}, skip={self.pressure_skip})")
+
+
+class _Job:
+    __slots__ = ("job_id", "req", "state")
+
+    def __init__(self, job_id: int, req: StoreRequestState) -> None:
+        self.job_id = job_id
+        self.req = req
+        self.state = "emitted"
+
+
+class WorkerLedger:
+    def __init__(self, rank: int, *, max_live_jobs: int, max_requests: int | None = None,
+                 trace: TraceSink | None = None) -> None:
+        check_positive_int("rank", rank, allow_zero=True)
+        check_positive_int("max_live_jobs", max_live_jobs)
+        if max_requests is None:
+            max_requests = max_live_jobs
+        check_positive_int("max_requests", max_requests)
+        self.rank = rank
+        self._actor = f"w{rank}"
+        self._max_jobs = max_live_jobs
+        self._max_requests = max_requests
+        self._requests: dict[str, StoreRequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._completed: dict[int, int] = {}
+        # recently reported job ids (insertion-ordered, bounded) to tell a double finish from an unknown id
+        self._reported: dict[int, None] = {}
+        self._pressure = False
+        self._skipped: set[StoreRequestState] = set()
+        self._next_generation = 0
+        self._trace = trace
+
+    # ---------------------------------------------------------------- Receive
+    def register(self, req_id: str, job_id: int) -> None:
+        """Receive: put ``job_id`` in the live set of ``req_id``'s open generation (a fresh generation if
+        there is none). Call before the job is enqueued, so a concurrent drop sees it."""
+        if job_id.__class__ is not int:
+            raise LedgerInputError("job_id", job_id, "must be an int")
+        if job_id in self._jobs or job_id in self._reported or job_id in self._completed:
+            raise LedgerInputError("job_id", job_id, f"already registered on rank {self.rank}")
+        if len(self._jobs) + len(self._completed) >= self._max_jobs:
+            raise LedgerInvariantError.of(
+                "S6", f"rank {self.rank}: {len(self._jobs)} live + {len(self._completed)} reported-not-taken "
+                      f"jobs reach max_live_jobs={self._max_jobs}; job {job_id} refused (the scheduler cap "
+                      f"must not exceed it)")
+        req = self._requests.get(req_id)
+        if req is None or req.state != "open":
+            if len(self._requests) >= self._max_requests:
+                raise LedgerInputError("max_requests", self._max_requests,
+                                       f"rank {self.rank} holds that many request states; {req_id!r} refused "
+                                       f"(a DropGeneration is missing?)")
+            req = StoreRequestState(req_id, self._next_generation)
+            self._next_generation += 1
+            self._requests[req_id] = req
+        job = _Job(job_id, req)
+        job.state = step(STORE_JOB, "StoreJob", "emitted", "Receive", "queued", job_id)
+        self._jobs[job_id] = job
+        req.live.add(job_id)
+        if self._trace is not None:
+            self._trace.emit(self._actor, "Receive", {
+                "job": job_id, "req_id": req_id, "generation": req.generation, "live": sorted(req.live)})
+
+    def _job(self, job_id: int) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            if job_id in self._reported or job_id in self._completed:
+                raise LedgerInvariantError.of("S5", f"rank {self.rank}: job {job_id} was already reported")
+            raise LedgerInputError("job_id", job_id, f"not registered on rank {self.rank}")
+        return job
+
+    # ---------------------------------------------------------------- DmaRead
+    def begin(self, job_id: int) -> Verdict:
+        """DmaRead: RUN if the job is live and its request not pressure-skipped, STALE if its generation was
+        dropped, SKIP under store pressure. Only RUN may read blocks and put."""
+        job = self._job(job_id)
+        req = job.req
+        if job_id not in req.live:
+            verdict = Verdict.STALE
+        elif self._pressure and req.pressure_skip:
+            verdict = Verdict.SKIP
+        else:
+            verdict = Verdict.RUN
+        job.state = step(STORE_JOB, "StoreJob", job.state, "DmaRead", verdict.value, job_id)
+        if self._trace is not None:
+            self._emit_job("DmaRead", job, {"dest": job.state, "offset": req.saved_offset})
+        return verdict
+
+    def saved_offset(self, job_id: int) -> int:
+        """Tokens already persisted by the job's generation on this rank (the put resumes there)."""
+        return self._job(job_id).req.saved_offset
+
+    # ---------------------------------------------------------------- Put
+    def record_saved(self, job_id: int, num_tokens: int) -> bool:
+        """Put ok: every key up to ``num_tokens`` is in the store. Moves the saved offset forward (never
+        back) and clears store pressure, only if the job is still live (a drop can race the put).
+        Returns whether it had an effect."""
+        if num_tokens.__class__ is not int or num_tokens < 0:
+            raise LedgerInputError("num_tokens", num_tokens, "must be an int >= 0")
+        job = self._job(job_id)
+        job.state = step(STORE_JOB, "StoreJob", job.state, "Put", "stored", job_id)
+        req = job.req
+        live = job_id in req.live
+        if live:
+            if num_tokens > req.saved_offset:
+                req.saved_offset = num_tokens
+            if self._pressure or self._skipped:
+                self.clear_pressure()
+        if self._trace is not None:
+            self._emit_job("Put", job, {"dest": "stored", "num_tokens": num_tokens, "pressure": False,
+                                        "live": live, "offset": req.saved_offset})
+        return live
+
+    def record_failed(self, job_id: int, *, pressure: bool = False) -> None:
+        """The job failed: before the read (``DmaRead -> failed``, from ``queued``) or at the put
+        (``Put -> failed``, from ``running``). ``pressure``: the store had no space; the store is marked under
+        pressure and, if the job is live, its request is skipped until a later put succeeds."""
+        job = self._job(job_id)
+        trigger = "DmaRead" if job.state == "queued" else "Put"
+        job.state = step(STORE_JOB, "StoreJob", job.state, trigger, "failed", job_id)
+        req = job.req
+        live = job_id in req.live
+        if pressure:
+            self._pressure = True
+            if live:
+                req.pressure_skip = True
+                self._skipped.add(req)
+        if self._trace is not None:
+            self._emit_job(trigger, job, {"dest": "failed", "num_tokens": 0, "pressure": pressure,
+                                          "live": live, "offset": req.saved_offset})
+
+    def clear_pressure(self) -> None:
+        """The store accepted a put again: no request is skipped any more."""
+        self._pressure = False
+        for req in self._skipped:
+            req.pressure_skip = False
+        self._skipped.clear()
+
+    @property
+    def under_pressure(self) -> bool:
+        return self._pressure
+
+    # ---------------------------------------------------------------- Report
+    def finish(self, job_id: int) -> None:
+        """Report: the job leaves the live set and is counted for :meth:`take_completed`. Exactly once per
+        job, on every exit path (call it in a ``finally``); a job still ``queued`` or ``running`` (the handler
+        raised) is first moved to ``failed``. A second call raises S5 ReportedOnce."""
+        job = self._job(job_id)
+        state = job.state
+        if state == "queued":
+            state = step(STORE_JOB, "StoreJob", state, "DmaRead", "failed", job_id)
+        elif state == "running":
+            state = step(STORE_JOB, "StoreJob", state, "Put", "failed", job_id)
+        job.state = step(STORE_JOB, "StoreJob", state, "Report", "reported", job_id)
+        del self._jobs[job_id]
+        req = job.req
+        req.live.discard(job_id)
+        self._completed[job_id] = 1
+        self._reported[job_id] = None
+        if len(self._reported) > self._max_jobs:
+            del self._reported[next(iter(self._reported))]
+        closed = False
+        if req.state == "closing" and not req.live:
+            req.state = step(STORE_REQUEST, "StoreRequest", "closing", "Report", "closed", req.req_id)
+            self._forget(req)
+            closed = True
+        if self._trace is not None:
+            self._emit_job("Report", job, {"from": state, "live": sorted(req.live), "closed": closed})
+
+    def take_completed(self) -> dict[int, int]:
+        """Get and clear the jobs reported since the last call: ``{job_id: 1}``."""
+        done = self._completed
+        self._completed = {}
+        return done
+
+    # ---------------------------------------------------------------- DropGeneration
+    def drop_generation(self, req_id: str, *, finished: bool) -> str | None:
+        """DropGeneration: the scheduler preempted (``finished=False``) or finished ``req_id``.
+
+        Preemption closes the generation at once: its live jobs become stale. A finish with live jobs moves
+        it to ``closing`` (the jobs still save: their blocks are pinned); it closes when the last one
+        reports. Unknown ``req_id`` (never saved on this rank, or already closed): no-op, returns None.
+        Otherwise returns the new StoreRequest state."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return None
+        stale: list[int] = []
+        if finished and req.live:
+            dest = "closing"
+        else:
+            dest = "closed"
+        req.state = step(STORE_REQUEST, "StoreRequest", req.state, "DropGeneration", dest, req_id)
+        if dest == "closed":
+            stale = sorted(req.live)
+            req.live.clear()
+            self._forget(req)
+        if self._trace is not None:
+            self._trace.emit(self._actor, "DropGeneration", {
+                "req_id": req_id, "generation": req.generation, "finished": finished, "dest": dest,
+                "live": sorted(req.live), "stale": stale})
+        return dest
+
+    def _forget(self, req: StoreRequestState) -> None:
+        if self._requests.get(req.req_id) is req:
+            del self._requests[req.req_id]
+        if req.pressure_skip:
+            req.pressure_skip = False
+            self._skipped.discard(req)
+
+    # ---------------------------------------------------------------- queries
+    def request(self, req_id: str) -> StoreRequestState | None:
+        """The current (open or closing) generation of ``req_id`` on this rank."""
+        return self._requests.get(req_id)
+
+    def job_state(self, job_id: int) -> str:
+        """StoreJob state of a job this rank still holds (``reported`` once finished and remembered)."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            return job.state
+        if job_id in self._reported:
+            return "reported"
+        raise LedgerInputError("job_id", job_id, f"not known on rank {self.rank}")
+
+    def is_live(self, job_id: int) -> bool:
+        job = self._jobs.get(job_id)
+        return job is not None and job_id in job.req.live
+
+    @property
+    def num_live_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def has_pending_work(self) -> bool:
+        """Jobs registered and not reported, or reports not yet taken."""
+        return bool(self._jobs or self._completed)
+
+    def _emit_job(self, action: str, job: _Job, extra: dict[str, Any]) -> None:
+        trace = self._trace
+        if trace is not None:
+            trace.emit(self._actor, action, {
+                "job": job.job_id, "req_id": job.req.req_id, "generation": job.req.generation, **extra})
