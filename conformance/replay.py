@@ -1,0 +1,160 @@
+"""Replay TLC behaviours against the real system and report the first divergence.
+
+A behaviour is a list of model states (from `conformance.export`); step k is the action named by
+state k's `lastAction` (name and parameters). A *driver* maps each model action onto the real system
+(kvledger's ledgers, vLLM's `BlockPool`, torch tensors, Mooncake) and maps both sides onto one
+abstract state:
+
+    driver.reset(init)                 fresh system in the model's initial state
+    driver.apply(action, pre, post)    do the action on the real system; raise `Refused` if the
+                                       system will not do it (a divergence: the model did it)
+    driver.observe()                   the implementation's abstract state   {field: value}
+    driver.expect(state)               the model state projected onto the same fields
+
+After every step observe() must equal expect(post). The first difference stops the behaviour and
+becomes a `Divergence`:
+
+    DIVERGENCE behaviour 17 (simulate), step 6 of 23: Collect
+      pins:      model [[1, [2, 3], 0]]   impl [[1, [2, 3], 1]]
+      prefix: Admit(r=r1) -> Compute(r=r1) -> EmitStore(r=r1) -> Receive(w=w1) -> ...
+
+"step 6 of 23" counts actions from 1; `prefix` lists the actions that matched before it.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from conformance.export import Export
+
+
+class Refused(RuntimeError):
+    """The real system refused an action that the model took (or has no mapping for it)."""
+
+
+class Driver(Protocol):
+    def reset(self, init: dict[str, Any]) -> None: ...
+
+    def apply(self, action: dict[str, Any], pre: dict[str, Any], post: dict[str, Any]) -> None: ...
+
+    def observe(self) -> dict[str, Any]: ...
+
+    def expect(self, state: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def action_str(action: dict[str, Any]) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in action.items() if k != "name")
+    return f"{action.get('name', '?')}({args})"
+
+
+@dataclass
+class Divergence:
+    behaviour: int
+    origin: str
+    step: int  # 1-based action number (0: the initial state)
+    length: int  # actions in the behaviour
+    action: str
+    fields: dict[str, tuple[Any, Any]]  # field -> (model, impl)
+    error: str | None = None  # the system raised instead of doing the action
+    prefix: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"DIVERGENCE behaviour {self.behaviour} ({self.origin}), step {self.step} of "
+                 f"{self.length}: {self.action}"]
+        if self.error:
+            lines.append(f"  the system raised: {self.error}")
+        width = max((len(f) for f in self.fields), default=0)
+        for f, (m, i) in self.fields.items():
+            lines.append(f"  {f + ':':<{width + 1}} model {m!r}   impl {i!r}")
+        tail = self.prefix[-8:]
+        more = "... -> " if len(self.prefix) > 8 else ""
+        lines.append(f"  prefix: {more}{' -> '.join(tail) or '(initial state)'}")
+        return "\n".join(lines)
+
+
+def diff(model: dict[str, Any], impl: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {k: (model.get(k), impl.get(k)) for k in sorted(set(model) | set(impl))
+            if model.get(k) != impl.get(k)}
+
+
+def replay_behaviour(driver: Driver, states: list[dict[str, Any]], index: int = 0,
+                     origin: str = "") -> Divergence | None:
+    """Replay one behaviour; the first divergence, or None when every step conforms."""
+    n = len(states) - 1
+    driver.reset(states[0])
+    d = diff(driver.expect(states[0]), driver.observe())
+    if d:
+        return Divergence(index, origin, 0, n, "Init", d)
+    prefix: list[str] = []
+    for k in range(1, len(states)):
+        pre, post = states[k - 1], states[k]
+        act = post.get("lastAction", {"name": "?"})
+        name = action_str(act)
+        try:
+            driver.apply(act, pre, post)
+        except Refused as e:
+            return Divergence(index, origin, k, n, name, {}, f"refused: {e}", prefix)
+        except Exception as e:  # noqa: BLE001 - any exception of the system is a finding
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            return Divergence(index, origin, k, n, name, {},
+                              f"{type(e).__name__}: {e} (at {where.filename.rsplit('/', 1)[-1]}:"
+                              f"{where.lineno})", prefix)
+        d = diff(driver.expect(post), driver.observe())
+        if d:
+            return Divergence(index, origin, k, n, name, d, None, prefix)
+        prefix.append(name)
+    return None
+
+
+@dataclass
+class ReplayReport:
+    behaviours: int = 0
+    steps: int = 0
+    conforming: int = 0
+    divergences: list[Divergence] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.behaviours > 0 and not self.divergences
+
+    def line(self) -> str:
+        return (f"[replay] {self.conforming}/{self.behaviours} behaviours conform "
+                f"({self.steps} steps, {self.seconds:.1f}s)")
+
+
+def replay_export(exp: Export, driver: Driver, *, limit: int | None = None,
+                  origins: Iterable[str] | None = None, stop_after: int | None = 1,
+                  progress: Callable[[str], None] | None = None) -> ReplayReport:
+    """Replay the export's behaviours (optionally only some origins / the first `limit`).
+
+    Stops after `stop_after` divergences (None: replay everything)."""
+    rep = ReplayReport()
+    t0 = time.monotonic()
+    wanted = set(origins) if origins is not None else None
+    try:
+        for idx, (origin, b) in enumerate(exp.behaviours):
+            if wanted is not None and origin not in wanted:
+                continue
+            if limit is not None and rep.behaviours >= limit:
+                break
+            states = exp.steps(b)
+            rep.behaviours += 1
+            rep.steps += len(states) - 1
+            div = replay_behaviour(driver, states, idx, origin)
+            if div is None:
+                rep.conforming += 1
+            else:
+                rep.divergences.append(div)
+                if progress:
+                    progress(str(div))
+                if stop_after is not None and len(rep.divergences) >= stop_after:
+                    break
+    finally:
+        driver.close()
+    rep.seconds = time.monotonic() - t0
+    return rep
