@@ -1,0 +1,249 @@
+"""A private Mooncake deployment on loopback: `mooncake_master` + the standalone HTTP metadata server.
+
+Used when no `master_server_address` is configured (embedded mode), by the integration tests and by the
+benchmark. Both servers bind 127.0.0.1 only:
+
+    mooncake_master --rpc_address=127.0.0.1 --metrics_host=127.0.0.1 --enable_http_metadata_server=false
+    mooncake_http_metadata_server --host 127.0.0.1
+
+(the master's *embedded* metadata server binds 0.0.0.0 whatever its host flag says, so we run the
+standalone one). Mooncake *clients* — every `MooncakeDistributedStore.setup()`, i.e. every worker — open
+their transfer-engine ports on all interfaces by Mooncake's design (hard-coded INADDR_ANY); no flag
+confines them. Isolate hosts with a network namespace or firewall if that matters.
+
+Processes are started in their own session and stopped by pid (`stop()`, idempotent, also at interpreter
+exit). `restart_master()` kills and restarts the master on the same ports: every key is lost, as in a real
+master restart, and connected clients re-mount after ~2 s.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
+_START_TIMEOUT_S = 30.0
+
+
+class EmbeddedStartError(RuntimeError):
+    """A server did not come up; the message carries its command line and the tail of its log."""
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (the OS picks; a race with other binders is retried by start)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def port_accepts(port: int, timeout: float = 0.2) -> bool:
+    try:
+        socket.create_connection((LOOPBACK, port), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _tool(name: str) -> list[str]:
+    """Command prefix for a Mooncake console tool: next to this interpreter first, then PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.exists(here):
+        return [here]
+    found = shutil.which(name)
+    if found:
+        return [found]
+    if name == "mooncake_http_metadata_server":
+        return [sys.executable, "-m", "mooncake.http_metadata_server"]
+    raise EmbeddedStartError(f"{name} not found next to {sys.executable} nor on PATH; "
+                             "install mooncake-transfer-engine(-non-cuda)")
+
+
+def _tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"<no log: {e}>"
+
+
+@dataclass
+class _Proc:
+    name: str
+    cmd: list[str]
+    log_path: str
+    popen: subprocess.Popen[bytes] | None = None
+
+
+def _child_env(rpc_timeout_ms: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    env["MC_RPC_TIMEOUT_MS"] = str(rpc_timeout_ms)
+    return env
+
+
+class EmbeddedMooncake:
+    """Starts on construction (unless ``start=False``); ``with EmbeddedMooncake() as mc: ...`` stops it.
+
+    Attributes once started: `master_address` ("127.0.0.1:port"), `metadata_server`
+    ("http://127.0.0.1:port/metadata"), `master_pid`, `metadata_pid`, `log_dir`.
+    """
+
+    def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
+                 client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True) -> None:
+        self.rpc_timeout_ms = rpc_timeout_ms
+        # short leases let tests remove/evict recently read keys; Mooncake's default is 10 s
+        self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.quiet = quiet
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvledger-mooncake-")
+        self.rpc_port = 0
+        self.metadata_port = 0
+        self.metrics_port = 0
+        self._master: _Proc | None = None
+        self._metadata: _Proc | None = None
+        self._stopped = False
+        # stop at interpreter exit even if the owner forgets; weak so the object can still be collected
+        ref = weakref.ref(self)
+        self._atexit = lambda: (lambda o: o.stop() if o is not None else None)(ref())
+        atexit.register(self._atexit)
+        if start:
+            self.start()
+
+    # -- addresses ---------------------------------------------------------------------------------
+
+    @property
+    def master_address(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
+
+    @property
+    def master_pid(self) -> int | None:
+        return self._pid(self._master)
+
+    @property
+    def metadata_pid(self) -> int | None:
+        return self._pid(self._metadata)
+
+    @staticmethod
+    def _pid(p: _Proc | None) -> int | None:
+        return p.popen.pid if p is not None and p.popen is not None and p.popen.poll() is None else None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> EmbeddedMooncake:
+        """Pick free ports and start both servers; retries port races, then raises `EmbeddedStartError`."""
+        if self._stopped:
+            raise EmbeddedStartError("this EmbeddedMooncake was stopped; create a new one")
+        last: Exception | None = None
+        for _ in range(3):
+            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
+            try:
+                self._start_metadata()
+                self.start_master()
+                return self
+            except EmbeddedStartError as e:
+                last = e
+                self._kill(self._master)
+                self._kill(self._metadata)
+        raise last if last is not None else EmbeddedStartError("unreachable")
+
+    def _start_metadata(self) -> None:
+        cmd = _tool("mooncake_http_metadata_server") + [
+            "--host", LOOPBACK, "--port", str(self.metadata_port),
+            "--log-level", "WARNING" if self.quiet else "INFO"]
+        self._metadata = self._spawn("metadata", cmd)
+        self._wait_ready(self._metadata, [self.metadata_port])
+
+    def start_master(self) -> None:
+        """Start the master on the current ports (after `kill_master`, the same ports)."""
+        if self._pid(self._master) is not None:
+            raise EmbeddedStartError(f"mooncake_master already running (pid {self.master_pid})")
+        cmd = _tool("mooncake_master") + [
+            f"--rpc_address={LOOPBACK}", f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=false",
+            f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            f"--client_ttl={self.client_ttl_s}",
+            "--logtostderr", f"--minloglevel={1 if self.quiet else 0}"]
+        self._master = self._spawn("master", cmd)
+        self._wait_ready(self._master, [self.rpc_port])
+
+    def kill_master(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the master by pid (SIGKILL by default: a crash). Clients see -900 until it is back."""
+        self._kill(self._master, sig)
+
+    def restart_master(self, down_s: float = 0.0) -> None:
+        """Kill the master and start it again on the same ports. All keys are lost."""
+        self.kill_master()
+        if down_s > 0:
+            time.sleep(down_s)
+        deadline = time.monotonic() + 10
+        while port_accepts(self.rpc_port) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the old listener must be gone before the new one binds
+        self.start_master()
+
+    def stop(self) -> None:
+        """Kill both servers by pid. Idempotent; also called at interpreter exit."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._kill(self._master, signal.SIGTERM)
+        self._kill(self._metadata, signal.SIGTERM)
+        atexit.unregister(self._atexit)
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedMooncake:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, cmd: list[str]) -> _Proc:
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=_child_env(self.rpc_timeout_ms), start_new_session=True)
+        return _Proc(name, cmd, log_path, popen)
+
+    def _wait_ready(self, proc: _Proc, ports: list[int]) -> None:
+        popen = proc.popen
+        if popen is None:
+            raise EmbeddedStartError(f"{proc.name}: not spawned")
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(port_accepts(p) for p in ports):
+            rc = popen.poll()
+            if rc is not None or time.monotonic() > deadline:
+                why = f"exited with code {rc}" if rc is not None else f"not accepting after {_START_TIMEOUT_S}s"
+                self._kill(proc)
+                raise EmbeddedStartError(
+                    f"mooncake {proc.name} {why} (ports {ports}); command: {' '.join(proc.cmd)}\n"
+                    f"--- last lines of {proc.log_path} ---\n{_tail(proc.log_path)}")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _kill(proc: _Proc | None, sig: int = signal.SIGKILL) -> None:
+        if proc is None or proc.popen is None or proc.popen.poll() is not None:
+            return
+        try:
+            os.kill(proc.popen.pid, sig)
+            proc.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=10)
+        except ProcessLookupError:
+            pass

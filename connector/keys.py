@@ -1,0 +1,120 @@
+"""Store keys: what a KV block is stored under.
+
+A key must name the bytes exactly, or two writers that disagree on what a block holds would share a key
+and one would load the other's KV (S1 NoPollution across deployments). So a key carries everything that
+changes the bytes of a block on this rank, plus the block's content hash:
+
+    kvl1/<model, readable>/<layout digest>/tp<rank>of<size>/<block hash hex>
+          |                 |                 |               `-- vLLM's chained block hash (prefix identity)
+          |                 |                 `-- tensor-parallel shard: each rank stores its own heads
+          |                 `-- sha256 over (model, block_size, dtype, kv_layout, num_layers,
+          |                     num_kv_heads, head_size, extra): different layouts never collide
+          `-- for humans reading `batch_is_exist` logs; never relied on for uniqueness
+
+Mooncake accepts long keys, but a deployment may cap them (`max_key_bytes`): `KeyTooLongError` is raised by
+`check_key`, and `split_by_length` lets the load path report oversized keys' blocks instead of crashing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KEY_VERSION = "kvl1"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class KeyTooLongError(ValueError):
+    """A store key is longer than `max_key_bytes`; names the key's length, the cap and the key's head."""
+
+    def __init__(self, key: str, max_key_bytes: int) -> None:
+        self.key, self.max_key_bytes = key, max_key_bytes
+        n = len(key.encode())
+        super().__init__(f"store key of {n} bytes exceeds max_key_bytes={max_key_bytes}: {key[:80]!r}...")
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Everything that changes a stored block's bytes on one rank, besides its tokens."""
+
+    model: str
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    dtype: str  # e.g. "torch.bfloat16"
+    kv_layout: str  # e.g. "NHD", "HND", "mla"
+    num_layers: int
+    num_kv_heads: int  # heads on this shard
+    head_size: int
+    extra: tuple[tuple[str, str], ...] = field(default=())  # anything else (kv quant scheme, cache group)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"KeyLayout.model={self.model!r}: must be a non-empty string")
+        if not (isinstance(self.tp_size, int) and self.tp_size >= 1):
+            raise ValueError(f"KeyLayout.tp_size={self.tp_size!r}: must be an int >= 1")
+        if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"KeyLayout.tp_rank={self.tp_rank!r}: must be in 0..tp_size-1 ({self.tp_size - 1})")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KeyLayout.{name}={v!r}: must be an int >= 1")
+        for name in ("dtype", "kv_layout"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
+
+    def digest(self) -> str:
+        """16 hex chars of sha256 over a canonical encoding of every field except the shard."""
+        canon = json.dumps([self.model, self.block_size, self.dtype, self.kv_layout, self.num_layers,
+                            self.num_kv_heads, self.head_size, sorted(self.extra)], separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _hash_hex(block_hash: bytes | int | str) -> str:
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        if len(block_hash) == 0:
+            raise ValueError("block hash is empty")
+        return bytes(block_hash).hex()
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+        if block_hash < 0:  # Python's hash() may be negative; keep the sign unambiguous
+            return "n" + format(-block_hash, "x")
+        return format(block_hash, "x")
+    if isinstance(block_hash, str) and re.fullmatch(r"[0-9a-f]+", block_hash):
+        return block_hash
+    raise ValueError(f"block hash {block_hash!r}: must be bytes, int or lowercase hex str")
+
+
+class KeyBuilder:
+    """Builds the keys of one rank's blocks. Cheap: the prefix is computed once."""
+
+    def __init__(self, layout: KeyLayout, max_key_bytes: int = 512) -> None:
+        self.layout = layout
+        self.max_key_bytes = max_key_bytes
+        readable = _UNSAFE.sub("_", layout.model)[:48]
+        self.prefix = f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}/"
+
+    def key(self, block_hash: bytes | int | str) -> str:
+        """The key of one block. Not length-checked: call `check_key` or `split_by_length`."""
+        return self.prefix + _hash_hex(block_hash)
+
+    def keys(self, block_hashes: Sequence[bytes | int | str]) -> list[str]:
+        return [self.prefix + _hash_hex(h) for h in block_hashes]
+
+    def fits(self, key: str) -> bool:
+        return len(key.encode()) <= self.max_key_bytes
+
+    def check_key(self, key: str) -> str:
+        """`key` itself, or `KeyTooLongError`."""
+        if not self.fits(key):
+            raise KeyTooLongError(key, self.max_key_bytes)
+        return key
+
+    def split_by_length(self, keys: Sequence[str]) -> tuple[list[int], list[int]]:
+        """(indices of keys that fit, indices of oversized keys) — the caller reports the latter's blocks."""
+        ok: list[int] = []
+        bad: list[int] = []
+        for i, k in enumerate(keys):
+            (ok if self.fits(k) else bad).append(i)
+        return ok, bad

@@ -1,0 +1,356 @@
+"""The store backend: a thin, safe wrapper over `mooncake.store.MooncakeDistributedStore`.
+
+What it adds over the raw pybind11 client (and why):
+  * one result code per key, always (`list[int]`, same length as `keys`), never an exception for a
+    per-key problem: the connector turns every negative code into a reported load error or a failed save;
+  * inputs checked before they reach C++: mismatched list lengths raise `ValueError` naming the argument;
+    a null pointer, a non-positive size or an oversized key becomes a per-key code without calling Mooncake
+    (a bad pointer would crash the process, not fail the call);
+  * a dead master costs one slow call, not one per step: after -900/-901 the store is marked unhealthy for
+    `unhealthy_backoff_ms` and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
+    `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s);
+  * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
+    `last_exception`), so a store thread never dies of it.
+
+Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_multi_buffers`; a key's
+object is the concatenation of its chunks (e.g. one chunk per layer's K and V), and a get must ask for
+exactly the object's total size (larger: -800, smaller: -600).
+
+Network note: the servers we start (connector/embedded.py) bind 127.0.0.1 only; this client's
+transfer-engine ports bind all interfaces by Mooncake's design (INADDR_ANY is hard-coded there), so
+`MC_TCP_BIND_ADDRESS` only sets the address we advertise.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from connector.config import StoreConfig
+
+if TYPE_CHECKING:
+    from connector.embedded import EmbeddedMooncake
+
+
+class StoreCode(enum.IntEnum):
+    """Result codes. Mooncake's own (mooncake-store/include/types.h, seen through Python) plus three local
+    ones below -9000 for outcomes decided in this wrapper. Results stay plain ints; use `StoreCode.label`."""
+
+    OK = 0
+    INTERNAL_ERROR = -1  # setup() failed (e.g. no valid LAN address)
+    BUFFER_OVERFLOW = -10
+    NO_AVAILABLE_HANDLE = -200  # no space: store full, nothing evictable yet, or segment not mounted
+    INVALID_PARAMS = -600  # destination too small, bad size, empty key, client not initialised
+    OBJECT_NOT_FOUND = -704  # missing / evicted / lost in a master restart
+    OBJECT_ALREADY_EXISTS = -705  # swallowed by put (first writer wins -> 0)
+    OBJECT_HAS_LEASE = -706  # remove within the lease without force
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800  # destination larger than the object; segment owner dead
+    RPC_FAIL = -900  # master unreachable
+    RPC_TIMEOUT = -901  # master hung past MC_RPC_TIMEOUT_MS
+    # local codes (never produced by Mooncake)
+    KEY_TOO_LONG = -9001  # key longer than max_key_bytes: not sent
+    UNHEALTHY_SKIPPED = -9002  # skipped: master failed recently (backoff)
+    CLIENT_EXCEPTION = -9003  # the client raised; see MooncakeStore.last_exception
+    BAD_BUFFER = -9004  # null pointer or size <= 0 for this key: not sent
+
+    @staticmethod
+    def label(code: int) -> str:
+        """Name of a code, e.g. "OBJECT_NOT_FOUND(-704)"; positive results are byte counts."""
+        if code > 0:
+            return f"BYTES({code})"
+        try:
+            return f"{StoreCode(code).name}({code})"
+        except ValueError:
+            return f"UNKNOWN({code})"
+
+
+MASTER_DOWN_CODES = frozenset({StoreCode.RPC_FAIL, StoreCode.RPC_TIMEOUT})
+
+
+class StoreError(RuntimeError):
+    """A store operation that has no per-key result failed (setup, buffer registration)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The client could not join the store; names the master address, the metadata server and the code."""
+
+    def __init__(self, master: str, metadata: str, code: int, hint: str = "") -> None:
+        self.master, self.metadata, self.code = master, metadata, code
+        super().__init__(f"Mooncake setup() against master_server_address={master!r} metadata_server="
+                         f"{metadata!r} returned {StoreCode.label(code)}{'; ' + hint if hint else ''}")
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """What the connector needs from a store. `MooncakeStore` is the real one; `connector.faults.FaultyStore`
+    wraps any KVStore to inject faults. Every batch method returns one int per key."""
+
+    def register_buffer(self, ptr: int, size: int) -> None: ...
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 exists, 0 missing, < 0 error."""
+        ...
+
+    def batch_put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> list[int]:
+        """0 stored (or already present: first writer wins), < 0 error."""
+        ...
+
+    def batch_get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> list[int]:
+        """bytes read (== the object's size) on success, < 0 error."""
+        ...
+
+    def remove(self, key: str, force: bool = False) -> int: ...
+
+    def healthy(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def _check_lists(keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> None:
+    if len(ptrs) != len(keys) or len(sizes) != len(keys):
+        raise ValueError(f"batch lengths differ: keys={len(keys)} ptrs={len(ptrs)} sizes={len(sizes)}")
+    for i, (p, s) in enumerate(zip(ptrs, sizes)):
+        if len(p) != len(s):
+            raise ValueError(f"key {keys[i]!r}: {len(p)} buffer pointers but {len(s)} sizes")
+
+
+def _probe(field: str, address: str, other: str, timeout_s: float = 2.0) -> None:
+    """Raise StoreUnavailableError unless `address` ("host:port" or a URL) accepts a TCP connection."""
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if host is None or port is None:
+        raise StoreUnavailableError(address if field == "master_server_address" else other,
+                                    address if field == "metadata_server" else other, -1,
+                                    f"{field}={address!r} has no host:port")
+    try:
+        socket.create_connection((host, port), timeout_s).close()
+    except OSError as e:
+        master, metadata = (address, other) if field == "master_server_address" else (other, address)
+        raise StoreUnavailableError(master, metadata, int(StoreCode.RPC_FAIL),
+                                    f"{field} {host}:{port} does not accept connections ({e})") from None
+
+
+def _unique_rounds(keys: Sequence[str], send: list[int]) -> list[list[int]]:
+    """Split `send` so no call repeats a key: Mooncake fails every occurrence of a key that appears twice in
+    one batch when any occurrence fails (measured: a good get next to a bad one of the same key gave -800)."""
+    if len({keys[i] for i in send}) == len(send):
+        return [send] if send else []
+    rounds: list[list[int]] = []
+    seen: list[set[str]] = []
+    for i in send:
+        for r, names in zip(rounds, seen):
+            if keys[i] not in names:
+                r.append(i)
+                names.add(keys[i])
+                break
+        else:
+            rounds.append([i])
+            seen.append({keys[i]})
+    return rounds
+
+
+class MooncakeStore:
+    """One Mooncake client. Thread-safe for concurrent batch calls (the client is; our state is a float)."""
+
+    def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | None = None) -> None:
+        self._raw = raw
+        self.config = config
+        self.embedded = embedded  # kept alive as long as the client; stopped by its owner
+        self.max_key_bytes = config.max_key_bytes
+        self._skip_until = 0.0  # monotonic time until which calls are skipped (master failed)
+        self._closed = False
+        self._lock = threading.Lock()  # close() vs calls
+        self.last_exception: BaseException | None = None
+        self.registered: dict[int, int] = {}  # ptr -> size
+
+    # -- connection --------------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, config: StoreConfig, *, embedded: EmbeddedMooncake | None = None) -> MooncakeStore:
+        """Join the store at `config`'s master, or at `embedded`'s when given (then `config` may be in
+        embedded mode). Raises `StoreUnavailableError` when setup() fails (bad address, master down)."""
+        if embedded is not None:
+            config = config.with_addresses(embedded.master_address, embedded.metadata_server)
+        if config.master_server_address is None or config.metadata_server is None:
+            raise StoreUnavailableError(str(config.master_server_address), str(config.metadata_server), -1,
+                                        "embedded mode: start an EmbeddedMooncake and pass embedded=")
+        # setup() against a dead master retries for ~90 s (measured); a TCP probe answers in milliseconds.
+        _probe("master_server_address", config.master_server_address, config.metadata_server)
+        if config.metadata_server.startswith(("http://", "https://")):
+            _probe("metadata_server", config.metadata_server, config.master_server_address)
+        # Both are read by the transfer engine / RPC client at setup(); process-wide by Mooncake's design.
+        os.environ["MC_TCP_BIND_ADDRESS"] = config.local_hostname
+        os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
+        from mooncake.store import MooncakeDistributedStore  # heavy import, only at the edge
+
+        raw = MooncakeDistributedStore()
+        try:
+            rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
+                           config.local_buffer_size, config.protocol, config.rdma_devices,
+                           config.master_server_address)
+        except Exception as e:  # pybind11 raises on bad argument types
+            raise StoreUnavailableError(config.master_server_address, config.metadata_server, -1,
+                                        f"setup raised {type(e).__name__}: {e}") from e
+        if rc != 0:
+            try:
+                raw.close()
+            except Exception:
+                pass
+            raise StoreUnavailableError(config.master_server_address, config.metadata_server, rc,
+                                        "is the master running and reachable?")
+        return cls(raw, config, embedded)
+
+    @property
+    def raw(self) -> Any:
+        """The underlying MooncakeDistributedStore (benchmarks compare against it; do not use in the connector)."""
+        return self._raw
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        """Register a KV-cache region for zero-copy transfers (required for RDMA; harmless over TCP)."""
+        if not isinstance(ptr, int) or ptr <= 0:
+            raise StoreError(f"register_buffer: ptr={ptr!r} must be a positive address")
+        if not isinstance(size, int) or size <= 0:
+            raise StoreError(f"register_buffer: size={size!r} must be > 0")
+        rc = self._raw.register_buffer(ptr, size)
+        if rc != 0:
+            raise StoreError(f"register_buffer(ptr={ptr:#x}, size={size}) returned {StoreCode.label(rc)}")
+        self.registered[ptr] = size
+
+    def close(self) -> None:
+        """Unregister buffers and leave the store. Idempotent. Does not stop an embedded master."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for ptr in list(self.registered):
+                try:
+                    self._raw.unregister_buffer(ptr)
+                except Exception:
+                    pass
+            self.registered.clear()
+            try:
+                self._raw.close()
+            except Exception as e:
+                self.last_exception = e
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Cheap: False while in backoff after a master failure, or when Mooncake's heartbeat says so."""
+        if self._closed or time.monotonic() < self._skip_until:
+            return False
+        try:
+            return int(self._raw.health_check()) == 0
+        except Exception as e:
+            self.last_exception = e
+            return False
+
+    def _note(self, results: list[int]) -> list[int]:
+        if results and any(r in MASTER_DOWN_CODES for r in results):
+            self._skip_until = time.monotonic() + self.config.unhealthy_backoff_ms / 1000.0
+        return results
+
+    def _skip(self, n: int) -> list[int] | None:
+        if self._closed:
+            return [int(StoreCode.INVALID_PARAMS)] * n
+        if time.monotonic() < self._skip_until:
+            return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
+        return None
+
+    # -- batch calls -------------------------------------------------------------------------------
+
+    def _key_ok(self, key: str) -> bool:
+        return isinstance(key, str) and 0 < len(key.encode()) <= self.max_key_bytes
+
+    def _call(self, fn_name: str, keys: Sequence[str], send: list[int], *args: list[Any]) -> list[int]:
+        """Call the raw batch method on the keys at indices `send`; merge into a full per-key result."""
+        out = [0] * len(keys)
+        for batch in _unique_rounds(keys, send):
+            try:
+                res = getattr(self._raw, fn_name)([keys[i] for i in batch], *[[a[i] for i in batch] for a in args])
+            except Exception as e:
+                self.last_exception = e
+                res = [int(StoreCode.CLIENT_EXCEPTION)] * len(batch)
+            if len(res) != len(batch):  # never seen; do not trust a short answer
+                res = [int(StoreCode.CLIENT_EXCEPTION)] * len(batch)
+            for i, r in zip(batch, res):
+                out[i] = int(r)
+        return self._note(out)
+
+    def _presend(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]] | None,
+                 sizes: Sequence[Sequence[int]] | None) -> tuple[list[int], list[int]]:
+        """(indices to send, per-key codes for the ones not sent)."""
+        codes = [0] * len(keys)
+        send: list[int] = []
+        for i, k in enumerate(keys):
+            if not self._key_ok(k):
+                codes[i] = int(StoreCode.KEY_TOO_LONG if isinstance(k, str) and k else StoreCode.INVALID_PARAMS)
+            elif ptrs is not None and sizes is not None and (
+                    not ptrs[i] or any((not isinstance(p, int)) or p <= 0 for p in ptrs[i])
+                    or any((not isinstance(s, int)) or s <= 0 for s in sizes[i])):
+                codes[i] = int(StoreCode.BAD_BUFFER)
+            else:
+                send.append(i)
+        return send, codes
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 exists, 0 missing, < 0 error (per key)."""
+        skipped = self._skip(len(keys))
+        if skipped is not None:
+            return skipped
+        send, codes = self._presend(keys, None, None)
+        res = self._call("batch_is_exist", keys, send)
+        sent = set(send)
+        return [res[i] if i in sent else codes[i] for i in range(len(keys))]
+
+    def batch_put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Zero-copy put of each key's chunks; 0 stored or already present (first writer wins), < 0 error."""
+        _check_lists(keys, ptrs, sizes)
+        return self._batch("batch_put_from_multi_buffers", keys, ptrs, sizes)
+
+    def batch_get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                  sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Zero-copy get into each key's chunks; bytes read (== object size) or < 0 error."""
+        _check_lists(keys, ptrs, sizes)
+        return self._batch("batch_get_into_multi_buffers", keys, ptrs, sizes)
+
+    def _batch(self, fn: str, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+               sizes: Sequence[Sequence[int]]) -> list[int]:
+        skipped = self._skip(len(keys))
+        if skipped is not None:
+            return skipped
+        send, codes = self._presend(keys, ptrs, sizes)
+        res = self._call(fn, keys, send, [list(p) for p in ptrs], [list(s) for s in sizes])
+        sent = set(send)
+        return [res[i] if i in sent else codes[i] for i in range(len(keys))]
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0 removed, -704 missing, -706 leased (use force). Used by fault injection and tests."""
+        skipped = self._skip(1)
+        if skipped is not None:
+            return skipped[0]
+        if not self._key_ok(key):
+            return int(StoreCode.KEY_TOO_LONG)
+        try:
+            return self._note([int(self._raw.remove(key, force))])[0]
+        except Exception as e:
+            self.last_exception = e
+            return int(StoreCode.CLIENT_EXCEPTION)
+
+    def __enter__(self) -> MooncakeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
