@@ -1,0 +1,288 @@
+"""`KVLedgerConnector`: vLLM's KV connector (v1 API, vllm 0.32.0) over kvledger and a Mooncake store.
+
+Loaded by vLLM's own factory::
+
+    --kv-transfer-config '{"kv_connector": "KVLedgerConnector",
+                           "kv_connector_module_path": "connector.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"max_inflight_jobs": 64}}'
+
+The scheduler role delegates to `connector.scheduler.SchedulerSide`, the worker role to
+`connector.worker.WorkerSide`; this module only adapts vLLM's hooks, reads the configuration and owns
+the store client(s). Store configuration: `StoreConfig` (connector/config.py) from
+``MOONCAKE_CONFIG_PATH`` and the extra config; the keys below (`CONNECTOR_KEYS`) are the connector's own.
+
+Embedded default: with no ``master_server_address`` the first connector of the process starts a private
+`mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`), shared by every connector of that
+process with the same engine id (reference counted) and stopped by the last one's `shutdown`. That covers
+one-process engines (uniproc executor: scheduler and worker in the EngineCore process). A multi-process
+deployment (tensor parallel workers in their own processes, several nodes) configures a master.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from connector.config import ConfigError, StoreConfig
+from connector.embedded import EmbeddedMooncake
+from connector.keys import KeyBuilder, KeyLayout
+from connector.metadata import KVLedgerConnectorMetadata
+from connector.scheduler import SchedulerSide
+from connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
+from connector.store import KVStore, MooncakeStore
+from connector.worker import KVLayoutError, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: extra-config keys owned by the connector (everything else is a StoreConfig key)
+CONNECTOR_KEYS: dict[str, str] = {
+    "load_threads": "load threads per worker rank (int >= 1, default 1)",
+    "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
+    "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
+    "trace_path": "append kvledger's NDJSON trace events (DESIGN §5 actions) to this file (default: off)",
+    "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
+}
+
+_EMBEDDED_LOCK = threading.Lock()
+_EMBEDDED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake, refcount]
+
+
+def _acquire_embedded(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake:
+    with _EMBEDDED_LOCK:
+        ent = _EMBEDDED.get(engine_id)
+        if ent is None:
+            ent = _EMBEDDED[engine_id] = [EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms), 0]
+        ent[1] += 1
+        return ent[0]
+
+
+def _release_embedded(engine_id: str) -> None:
+    with _EMBEDDED_LOCK:
+        ent = _EMBEDDED.get(engine_id)
+        if ent is None:
+            return
+        ent[1] -= 1
+        if ent[1] <= 0:
+            del _EMBEDDED[engine_id]
+            ent[0].stop()
+
+
+def _extra_int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    v = extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(key, v, f"must be an int >= {minimum}", "kv_connector_extra_config")
+    return v
+
+
+def key_layout(vllm_config: VllmConfig, tp_rank: int) -> KeyLayout:
+    """What a block's bytes depend on besides its tokens, derived from the config alone (the scheduler has
+    no tensors; the worker checks its tensors against it)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype)
+    return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                     block_size=cc.block_size, dtype=dtype, kv_layout="NHD",
+                     num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+                     head_size=mc.get_head_size())
+
+
+class KVLedgerConnector(KVConnectorBase_V1):
+    """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._embedded: EmbeddedMooncake | None = None
+        self._owns_store = store is None
+        self._trace_file = None
+        trace = None
+        if extra.get("trace_path"):
+            from kvledger.trace import NdjsonTrace
+            self._trace_file = open(str(extra["trace_path"]), "a", encoding="utf-8")
+            trace = NdjsonTrace(self._trace_file)
+        save_decode = extra.get("save_decode", False)
+        if not isinstance(save_decode, bool):
+            raise ConfigError("save_decode", save_decode, "must be a bool", "kv_connector_extra_config")
+        pc = vllm_config.parallel_config
+        bs = vllm_config.cache_config.block_size
+        self.stats = StatsRecorder()
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        cfg = self.store_config
+        if role == KVConnectorRole.SCHEDULER:
+            if store is None:  # lookups only: this client contributes no memory
+                store = self._connect(cfg.replace(global_segment_size=0))
+            self.store = store
+            builders = [KeyBuilder(key_layout(vllm_config, r), cfg.max_key_bytes)
+                        for r in range(pc.tensor_parallel_size)]
+            self.scheduler_side = SchedulerSide(
+                block_size=bs, world_size=pc.world_size, key_builders=builders, store=store,
+                max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
+                save_decode=save_decode, max_lookup_cache=_extra_int(extra, "max_lookup_cache", 4096, 1),
+                stats=self.stats, trace=trace)
+        else:
+            tp_rank = self._tp_rank(extra, pc.tensor_parallel_size)
+            if store is None:
+                store = self._connect(cfg)
+            self.store = store
+            self.layout = key_layout(vllm_config, tp_rank)
+            sc = vllm_config.scheduler_config
+            self.worker_side = WorkerSide(
+                store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes), tp_rank=tp_rank, block_size=bs,
+                config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
+                num_load_threads=_extra_int(extra, "load_threads", 1, 1), stats=self.stats, trace=trace)
+
+    def _connect(self, cfg: StoreConfig) -> MooncakeStore:
+        if cfg.embedded:
+            self._embedded = _acquire_embedded(self._engine_id, cfg.rpc_timeout_ms)
+        return MooncakeStore.connect(cfg, embedded=self._embedded)
+
+    @staticmethod
+    def _tp_rank(extra: dict[str, Any], tp_size: int) -> int:
+        rank = None
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+            if model_parallel_is_initialized():
+                rank = get_tensor_model_parallel_rank()
+        except Exception:  # no distributed state: an in-process driver
+            rank = None
+        given = extra.get("tp_rank")
+        if given is not None:
+            if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < tp_size:
+                raise ConfigError("tp_rank", given, f"must be an int in 0..{tp_size - 1}",
+                                  "kv_connector_extra_config")
+            if rank is not None and rank != given:
+                raise ConfigError("tp_rank", given, f"differs from vLLM's tensor-parallel rank {rank}",
+                                  "kv_connector_extra_config")
+            rank = given
+        return rank or 0
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, never a correctness issue
+
+    # ============================================================ scheduler side
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("scheduler-side hook called on a worker-role KVLedgerConnector")
+        return self.scheduler_side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)  # calls bind_gpu_block_pool
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._sched().bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
+
+    # ============================================================ worker side
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("worker-side hook called on a scheduler-role KVLedgerConnector")
+        return self.worker_side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
+        for name, t in kv_caches.items():
+            if tuple(t.shape[3:]) != (lay.num_kv_heads, lay.head_size):
+                raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)}, the key layout promises "
+                                    f"(2, num_blocks, {lay.block_size}, {lay.num_kv_heads}, {lay.head_size})")
+        if len(kv_caches) != lay.num_layers:
+            raise KVLayoutError(f"{len(kv_caches)} KV cache tensors, the model has {lay.num_layers} layers")
+        self._worker().register_kv_caches(kv_caches)
+
+    def _meta(self) -> KVLedgerConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVLedgerConnectorMetadata):
+            raise TypeError(f"connector metadata is {type(meta).__name__}, expected KVLedgerConnectorMetadata")
+        return meta
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker().start_step(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous (between steps): nothing to wait for inside the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves read whole blocks after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker().end_step(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._worker().take_finished_loads()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().build_worker_meta()
+
+    # ============================================================ both
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVLedgerStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if self.scheduler_side is not None and self.scheduler_side.ledger is not None:
+            # no worker reads any more (they shut down first in vLLM): every pin can go
+            self.scheduler_side.ledger.release_all()
+        if self._owns_store and self.store is not None:
+            self.store.close()
+        if self._embedded is not None:
+            self._embedded = None
+            _release_embedded(self._engine_id)
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None

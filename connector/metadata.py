@@ -1,0 +1,95 @@
+"""What crosses the process boundary each engine step, in both directions.
+
+    scheduler ──KVLedgerConnectorMetadata──▶ every worker rank      (built in build_connector_meta)
+        saves:     SaveSpec per store job opened this step (store_job_id, blocks, hashes, range)
+        loads:     LoadSpec per request whose external hit was allocated (blocks, hashes)
+        preempted: req_ids whose generation ended by preemption   (DropGeneration before new jobs)
+        finished:  req_ids that finished                          (DropGeneration, close when drained)
+
+    worker rank ──KVLedgerWorkerMetadata──▶ engine `aggregate` ──▶ scheduler.update_connector_output
+        completed_saves: {store_job_id: number of ranks that reported it this step}   (Report → Collect)
+
+Everything here is plain data (ints, strs, bytes, lists): picklable and msgspec-friendly, because vLLM
+ships it between processes. Block hashes travel as bytes; keys are built per rank (each rank owns a
+tensor-parallel shard, so the same hash names a different key on each rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvledger.errors import LedgerInputError
+from kvledger.metadata import aggregate_into, check_completed
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """One store job (EmitStore): save blocks [start_block, end_block) of `req_id`'s current generation.
+
+    `block_ids` / `block_hashes` cover blocks [0, end_block) so a rank whose own saved offset lags the
+    scheduler's view (a failed put on that rank) can resume from it; the scheduler pinned every one of
+    them, which is why reading any of them is safe until this job is reported by every rank.
+    """
+
+    req_id: str
+    store_job_id: int
+    start_block: int
+    end_block: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One async load (EmitLoad): fill `block_ids[i]` with the stored KV of `block_hashes[i]`.
+
+    The blocks are the request's external-hit range, already allocated by vLLM; every block of this list
+    that is not loaded must come back through `get_block_ids_with_load_errors` (S8).
+    """
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass
+class KVLedgerConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker payload of one step."""
+
+    step: int = 0
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+
+class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler payload: which store jobs this rank finished (each exactly once, S5).
+
+    vLLM's executor folds the ranks' objects together with `aggregate` (mutating the first one), so the
+    scheduler sees `{job: number of ranks that reported it this step}`.
+    """
+
+    __slots__ = ("completed_saves",)
+
+    def __init__(self, completed_saves: dict[int, int] | None = None) -> None:
+        saves = dict(completed_saves or {})
+        check_completed(saves)
+        self.completed_saves: dict[int, int] = saves
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLedgerWorkerMetadata:
+        if not isinstance(other, KVLedgerWorkerMetadata):
+            raise LedgerInputError("kv_connector_worker_meta", type(other).__name__,
+                                   "cannot aggregate with KVLedgerWorkerMetadata")
+        aggregate_into(self.completed_saves, other.completed_saves)  # kvledger's merge (sum per job)
+        return self
+
+    def __repr__(self) -> str:
+        return f"KVLedgerWorkerMetadata({self.completed_saves!r})"
+
+    def __reduce__(self):  # picklable despite __slots__ without __dict__
+        return (KVLedgerWorkerMetadata, (self.completed_saves,))

@@ -1,0 +1,354 @@
+"""Worker side of the connector (one per tensor-parallel rank): the store thread and the load thread(s).
+
+    model runner thread                          store thread                   load thread(s)
+    ───────────────────                          ────────────                   ──────────────
+    start_load_kv / wait_for_save:
+      DropGeneration(preempted, finished)
+      EmitLoad  → load queue (bounded) ───────────────────────────────────────▶ Load: batch_get per
+      Receive: register(job) then enqueue ──▶ store queue (bounded)             sub-batch; every block not
+                (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP   loaded is reported (S8)
+                                               Put: exist? → put missing keys
+                                               Report: finish(job) in `finally`
+    get_finished            ◀── finished loads
+    get_block_ids_with_load_errors ◀── failed blocks (get-and-clear, under the lock)
+    build_connector_worker_meta ◀── WorkerLedger.take_completed()
+
+One lock guards the WorkerLedger and the load results; store I/O runs outside it. A full queue never
+blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
+a future cache miss); a load that does not fit is reported failed for every block (vLLM recomputes).
+Keys are rotated by `tp_rank` on the load path (ranks start on different keys); failures are recorded by
+block id, carried along the rotation, so the mapping back is exact.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from connector.config import StoreConfig
+from connector.keys import KeyBuilder
+from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from connector.stats import StatsRecorder
+from connector.store import KVStore, StoreCode
+from kvledger.errors import LedgerError, LedgerInputError
+from kvledger.load import rotation
+from kvledger.trace import TraceSink
+from kvledger.worker import Verdict, WorkerLedger
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
+
+
+class KVLayoutError(ValueError):
+    """The registered KV cache tensors do not have the layout the keys promise."""
+
+
+class WorkerSide:
+    def __init__(self, *, store: KVStore, keys: KeyBuilder, tp_rank: int, block_size: int,
+                 config: StoreConfig, max_requests: int, num_load_threads: int = 1,
+                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+        if num_load_threads < 1:
+            raise LedgerInputError("load_threads", num_load_threads, "must be >= 1")
+        self.store = store
+        self.keys = keys
+        self.tp_rank = tp_rank
+        self.block_size = block_size
+        self.config = config
+        self.stats = stats or StatsRecorder()
+        self.ledger = WorkerLedger(tp_rank, max_live_jobs=config.max_inflight_jobs,
+                                   max_requests=max_requests, trace=trace)
+        self._lock = threading.Lock()
+        self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
+        self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._num_load_threads = num_load_threads
+        self._threads: list[threading.Thread] = []
+        self._chunks: list[tuple[int, int, int]] = []  # per (layer, k|v): (base ptr, block stride, bytes)
+        self._key_bytes = 0
+        self._num_blocks = 0
+        self._cuda = False
+        self._last_meta_step = -1
+        self._closed = False
+        self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
+        # whole-run counters
+        self.num_saves_run = 0
+        self.num_saves_stale = 0
+        self.num_saves_skipped = 0
+        self.num_saves_failed = 0
+        self.num_saves_rejected = 0
+        self.num_loads = 0
+        self.num_load_blocks_failed = 0
+
+    # ------------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Layer tensors shaped (2, num_blocks, block_size, ...): a block's K and V are contiguous slabs.
+        A key's object is the concatenation K(l0) V(l0) K(l1) V(l1) ... in layer-name order."""
+        if not kv_caches:
+            raise KVLayoutError("register_kv_caches: no KV cache tensors")
+        chunks: list[tuple[int, int, int]] = []
+        num_blocks = None
+        seen: set[int] = set()
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            if t.dim() < 3 or t.shape[0] != 2 or t.shape[2] != self.block_size:
+                raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)}, expected (2, num_blocks, "
+                                    f"block_size={self.block_size}, ...)")
+            if not t[0, 0].is_contiguous():
+                raise KVLayoutError(f"layer {name!r}: a block is not contiguous (strides {t.stride()})")
+            if num_blocks is None:
+                num_blocks = t.shape[1]
+            elif t.shape[1] != num_blocks:
+                raise KVLayoutError(f"layer {name!r}: {t.shape[1]} blocks, other layers {num_blocks}")
+            esize = t.element_size()
+            nbytes = t[0, 0].numel() * esize
+            for kv in (0, 1):
+                chunks.append((t.data_ptr() + kv * t.stride(0) * esize, t.stride(1) * esize, nbytes))
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:  # layers may share one allocation: register it once
+                seen.add(storage.data_ptr())
+                self.store.register_buffer(storage.data_ptr(), storage.nbytes())
+            self._cuda = self._cuda or t.is_cuda
+        self._chunks = chunks
+        self._key_bytes = sum(c[2] for c in chunks)
+        self._num_blocks = int(num_blocks or 0)
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        t = threading.Thread(target=self._store_loop, name=f"kvledger-store-r{self.tp_rank}", daemon=True)
+        self._threads.append(t)
+        for i in range(self._num_load_threads):
+            self._threads.append(threading.Thread(target=self._load_loop, daemon=True,
+                                                  name=f"kvledger-load{i}-r{self.tp_rank}"))
+        for t in self._threads:
+            t.start()
+
+    def _block_buffers(self, block_id: int) -> tuple[list[int], list[int]]:
+        if not 0 < block_id < self._num_blocks:
+            raise LedgerInputError("block_id", block_id, f"not in 1..{self._num_blocks - 1}")
+        return ([base + block_id * stride for base, stride, _ in self._chunks],
+                [n for _, _, n in self._chunks])
+
+    # ------------------------------------------------------------------ per step (model runner thread)
+    def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
+        """Drops first (a req_id preempted and re-admitted in one step must not keep its old generation),
+        then this step's loads."""
+        if meta.step == self._last_meta_step:
+            return
+        self._last_meta_step = meta.step
+        with self._lock:
+            for req_id in meta.preempted_req_ids:
+                self.ledger.drop_generation(req_id, finished=False)
+            for req_id in meta.finished_req_ids:
+                self.ledger.drop_generation(req_id, finished=True)
+        for spec in meta.loads:
+            self._enqueue_load(spec)
+
+    def end_step(self, meta: KVLedgerConnectorMetadata) -> None:
+        """After the forward: register every store job (Receive), then enqueue it with this step's event."""
+        self.start_step(meta)
+        if not meta.saves:
+            return
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()  # the store thread waits on it: the forward's writes land before the read
+        for spec in meta.saves:
+            with self._lock:
+                self.ledger.register(spec.req_id, spec.store_job_id)
+            try:
+                self._store_q.put_nowait((spec, event))
+            except queue.Full:  # bounded: report now, the save becomes a future cache miss
+                self.num_saves_rejected += 1
+                self.stats.add("rejected_jobs")
+                with self._lock:
+                    self.ledger.finish(spec.store_job_id)
+
+    def _enqueue_load(self, spec: LoadSpec) -> None:
+        self.num_loads += 1
+        try:
+            self._load_q.put_nowait(spec)
+        except queue.Full:  # bounded: every block reported failed, vLLM recomputes them
+            self.stats.add("rejected_jobs")
+            self._finish_load(spec, set(spec.block_ids))
+
+    def take_finished_loads(self) -> set[str]:
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
+        with self._lock:
+            done = self.ledger.take_completed()
+        return KVLedgerWorkerMetadata(done) if done else None
+
+    # ------------------------------------------------------------------ store thread
+    def _store_loop(self) -> None:
+        while True:
+            item = self._store_q.get()
+            if item is _STOP:
+                return
+            spec, event = item
+            self._handle_save(spec, event)
+
+    def _handle_save(self, spec: SaveSpec, event: Any) -> None:
+        job = spec.store_job_id
+        try:
+            with self._lock:
+                verdict = self.ledger.begin(job)
+                offset = self.ledger.saved_offset(job)
+            if verdict is Verdict.STALE:
+                self.num_saves_stale += 1
+                self.stats.add("stale_jobs")
+                return
+            if verdict is Verdict.SKIP:
+                self.num_saves_skipped += 1
+                self.stats.add("skipped_jobs")
+                return
+            self.num_saves_run += 1
+            start = min(offset // self.block_size, spec.end_block)
+            idx = range(start, spec.end_block)
+            keys = self.keys.keys([spec.block_hashes[i] for i in idx])
+            if not keys:
+                with self._lock:
+                    self.ledger.record_saved(job, spec.end_block * self.block_size)
+                return
+            exist = self.store.batch_is_exist(keys)
+            todo = [j for j, e in enumerate(exist) if e != 1]
+            codes: list[int] = []
+            if todo:
+                if event is not None:
+                    event.synchronize()
+                ptrs, sizes = [], []
+                for j in todo:
+                    p, s = self._block_buffers(spec.block_ids[idx[j]])
+                    ptrs.append(p)
+                    sizes.append(s)
+                t0 = time.perf_counter()
+                codes = self.store.batch_put([keys[j] for j in todo], ptrs, sizes)
+                self.stats.add("put_s", time.perf_counter() - t0)
+                self.stats.add("puts")
+                self.stats.add("put_keys", len(todo))
+                self.stats.add("put_bytes", self._key_bytes * sum(1 for c in codes if c == 0))
+            bad = [c for c in codes if c < 0]
+            if bad:
+                self.num_saves_failed += 1
+                self.stats.add("put_failed_keys", len(bad))
+                for c in bad:
+                    self.stats.fail_code(c)
+                with self._lock:
+                    self.ledger.record_failed(job, pressure=StoreCode.NO_AVAILABLE_HANDLE in bad)
+            else:
+                with self._lock:
+                    self.ledger.record_saved(job, spec.end_block * self.block_size)
+        except Exception as e:  # reported below all the same; kept for inspection
+            self.num_saves_failed += 1
+            self._note_error(f"save job {job} ({spec.req_id}): {type(e).__name__}: {e}")
+        finally:
+            try:
+                with self._lock:
+                    self.ledger.finish(job)  # Report: exactly once, on every exit path
+            except LedgerError as e:
+                self._note_error(f"report job {job}: {e}")
+
+    def _note_error(self, msg: str) -> None:
+        logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(msg)
+
+    # ------------------------------------------------------------------ load thread(s)
+    def _load_loop(self) -> None:
+        while True:
+            spec = self._load_q.get()
+            if spec is _STOP:
+                return
+            self._handle_load(spec)
+
+    def _handle_load(self, spec: LoadSpec) -> None:
+        loaded: set[int] = set()
+        try:
+            n = len(spec.block_ids)
+            if n != len(spec.block_hashes):
+                raise LedgerInputError("LoadSpec.block_hashes", len(spec.block_hashes),
+                                       f"{n} block ids for {spec.req_id!r}")
+            if n == 0:
+                return  # nothing to load: still reported finished (upstream divides by zero here)
+            keys = self.keys.keys(spec.block_hashes)
+            rot = rotation(n, self.tp_rank)  # spread ranks over the store; block ids travel with their keys
+            order = [(i + rot) % n for i in range(n)]
+            fits, too_long = self.keys.split_by_length([keys[i] for i in order])
+            if too_long:
+                self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
+            order = [order[j] for j in fits]
+            step = self.config.load_sub_batch_keys
+            for lo in range(0, len(order), step):  # every sub-batch is tried and accounted
+                sub = order[lo:lo + step]
+                try:
+                    bufs = [self._block_buffers(spec.block_ids[i]) for i in sub]
+                    t0 = time.perf_counter()
+                    res = self.store.batch_get([keys[i] for i in sub], [b[0] for b in bufs],
+                                               [b[1] for b in bufs])
+                    self.stats.add("get_s", time.perf_counter() - t0)
+                    self.stats.add("gets")
+                    self.stats.add("get_keys", len(sub))
+                except Exception as e:
+                    self._note_error(f"load {spec.req_id} sub-batch: {type(e).__name__}: {e}")
+                    continue
+                for i, r in zip(sub, res):
+                    if r == self._key_bytes:
+                        loaded.add(spec.block_ids[i])
+                    else:
+                        self.stats.fail_code(r if r < 0 else int(StoreCode.INVALID_PARAMS))
+                self.stats.add("get_bytes", self._key_bytes * sum(1 for r in res if r == self._key_bytes))
+        except Exception as e:
+            self._note_error(f"load {spec.req_id}: {type(e).__name__}: {e}")
+        finally:
+            self._finish_load(spec, set(spec.block_ids) - loaded)
+
+    def _finish_load(self, spec: LoadSpec, failed: set[int]) -> None:
+        """Errors first, then finished, under one lock: vLLM reads finished before errors in a step, so a
+        request is never seen finished without its failed blocks (S8 LoadErrorsReported)."""
+        if failed:
+            self.num_load_blocks_failed += len(failed)
+            self.stats.add("get_failed_keys", len(failed))
+            self.stats.add("load_errors_reported", len(failed))
+        with self._lock:
+            self._load_errors |= failed
+            self._finished_loads.add(spec.req_id)
+
+    # ------------------------------------------------------------------ shutdown
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return (self.ledger.has_pending_work() or bool(self._finished_loads)
+                    or not self._store_q.empty() or not self._load_q.empty())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let the threads finish what is queued (every job still gets reported), then stop them."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        for q, n in ((self._store_q, 1), (self._load_q, self._num_load_threads)):
+            for _ in range(n):
+                try:
+                    q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Full:
+                    pass
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            self._note_error(f"threads still running at shutdown: {alive}")

@@ -1,0 +1,432 @@
+"""A reusable driver: vLLM 0.32.0's real `Scheduler` on CPU + our connector, in one process, 1..N ranks.
+
+    Harness(store_config, tp_size=2, num_blocks=24) ──► vLLM Scheduler (real BlockPool, real preemption)
+        │                                                 └─ KVLedgerConnector(SCHEDULER) via vLLM's factory
+        ├─ per rank r: KVLedgerConnector(WORKER, tp_rank=r) + real torch KV tensors (CPU, or CUDA)
+        └─ step(): schedule → per rank: bind meta, "forward", start_load_kv, wait_for_save, get_finished,
+                   load errors, worker meta → vLLM's KVOutputAggregator → update_from_output
+
+No model weights: the model is a hand-written tiny Llama config written to a temp dir at run time
+(`skip_tokenizer_init=True`). The "forward" stands in for attention: it writes into the request's blocks
+the KV that position p of the request must hold, a deterministic function of (token prefix up to p,
+layer, K|V, rank) — see `KVContent`. Before writing it checks that every earlier position the request
+did not write itself (prefix-cache hits, loads from the store) already holds the right KV: a wrong value
+there is a computation on garbage (S7), recorded in `garbage`. Sampled tokens are a function of the
+prefix too, so a finished request's output is checkable (`expected_output`).
+
+After a run, tests call `check_at_rest()` (NoLeakAtRest: every block free, no pin, nothing queued) and
+`check_store()` (S1 NoPollution: every stored key of every request block holds that block's KV).
+
+This is the harness the conformance suite reuses: `Harness(...)`, `add_request`, `step`, `run`,
+`check_at_rest`, `check_store`, `connector(rank)`, `scheduler_connector`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from connector.config import StoreConfig  # noqa: E402
+from connector.connector import KVLedgerConnector  # noqa: E402
+from connector.keys import KeyBuilder  # noqa: E402
+from connector.store import KVStore, MooncakeStore  # noqa: E402
+
+EOS = 2
+VOCAB = 1024
+_MOD = (1 << 61) - 1
+
+
+def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int) -> str:
+    """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig."""
+    os.makedirs(path, exist_ok=True)
+    heads = num_kv_heads
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": heads * head_size, "intermediate_size": 2 * heads * head_size,
+        "num_attention_heads": heads, "num_key_value_heads": num_kv_heads, "head_dim": head_size,
+        "num_hidden_layers": num_layers, "max_position_embeddings": 4096, "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
+        "eos_token_id": EOS, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+class KVContent:
+    """KV of position p = base(prefix hash of tokens[0..p], layer, k|v, rank) + arange(heads*head_size).
+
+    Integers below 2**24 are exact in float32, so equality checks are exact. Different prefixes give
+    different bases (up to a 2**20 hash: collisions are astronomically unlikely in a test run)."""
+
+    def __init__(self, num_kv_heads: int, head_size: int, device: str = "cpu") -> None:
+        self.h, self.d = num_kv_heads, head_size
+        self.ramp = torch.arange(num_kv_heads * head_size, dtype=torch.float32, device=device).view(
+            num_kv_heads, head_size)
+        self.span = num_kv_heads * head_size
+
+    @staticmethod
+    def prefix_hashes(tokens: list[int], upto: int, cache: list[int]) -> list[int]:
+        h = cache[-1] if cache else 7
+        for t in tokens[len(cache):upto]:
+            h = (h * 1_000_003 + t + 1) % _MOD
+            cache.append(h)
+        return cache
+
+    def bases(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
+        salt = layer * 0x9E3779B1 + kv * 0x7F4A7C15 + rank * 0x3C6EF372
+        vals = [((h ^ salt) * 0x2545F491) % (1 << 20) * self.span for h in hashes]
+        return torch.tensor(vals, dtype=torch.float32, device=self.ramp.device)
+
+    def slots(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
+        """(len(hashes), heads, head_size) KV for these positions."""
+        return self.bases(hashes, layer, kv, rank)[:, None, None] + self.ramp
+
+    @staticmethod
+    def token_after(h: int) -> int:
+        return 10 + (h * 0x5851F42D) % (VOCAB - 20)
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    preemptions: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished: dict[str, str] = field(default_factory=dict)  # req_id -> finish reason (last generation)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    load_error_blocks: int = 0
+    recovered_requests: set[str] = field(default_factory=set)
+
+
+class Harness:
+    def __init__(self, store_config: StoreConfig, *, tp_size: int = 1, num_blocks: int = 32,
+                 block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
+                 policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
+                 extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
+                 max_model_len: int = 1024) -> None:
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvledger-harness-")
+            workdir = self._tmp.name
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tp_size = tp_size
+        self.device = device
+        model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
+                                    num_kv_heads=num_kv_heads * tp_size, head_size=head_size)
+        extra = {**_store_extra(store_config), **(extra or {})}
+        mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
+                         seed=0, max_model_len=max_model_len)
+        self.vllm_config = VllmConfig(
+            model_config=mc,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=max_model_len, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+            kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
+                                                kv_connector_module_path="connector.connector",
+                                                kv_role="kv_both", kv_connector_extra_config=extra,
+                                                kv_load_failure_policy=policy),
+            device_config=DeviceConfig("cpu"))
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                                 dtype=torch.float32)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(block_size, sha256)
+        self.content = KVContent(num_kv_heads, head_size, device)
+        # workers first (as in vLLM: KV caches exist before the scheduler)
+        self.workers: list[KVLedgerConnector] = []
+        self.kv_caches: list[dict[str, torch.Tensor]] = []
+        for r in range(tp_size):
+            vc = copy.copy(self.vllm_config)
+            vc.kv_transfer_config = dataclasses.replace(
+                self.vllm_config.kv_transfer_config, kv_connector_extra_config={**extra, "tp_rank": r})
+            w = KVLedgerConnector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
+            caches = {n: torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size,
+                                     dtype=torch.float32, device=device) for n in self.layer_names}
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+            self.kv_caches.append(caches)
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=block_size, log_stats=True)
+        conn = self.scheduler.get_kv_connector()
+        if not isinstance(conn, KVLedgerConnector):
+            raise TypeError(f"vLLM built {type(conn).__name__}, expected KVLedgerConnector")
+        self.scheduler_connector: KVLedgerConnector = conn
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.aggregator = KVOutputAggregator(tp_size)
+        self.requests: dict[str, Request] = {}  # latest request per req_id (ids are reused)
+        self._hash_cache: dict[str, list[int]] = {}
+        self._verified: dict[str, int] = {}
+        self.garbage: list[str] = []  # S7 violations: (req_id, position, rank) read wrong KV
+        self.stats = RunStats()
+        self.key_builders = [w.worker_side.keys for w in self.workers]  # type: ignore[union-attr]
+        self._checker: MooncakeStore | None = None
+        self._store_config = store_config
+        self._closed = False
+
+    # ------------------------------------------------------------------ access
+    def connector(self, rank: int) -> KVLedgerConnector:
+        return self.workers[rank]
+
+    def wrap_stores(self, wrap: Any) -> None:
+        """Replace every connector's store by `wrap(store)` (e.g. a FaultyStore); the real client is kept
+        and closed by its connector."""
+        sc = self.scheduler_connector.scheduler_side
+        sc.store = wrap(sc.store)  # type: ignore[union-attr]
+        for w in self.workers:
+            w.worker_side.store = wrap(w.worker_side.store)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None, block_hasher=self._hasher)
+        self.requests[req_id] = req
+        self._hash_cache[req_id] = []
+        self._verified[req_id] = 0
+        self.stats.finished.pop(req_id, None)
+        self.stats.outputs[req_id] = []
+        self.scheduler.add_request(req)
+
+    def expected_output(self, prompt: list[int], max_tokens: int) -> list[int]:
+        toks, cache = list(prompt), []
+        for _ in range(max_tokens):
+            KVContent.prefix_hashes(toks, len(toks), cache)
+            toks.append(KVContent.token_after(cache[-1]))
+        return toks[len(prompt):]
+
+    # ------------------------------------------------------------------ one engine step
+    def step(self) -> bool:
+        """One engine step; False when the engine would stop (Scheduler.has_requests() is False)."""
+        if not self.scheduler.has_requests():
+            return False
+        out = self.scheduler.schedule()
+        self.stats.steps += 1
+        for rid in out.preempted_req_ids or ():
+            self.stats.preemptions += 1
+            self.stats.preempted_req_ids.add(rid)
+            self._verified[rid] = 0
+        meta = out.kv_connector_metadata
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = self._forward(out, req_ids)
+        outputs = []
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            _, recving = w.get_finished(out.finished_req_ids)
+            kvo = KVConnectorOutput(finished_recving=recving,
+                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                    kv_connector_stats=w.get_kv_connector_stats(),
+                                    kv_connector_worker_meta=w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                             sampled_token_ids=sampled, kv_connector_output=kvo))
+        merged = self.aggregator.aggregate(outputs)
+        if merged.kv_connector_output is not None:
+            self.stats.load_error_blocks += len(merged.kv_connector_output.invalid_block_ids)
+        eco = self.scheduler.update_from_output(out, merged)
+        for outs in eco.values():
+            for o in outs.outputs:
+                self.stats.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.stats.finished[o.request_id] = str(o.finish_reason)
+        if not req_ids and self.scheduler.has_requests():
+            time.sleep(0.001)  # only threads can make progress: let them
+        return True
+
+    def _forward(self, out: Any, req_ids: list[str]) -> list[list[int]]:
+        """Stand-in for the model: check earlier KV (S7), write this step's KV, sample one token per
+        request whose prefill is complete."""
+        sampled: list[list[int]] = []
+        bs = self.block_size
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            n = out.num_scheduled_tokens[rid]
+            end = req.num_computed_tokens  # advanced by schedule()
+            start = end - n
+            tokens = req.all_token_ids
+            hashes = KVContent.prefix_hashes(tokens, end, self._hash_cache[rid])
+            table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            for r in range(self.tp_size):
+                lo = self._verified.get(rid, 0)
+                if lo < start:
+                    self._check_range(rid, r, table, hashes, lo, start)
+                self._write_range(r, table, hashes, start, end)
+            self._verified[rid] = end
+            sampled.append([KVContent.token_after(hashes[end - 1])] if end >= req.num_tokens else [])
+        del bs
+        return sampled
+
+    def _ranges(self, table: list[int], lo: int, hi: int):
+        bs = self.block_size
+        p = lo
+        while p < hi:
+            b, off = divmod(p, bs)
+            n = min(bs - off, hi - p)
+            yield table[b], off, p, n
+            p += n
+
+    def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
+        caches = self.kv_caches[rank]
+        for li, name in enumerate(self.layer_names):
+            t = caches[name]
+            for block, off, p, n in self._ranges(table, lo, hi):
+                for kv in (0, 1):
+                    t[kv, block, off:off + n] = self.content.slots(hashes[p:p + n], li, kv, rank)
+
+    def _check_range(self, rid: str, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
+        caches = self.kv_caches[rank]
+        for li, name in enumerate(self.layer_names):
+            t = caches[name]
+            for block, off, p, n in self._ranges(table, lo, hi):
+                for kv in (0, 1):
+                    want = self.content.slots(hashes[p:p + n], li, kv, rank)
+                    if not torch.equal(t[kv, block, off:off + n], want):
+                        self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} (block {block}) "
+                                            f"layer {li} {'KV'[kv]}: wrong KV before compute (S7)")
+                        return
+
+    # ------------------------------------------------------------------ runs
+    def run(self, max_steps: int = 20000, timeout_s: float = 240.0) -> RunStats:
+        deadline = time.monotonic() + timeout_s
+        for _ in range(max_steps):
+            if not self.step():
+                return self.stats
+            if time.monotonic() > deadline:
+                break
+        raise TimeoutError(f"engine still busy after {self.stats.steps} steps: running="
+                           f"{len(self.scheduler.running)} waiting={len(self.scheduler.waiting)} "
+                           f"pins={self.scheduler_connector.scheduler_side.ledger.num_inflight_jobs}")  # type: ignore
+
+    # ------------------------------------------------------------------ checks
+    def check_at_rest(self) -> list[str]:
+        """NoLeakAtRest: every block free (ref 0), no pin held, no job or load left on any rank."""
+        problems = []
+        free = self.block_pool.get_num_free_blocks()
+        if free != self.num_blocks - 1:
+            problems.append(f"{self.num_blocks - 1 - free} blocks not free")
+        held = [b.block_id for b in self.block_pool.blocks[1:] if b.ref_cnt != 0]
+        if held:
+            problems.append(f"blocks with ref_cnt != 0: {held[:20]}")
+        ledger = self.scheduler_connector.scheduler_side.ledger  # type: ignore[union-attr]
+        if ledger.has_pending_work():
+            problems.append(f"pins held by jobs {ledger.inflight_jobs()[:20]}")
+        for r, w in enumerate(self.workers):
+            ws = w.worker_side
+            if ws.has_pending_work():  # type: ignore[union-attr]
+                problems.append(f"rank {r} has pending jobs or loads")
+            if ws.errors:  # type: ignore[union-attr]
+                problems.append(f"rank {r} handler errors: {ws.errors[:3]}")  # type: ignore[union-attr]
+        return problems
+
+    def check_store(self) -> tuple[int, int]:
+        """S1 NoPollution over every full block of every request seen: (keys checked, polluted keys)."""
+        if self._checker is None:
+            self._checker = MooncakeStore.connect(self._store_config.replace(global_segment_size=0))
+        store = self._checker
+        span = self.content.span
+        L = len(self.layer_names)
+        scratch = torch.zeros(2 * L, self.block_size, span, dtype=torch.float32)
+        store.register_buffer(scratch.data_ptr(), scratch.numel() * 4)
+        chunk = self.block_size * span * 4
+        ptrs = [scratch.data_ptr() + i * chunk for i in range(2 * L)]
+        checked = polluted = 0
+        seen: set[tuple[int, bytes]] = set()
+        for rid, req in self.requests.items():
+            tokens = req.all_token_ids
+            hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
+            for bi, bh in enumerate(req.block_hashes):
+                for r, kb in enumerate(self.key_builders):
+                    if (r, bytes(bh)) in seen:
+                        continue
+                    seen.add((r, bytes(bh)))
+                    key = kb.key(bh)
+                    if store.batch_is_exist([key])[0] != 1:
+                        continue
+                    got = store.batch_get([key], [ptrs], [[chunk] * (2 * L)])[0]
+                    if got <= 0:
+                        continue  # evicted between the two calls
+                    checked += 1
+                    pos = hashes[bi * self.block_size:(bi + 1) * self.block_size]
+                    ok = all(torch.equal(scratch[2 * li + kv].view(self.block_size, -1),
+                                         self.content.slots(pos, li, kv, r).cpu().view(self.block_size, -1))
+                             for li in range(L) for kv in (0, 1))
+                    polluted += 0 if ok else 1
+        return checked, polluted
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            w.shutdown()
+        self.scheduler_connector.shutdown()
+        if self._checker is not None:
+            self._checker.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _store_extra(cfg: StoreConfig) -> dict[str, Any]:
+    """A StoreConfig as extra-config keys (only the fields that differ from the defaults)."""
+    default = StoreConfig()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+def shared_prefix_prompts(n: int, *, num_prefixes: int, prefix_len: int, suffix_len: int,
+                          seed: int = 0) -> list[list[int]]:
+    """`n` prompts: one of `num_prefixes` shared prefixes + a unique suffix (deterministic)."""
+    import random
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, VOCAB - 10) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + [rng.randrange(10, VOCAB - 10) for _ in range(suffix_len)]
+            for i in range(n)]
+
+
+__all__ = ["Harness", "KVContent", "RunStats", "shared_prefix_prompts", "write_model_dir", "KVStore",
+           "KeyBuilder"]
