@@ -1,0 +1,271 @@
+"""The worker side on a real Mooncake master: load-error reporting (every exit path, every sub-batch, the
+two upstream vLLM 0.32.0 load-path failures), rotation, bounded queues, stale jobs.
+
+`WorkerSide` is driven directly with real CPU tensors as KV cache and the real store. Two test doubles,
+each named where used: `GatedStore` (holds calls until released, to make a queue fill deterministically)
+and `connector.faults.FaultyStore` (injects codes / exceptions on chosen calls).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from connector.config import StoreConfig
+from connector.faults import FaultPlan, FaultRule, FaultyStore
+from connector.keys import KeyBuilder, KeyLayout
+from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from connector.store import MooncakeStore, StoreCode
+from connector.worker import WorkerSide
+
+BS, LAYERS, HEADS, HD, NBLOCKS = 16, 2, 2, 8, 16
+
+
+def _hash(i: int, salt: str) -> bytes:
+    return hashlib.sha256(f"{salt}/{i}".encode()).digest()
+
+
+def _caches(fill: float = 0.0) -> dict[str, torch.Tensor]:
+    return {f"l{i}": torch.full((2, NBLOCKS, BS, HEADS, HD), fill) for i in range(LAYERS)}
+
+
+def _worker(store, cfg: StoreConfig, tp_rank: int = 0, salt: str = "", **cfg_changes) -> WorkerSide:
+    layout = KeyLayout(model=f"test-{salt}", tp_rank=tp_rank, tp_size=4, block_size=BS, dtype="float32",
+                       kv_layout="NHD", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HD)
+    config = cfg.replace(**cfg_changes) if cfg_changes else cfg
+    return WorkerSide(store=store, keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=tp_rank,
+                      block_size=BS, config=config, max_requests=64)
+
+
+def _wait(pred, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.005)
+
+
+def _save_blocks(ws: WorkerSide, caches, hashes: Sequence[bytes], block_ids: Sequence[int], job: int,
+                 req_id: str = "writer") -> None:
+    """Fill blocks with recognisable values and save them through a real store job."""
+    for j, b in enumerate(block_ids):
+        for t in caches.values():
+            t[:, b] = float(1000 + j)
+    meta = KVLedgerConnectorMetadata(step=job + 1, saves=[SaveSpec(req_id, job, 0, len(hashes), tuple(block_ids),
+                                                                   tuple(hashes))])
+    ws.end_step(meta)
+    _wait(lambda: not ws.has_pending_work() or bool(ws.ledger._completed))
+    assert ws.build_worker_meta().completed_saves == {job: 1}
+
+
+def _load(ws: WorkerSide, spec: LoadSpec, step: int) -> tuple[set[str], set[int]]:
+    ws.start_step(KVLedgerConnectorMetadata(step=step, loads=[spec]))
+    finished: set[str] = set()
+    _wait(lambda: bool(finished.update(ws.take_finished_loads()) or spec.req_id in finished))
+    return finished, ws.take_load_errors()
+
+
+@pytest.fixture
+def cfg(store_config: StoreConfig) -> StoreConfig:
+    return store_config
+
+
+@pytest.fixture
+def writer(store: MooncakeStore, cfg: StoreConfig, request) -> Iterator[tuple[WorkerSide, dict, str]]:
+    salt = request.node.name
+    ws = _worker(store, cfg, salt=salt)
+    caches = _caches()
+    ws.register_kv_caches(caches)
+    yield ws, caches, salt
+    ws.shutdown()
+
+
+def test_save_then_load_roundtrip_is_byte_exact(writer, store, cfg):
+    ws, caches, salt = writer
+    hashes = [_hash(i, salt) for i in range(4)]
+    _save_blocks(ws, caches, hashes, [1, 2, 3, 4], job=0)
+    reader = _worker(store, cfg, salt=salt)
+    rc = _caches(-1.0)
+    reader.register_kv_caches(rc)
+    try:
+        finished, errors = _load(reader, LoadSpec("r", (5, 6, 7, 8), tuple(hashes)), 1)
+        assert finished == {"r"} and errors == set()
+        for j, b in enumerate((5, 6, 7, 8)):
+            for t in rc.values():
+                assert torch.equal(t[:, b], torch.full_like(t[:, b], 1000 + j))
+    finally:
+        reader.shutdown()
+
+
+def test_empty_key_list_load_is_finished_not_stuck(writer):
+    """vLLM 0.32.0 computes `tp_rank % len(key_list)` first: ZeroDivisionError, the request waits forever."""
+    ws, _, _ = writer
+    finished, errors = _load(ws, LoadSpec("empty", (), ()), 1)
+    assert finished == {"empty"} and errors == set()
+    assert ws.errors == []
+
+
+@pytest.mark.parametrize("tp_rank", [1, 3])
+def test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block(store, cfg, tp_rank, request):
+    """vLLM 0.32.0 stops at the first failed sub-batch: with rotation by tp_rank the request's *leading*
+    blocks sit in a later sub-batch and stay neither loaded nor reported. Here the first get call fails
+    (FaultyStore raises, a test double) and every block that is not loaded must be reported."""
+    salt = request.node.name
+    w = _worker(store, cfg, tp_rank=tp_rank, salt=salt)
+    caches = _caches()
+    w.register_kv_caches(caches)
+    hashes = [_hash(i, salt) for i in range(10)]
+    blocks = tuple(range(1, 11))
+    _save_blocks(w, caches, hashes, blocks, job=0)
+    w.shutdown()
+    faulty = FaultyStore(store, FaultPlan([FaultRule("get", "raise", calls=frozenset({0}))]))
+    reader = _worker(faulty, cfg, tp_rank=tp_rank, salt=salt, load_sub_batch_keys=3)
+    rc = _caches(-1.0)
+    reader.register_kv_caches(rc)
+    try:
+        _, errors = _load(reader, LoadSpec("r", blocks, tuple(hashes)), 1)
+        # the first sub-batch in rotated order is blocks[rot:rot+3]; all others were loaded
+        rot = tp_rank % 10
+        first = {blocks[(rot + k) % 10] for k in range(3)}
+        assert errors == first
+        assert blocks[0] not in first  # the leading block sits in the last sub-batch ...
+        for t in rc.values():  # ... and was loaded with its own KV
+            assert torch.equal(t[:, blocks[0]], torch.full_like(t[:, blocks[0]], 1000.0))
+        assert len(faulty.injected) == 1
+    finally:
+        reader.shutdown()
+
+
+def test_negative_codes_map_back_through_rotation(store, cfg, request):
+    """tp_rank=1 rotates keys; a missing key's block (not its rotated position) is reported."""
+    salt = request.node.name
+    w = _worker(store, cfg, tp_rank=1, salt=salt)
+    caches = _caches()
+    w.register_kv_caches(caches)
+    hashes = [_hash(i, salt) for i in range(3)]
+    _save_blocks(w, caches, hashes[:2], (1, 2), job=0)  # block 3's key is never stored: -704
+    try:
+        _, errors = _load(w, LoadSpec("r", (7, 8, 9), tuple(hashes)), 2)
+        assert errors == {9}
+    finally:
+        w.shutdown()
+
+
+def test_oversized_keys_are_reported_not_sent(writer, store, cfg):
+    ws, caches, salt = writer
+    hashes = [_hash(i, salt) for i in range(2)]
+    _save_blocks(ws, caches, hashes, (1, 2), job=0)
+    long_hash = b"\x01" * 400  # 800 hex chars: longer than max_key_bytes
+    reader = _worker(store, cfg, salt=salt, max_key_bytes=256)
+    reader.register_kv_caches(_caches(-1.0))
+    try:
+        _, errors = _load(reader, LoadSpec("r", (5, 6, 7), (hashes[0], long_hash, hashes[1])), 1)
+        assert errors == {6}
+        assert reader.stats.totals.data.get(f"fail_code.{int(StoreCode.KEY_TOO_LONG)}") == 1
+    finally:
+        reader.shutdown()
+
+
+def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
+    ws, caches, salt = writer
+    hashes = [_hash(i, salt) for i in range(2)]
+    gate = threading.Event()
+    orig = ws.store
+
+    class GatedStore:  # TEST DOUBLE: holds the first call until released (deterministic interleaving)
+        def __getattr__(self, name):
+            fn = getattr(orig, name)
+
+            def call(*a, **k):
+                gate.wait(10)
+                return fn(*a, **k)
+            return call
+
+    blocker_hash = _hash(99, salt)
+    ws.store = GatedStore()
+    ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 1, (3,), (blocker_hash,))]))
+    ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 2, (1, 2), tuple(hashes))]))
+    ws.start_step(KVLedgerConnectorMetadata(step=3, preempted_req_ids=["r"]))  # DropGeneration before it ran
+    gate.set()
+    _wait(lambda: not ws.ledger.has_pending_work() or len(ws.ledger._completed) == 2)
+    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
+    assert ws.num_saves_stale == 1
+    assert store.batch_is_exist(ws.keys.keys(hashes)) == [0, 0]  # the stale job stored nothing
+
+
+def test_full_store_queue_reports_rejected_job_at_once(store, cfg, request):
+    """store_queue_size=1: while the store thread is held (GatedStore, a test double), the queue holds one
+    job and the next is rejected: reported immediately (its pins can be released), nothing lost."""
+    salt = request.node.name
+    ws = _worker(store, cfg, salt=salt, store_queue_size=1)
+    ws.register_kv_caches(_caches())
+    gate = threading.Event()
+    orig = store
+
+    class GatedStore:  # TEST DOUBLE: blocks every call until the gate opens
+        def __getattr__(self, name):
+            fn = getattr(orig, name)
+
+            def call(*a, **k):
+                gate.wait(10)
+                return fn(*a, **k)
+            return call
+
+    ws.store = GatedStore()
+    try:
+        for job in range(3):  # job 0 is taken by the thread, job 1 fills the queue, job 2 is rejected
+            ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
+                SaveSpec(f"r{job}", job, 0, 1, (job + 1,), (_hash(job, salt),))]))
+            if job == 0:
+                _wait(lambda: ws._store_q.empty())
+        assert ws.num_saves_rejected == 1
+        assert ws.build_worker_meta().completed_saves == {2: 1}
+        gate.set()
+        _wait(lambda: len(ws.ledger._completed) == 2)
+        assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
+    finally:
+        gate.set()
+        ws.shutdown()
+
+
+def test_full_load_queue_reports_every_block(store, cfg, request):
+    salt = request.node.name
+    ws = _worker(store, cfg, salt=salt, load_queue_size=1)
+    ws.register_kv_caches(_caches())
+    gate = threading.Event()
+    orig = store
+
+    class GatedStore:  # TEST DOUBLE: blocks every call until the gate opens
+        def __getattr__(self, name):
+            fn = getattr(orig, name)
+
+            def call(*a, **k):
+                gate.wait(10)
+                return fn(*a, **k)
+            return call
+
+    ws.store = GatedStore()
+    try:
+        ws.start_step(KVLedgerConnectorMetadata(step=1, loads=[LoadSpec("a", (1,), (_hash(0, salt),))]))
+        _wait(lambda: ws._load_q.empty())
+        ws.start_step(KVLedgerConnectorMetadata(step=2, loads=[LoadSpec("b", (2,), (_hash(1, salt),)),
+                                                               LoadSpec("c", (3, 4), (_hash(2, salt), _hash(3, salt)))]))
+        assert ws.take_finished_loads() == {"c"}
+        assert ws.take_load_errors() == {3, 4}
+    finally:
+        gate.set()
+        ws.shutdown()
+
+
+def test_worker_metadata_aggregates_and_pickles():
+    import pickle
+    a = KVLedgerWorkerMetadata({1: 1})
+    b = KVLedgerWorkerMetadata({1: 1, 2: 1})
+    assert a.aggregate(b).completed_saves == {1: 2, 2: 1}
+    assert pickle.loads(pickle.dumps(a)).completed_saves == {1: 2, 2: 1}
+    with pytest.raises(ValueError, match="completed_saves"):
+        KVLedgerWorkerMetadata({3: -1})
