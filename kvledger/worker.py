@@ -77,7 +77,10 @@ class WorkerLedger:
         self._actor = f"w{rank}"
         self._max_jobs = max_live_jobs
         self._max_requests = max_requests
+        # req_id -> its open generation. A closing generation leaves this map (the req_id may come back
+        # as a new request while the old jobs still save) and lives in _closing until its last report.
         self._requests: dict[str, StoreRequestState] = {}
+        self._closing: set[StoreRequestState] = set()
         self._jobs: dict[int, _Job] = {}
         self._completed: dict[int, int] = {}
         # recently reported job ids (insertion-ordered, bounded) to tell a double finish from an unknown id
@@ -101,7 +104,7 @@ class WorkerLedger:
                       f"jobs reach max_live_jobs={self._max_jobs}; job {job_id} refused (the scheduler cap "
                       f"must not exceed it)")
         req = self._requests.get(req_id)
-        if req is None or req.state != "open":
+        if req is None:
             if len(self._requests) >= self._max_requests:
                 raise LedgerInputError("max_requests", self._max_requests,
                                        f"rank {self.rank} holds that many request states; {req_id!r} refused "
@@ -233,10 +236,11 @@ class WorkerLedger:
     def drop_generation(self, req_id: str, *, finished: bool) -> str | None:
         """DropGeneration: the scheduler preempted (``finished=False``) or finished ``req_id``.
 
-        Preemption closes the generation at once: its live jobs become stale. A finish with live jobs moves
-        it to ``closing`` (the jobs still save: their blocks are pinned); it closes when the last one
-        reports. Unknown ``req_id`` (never saved on this rank, or already closed): no-op, returns None.
-        Otherwise returns the new StoreRequest state."""
+        Preemption closes the open generation at once: its live jobs become stale. A finish with live jobs
+        moves it to ``closing`` (the jobs still save: their blocks are pinned) and detaches it from
+        ``req_id``; it closes when its last job reports. No open generation (never saved on this rank,
+        already closed, or closing: the notice is about a newer generation that has no job here): no-op,
+        returns None. Otherwise returns the new StoreRequest state."""
         req = self._requests.get(req_id)
         if req is None:
             return None
@@ -250,6 +254,9 @@ class WorkerLedger:
             stale = sorted(req.live)
             req.live.clear()
             self._forget(req)
+        else:
+            del self._requests[req_id]
+            self._closing.add(req)
         if self._trace is not None:
             self._trace.emit(self._actor, "DropGeneration", {
                 "req_id": req_id, "generation": req.generation, "finished": finished, "dest": dest,
@@ -259,14 +266,23 @@ class WorkerLedger:
     def _forget(self, req: StoreRequestState) -> None:
         if self._requests.get(req.req_id) is req:
             del self._requests[req.req_id]
+        self._closing.discard(req)
         if req.pressure_skip:
             req.pressure_skip = False
             self._skipped.discard(req)
 
     # ---------------------------------------------------------------- queries
     def request(self, req_id: str) -> StoreRequestState | None:
-        """The current (open or closing) generation of ``req_id`` on this rank."""
+        """The open generation of ``req_id`` on this rank."""
         return self._requests.get(req_id)
+
+    def job_request(self, job_id: int) -> StoreRequestState:
+        """The generation a job belongs to (open, closing or closed)."""
+        return self._job(job_id).req
+
+    @property
+    def num_closing(self) -> int:
+        return len(self._closing)
 
     def job_state(self, job_id: int) -> str:
         """StoreJob state of a job this rank still holds (``reported`` once finished and remembered)."""
@@ -287,6 +303,7 @@ class WorkerLedger:
 
     @property
     def num_requests(self) -> int:
+        """Open generations."""
         return len(self._requests)
 
     def has_pending_work(self) -> bool:

@@ -1,0 +1,208 @@
+"""LoadLedger: every attempted block ends loaded or reported (S8), including the upstream code-reading
+bugs: an empty key list, and sub-batches after a failed one."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvledger import (LedgerInputError, LedgerInvariantError, ListTrace, LoadLedger, rotate, rotation,
+                      sub_batches, unrotate_index)
+
+
+def ld(**kw) -> LoadLedger:
+    args = dict(max_inflight_loads=8)
+    args.update(kw)
+    return LoadLedger(0, **args)
+
+
+def test_empty_key_list_finishes_without_error():
+    """upstream: ``tp_rank % len(key_list)`` divided by zero before the request was marked finished."""
+    for tp_rank in range(4):
+        assert rotation(0, tp_rank) == 0 and rotate([], tp_rank) == []
+    led = ld()
+    lid = led.begin_load("r", [])
+    res = led.finish_load(lid)
+    assert res.loaded == frozenset() and res.failed == frozenset()
+    assert led.take_errors() == set() and led.num_inflight_loads == 0
+
+
+def run_sub_batched(led: LoadLedger, block_ids, tp_rank, budget, sizes, fail_batch, mode):
+    """A receive handler in the shape of upstream's, with the fix: after a failed sub-batch the rest of
+    the load is reported (fail_pending). The store is simulated here to inject the failure."""
+    lid = led.begin_load("r", block_ids)
+    rot = rotate(block_ids, tp_rank)
+    batches = sub_batches([sizes] * len(rot), budget)
+    issued = []
+    try:
+        for i, rng in enumerate(batches):
+            ids = [rot[k] for k in rng]
+            issued.append(ids)
+            if i == fail_batch and mode == "raise":
+                raise RuntimeError("batch_get raised")
+            codes = [-704 if (i == fail_batch and k == rng[-1]) else 4096 for k in rng]
+            if led.record_results(lid, ids, codes):
+                break
+    except RuntimeError:
+        pass
+    finally:
+        led.fail_pending(lid, "sub-batch failed; later sub-batches not loaded")
+        res = led.finish_load(lid)
+    return res, issued
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1, 3])
+@pytest.mark.parametrize("mode", ["code", "raise"])
+def test_failing_middle_sub_batch_reports_every_unloaded_block(tp_rank, mode):
+    blocks = list(range(100, 110))
+    led = ld()
+    res, issued = run_sub_batched(led, blocks, tp_rank, budget=3 * 12288, sizes=12288, fail_batch=1,
+                                  mode=mode)
+    assert [len(b) for b in issued] == [3, 3]
+    errs = led.take_errors()
+    assert res.loaded | res.failed == set(blocks) and not (res.loaded & res.failed)
+    assert errs == set(res.failed)
+    # the first sub-batch loaded; of the failing one, only the keys with a good code (none if it raised)
+    expect = set(issued[0]) | (set(issued[1][:2]) if mode == "code" else set())
+    assert res.loaded == expect
+    assert len(res.failed) == 10 - len(expect)
+    # with rotation the request's leading blocks sit in the last sub-batch: they must be reported
+    assert blocks[0] in errs or blocks[0] in res.loaded
+    assert led.take_errors() == set()
+
+
+def test_finish_with_unreported_block_raises_s8_and_loses_nothing():
+    led = ld()
+    lid = led.begin_load("r", [1, 2, 3])
+    led.record_results(lid, [1], [10])
+    with pytest.raises(LedgerInvariantError) as e:
+        led.finish_load(lid)
+    assert e.value.invariant_id == "S8" and "[2, 3]" in str(e.value)
+    assert led.pending(lid) == [2, 3]
+    assert led.fail_pending(lid, "x") == [2, 3]
+    assert led.finish_load(lid).failed == {2, 3}
+
+
+def test_oversized_key_fails_the_whole_load():
+    assert sub_batches([10, 50, 10], budget=40) is None
+    led = ld()
+    lid = led.begin_load("r", [5, 6, 7])
+    led.fail_pending(lid, "key larger than the staging budget")
+    assert led.finish_load(lid).failed == {5, 6, 7}
+    assert led.take_errors() == {5, 6, 7}
+
+
+def test_negative_codes_report_exact_blocks_under_rotation():
+    blocks = [11, 12, 13, 14]
+    led = ld()
+    lid = led.begin_load("r", blocks)
+    rot = rotate(blocks, 2)
+    assert rot == [13, 14, 11, 12]
+    failed = led.record_results(lid, rot, [1, -800, 1, -704])
+    assert failed == [14, 12]
+    assert [rot[i] for i in range(4)] == [blocks[unrotate_index(i, 4, 2)] for i in range(4)]
+    led.finish_load(lid)
+    assert led.take_errors() == {12, 14}
+
+
+def test_failed_block_stays_failed_after_late_ok():
+    led = ld()
+    lid = led.begin_load("r", [1, 2])
+    led.record_failed(lid, [1], "x")
+    led.record_ok(lid, [1, 2])
+    assert led.finish_load(lid).failed == {1}
+
+
+def test_blocks_not_attempted_are_rejected():
+    led = ld()
+    lid = led.begin_load("r", [1, 2])
+    with pytest.raises(LedgerInputError) as e:
+        led.record_ok(lid, [3])
+    assert e.value.field == "block_ids" and e.value.value == [3]
+    with pytest.raises(LedgerInputError):
+        led.record_results(lid, [1, 2], [0])
+
+
+def test_unknown_load_and_bad_block_ids():
+    led = ld()
+    with pytest.raises(LedgerInputError) as e:
+        led.finish_load(3)
+    assert e.value.field == "load_id"
+    with pytest.raises(LedgerInputError) as e:
+        led.begin_load("r", [1, -2])
+    assert e.value.value == [-2]
+
+
+def test_bound_on_inflight_loads():
+    led = ld(max_inflight_loads=2)
+    led.begin_load("a", [1])
+    led.begin_load("b", [2])
+    with pytest.raises(LedgerInputError) as e:
+        led.begin_load("c", [3])
+    assert e.value.field == "max_inflight_loads"
+
+
+def test_bound_on_untaken_error_blocks():
+    led = ld(max_error_blocks=3)
+    lid = led.begin_load("a", [1, 2, 3, 4])
+    led.record_failed(lid, [1, 2, 3], "x")
+    with pytest.raises(LedgerInputError) as e:
+        led.record_failed(lid, [4], "x")
+    assert e.value.field == "max_error_blocks"
+    assert led.pending(lid) == [4]          # nothing lost: still pending
+    led.take_errors()
+    led.fail_pending(lid, "x")
+    assert led.finish_load(lid).failed == {1, 2, 3, 4}
+
+
+def test_load_trace_event():
+    tr = ListTrace()
+    led = LoadLedger(2, max_inflight_loads=2, trace=tr)
+    lid = led.begin_load("r", [1, 2])
+    led.record_results(lid, [1, 2], [1, -704])
+    led.finish_load(lid)
+    led.take_errors()
+    assert tr.actions() == ["Load", "HandleLoadErrors"]
+    assert tr.events[0]["failed"] == [2] and tr.events[1]["blocks"] == [2]
+
+
+@given(n=st.integers(0, 40), tp=st.integers(0, 16))
+def test_rotation_is_a_bijection(n, tp):
+    items = list(range(n))
+    rot = rotate(items, tp)
+    assert sorted(rot) == items
+    assert all(rot[i] == items[unrotate_index(i, n, tp)] for i in range(n))
+
+
+@given(sizes=st.lists(st.integers(1, 50), max_size=30), budget=st.integers(1, 120))
+def test_sub_batches_cover_keys_in_order_within_budget(sizes, budget):
+    batches = sub_batches(sizes, budget)
+    if any(s > budget for s in sizes):
+        assert batches is None
+        return
+    flat = [i for r in batches for i in r]
+    assert flat == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in r) <= budget and len(r) > 0 for r in batches)
+
+
+@given(n=st.integers(0, 20), tp=st.integers(0, 7), fail_at=st.integers(0, 25),
+       raise_=st.booleans(), budget_keys=st.integers(1, 6))
+def test_any_failure_point_leaves_every_block_loaded_or_reported(n, tp, fail_at, raise_, budget_keys):
+    blocks = list(range(1, n + 1))
+    led = ld()
+    lid = led.begin_load("r", blocks)
+    rot = rotate(blocks, tp)
+    try:
+        for rng in sub_batches([1] * n, budget_keys) or []:
+            ids = [rot[k] for k in rng]
+            if raise_ and fail_at in rng:
+                raise RuntimeError
+            codes = [-1 if k == fail_at else 1 for k in rng]
+            if led.record_results(lid, ids, codes):
+                break
+    except RuntimeError:
+        pass
+    led.fail_pending(lid, "rest")
+    res = led.finish_load(lid)
+    assert res.loaded | res.failed == set(blocks)
+    assert led.take_errors() == set(res.failed)
