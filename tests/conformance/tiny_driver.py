@@ -15,6 +15,7 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import WorkerLedger
 
 RANKS = ("w0", "w1")
+MAX_JOBS = 3
 
 
 class TinyPinDriver:
@@ -30,9 +31,10 @@ class TinyPinDriver:
         name = action["name"]
         try:
             if name == "EmitStore":
+                if self.sched.next_job_id > MAX_JOBS:  # the model's finite bound, not a system rule
+                    raise Refused(f"the model emits at most {MAX_JOBS} jobs")
+                # the new id is an output: observe() compares it with the model's nextJob
                 job = self.sched.open_job("r1", [self.block.block_id])
-                if job != action["job"]:
-                    raise Refused(f"EmitStore gave job {job}, model job {action['job']}")
                 for w in self.workers.values():
                     w.register("r1", job)
             elif name == "Report":
@@ -43,6 +45,8 @@ class TinyPinDriver:
                 aggregate_into(self.merged, wl.take_completed())
             elif name == "Collect":
                 j = action["job"]
+                if self.merged.get(j, 0) < len(RANKS):  # Collect(j) in the tiny model = release j
+                    raise Refused(f"job {j}: {self.merged.get(j, 0)} of {len(RANKS)} reports")
                 self.sched.collect({j: self.merged.pop(j)})
             else:
                 raise Refused(f"no mapping for {name}")
@@ -69,6 +73,15 @@ class TinyPinDriver:
     def expect(self, state: dict[str, Any]) -> dict[str, Any]:
         return {"pinned": state["pinned"], "nextJob": state["nextJob"], "reported": state["reported"],
                 "block_ref": 1 + len(state["pinned"])}
+
+    def inputs(self, action: dict[str, Any]) -> Any:
+        # EmitStore's job id is an output of the system, not a choice of the caller
+        return {k: v for k, v in action.items() if not (action["name"] == "EmitStore" and k == "job")}
+
+    def check_invariants(self) -> None:
+        obs = self.observe()
+        if obs["block_ref"] != 1 + len(obs["pinned"]):  # S3 RefCountExact on the real BlockPool
+            raise AssertionError(f"S3 RefCountExact: ref {obs['block_ref']} for {obs['pinned']}")
 
     def close(self) -> None:
         pass
