@@ -76,6 +76,8 @@ class SchedulerSide:
         self._step = 0
         # whole-run counters (demo report, tests)
         self.num_lookups = 0
+        self.num_match_calls = 0  # vLLM's asks (repeats for a waiting request are answered from the cache)
+        self.peak_lookup_cache = 0
         self.num_store_queries = 0
         self.num_loads = 0
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
@@ -103,6 +105,7 @@ class SchedulerSide:
         the whole prompt: vLLM must compute at least one token). Same question, same answer: the result is
         cached per (req_id, generation, num_computed_tokens) while the request waits."""
         req_id = request.request_id
+        self.num_match_calls += 1
         self._requests.setdefault(req_id, request)
         gen = request.num_preemptions
         hit = self._lookups.get(req_id)
@@ -112,6 +115,7 @@ class SchedulerSide:
             self._lookups.move_to_end(req_id)
             while len(self._lookups) > self.max_lookup_cache:
                 self._lookups.popitem(last=False)
+            self.peak_lookup_cache = max(self.peak_lookup_cache, len(self._lookups))
         ext = hit.hit_tokens - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 

@@ -1,0 +1,92 @@
+"""vLLM 0.32.0's real Scheduler + BlockPool on CPU, our connector loaded by vLLM's factory, a real Mooncake
+master, real torch KV tensors; 1 and 2 ranks; a block pool far smaller than the working set (preemption,
+req_id reuse). After every run: S1 NoPollution over the store, NoLeakAtRest, correct KV before every
+compute (S7) and the expected output for every request."""
+from __future__ import annotations
+
+import pytest
+
+from connector.config import StoreConfig
+from tests.integration.harness import Harness, shared_prefix_prompts
+
+MAX_TOKENS = 40
+
+
+def _run_pass(h: Harness, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> None:
+    for i, p in enumerate(prompts):
+        h.add_request(f"req-{i}", p, max_tokens)  # same ids in every pass: req_id reuse across passes
+    h.run()
+
+
+def _check(h: Harness, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> None:
+    assert h.garbage == []
+    assert h.check_at_rest() == []
+    assert set(h.stats.finished) == {f"req-{i}" for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        assert h.stats.finished[f"req-{i}"] == "length"
+        assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, max_tokens), f"req-{i}"
+    checked, polluted = h.check_store()
+    assert checked > 0 and polluted == 0
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_preemption_storm_then_store_hits(store_config: StoreConfig, tp_size: int):
+    prompts = shared_prefix_prompts(16, num_prefixes=3, prefix_len=48, suffix_len=20, seed=tp_size)
+    with Harness(store_config, tp_size=tp_size, num_blocks=18, max_num_seqs=8) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _run_pass(h, prompts)
+        assert h.stats.preemptions > 0  # the pool is far smaller than the working set
+        _check(h, prompts)
+        jobs_first = ss.ledger.num_jobs_opened
+        assert jobs_first > 0
+        # second pass: vLLM's prefix cache is mostly evicted by then; hits come from the store
+        h.stats.outputs.clear()
+        _run_pass(h, prompts)
+        _check(h, prompts)
+        assert ss.num_loads > 0
+        assert h.scheduler_connector.stats.totals.data.get("loaded_tokens", 0) > 0
+        for w in h.workers:
+            assert w.worker_side.num_loads > 0
+            assert w.worker_side.num_load_blocks_failed == 0
+
+
+def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig):
+    """max_inflight_jobs=1: most saves are deferred by the cap and retried; pins never exceed it."""
+    prompts = shared_prefix_prompts(10, num_prefixes=2, prefix_len=32, suffix_len=20, seed=5)
+    extra = {"max_inflight_jobs": 1, "max_pinned_blocks": 8}
+    with Harness(store_config, tp_size=1, num_blocks=24, extra=extra) as h:
+        _run_pass(h, prompts, max_tokens=24)
+        ss = h.scheduler_connector.scheduler_side
+        assert ss.ledger.num_deferrals > 0
+        assert ss.ledger.peak_inflight_jobs == 1 and ss.ledger.peak_pinned_blocks <= 8
+        assert ss.ledger.num_jobs_opened > 0
+        _check(h, prompts, max_tokens=24)
+
+
+def test_lookup_is_idempotent_while_waiting(store_config: StoreConfig):
+    """vLLM asks get_num_new_matched_tokens again every step a request waits: same answer, no new query."""
+    prompts = shared_prefix_prompts(12, num_prefixes=1, prefix_len=48, suffix_len=8, seed=9)
+    with Harness(store_config, num_blocks=8, max_num_seqs=4) as h:  # a waiting request waits for blocks
+        ss = h.scheduler_connector.scheduler_side
+        _run_pass(h, prompts, max_tokens=8)
+        _check(h, prompts, max_tokens=8)
+        # a request whose prefix is stored: two asks, one store query, the same answer
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+        sp = SamplingParams(max_tokens=4)
+        req = Request("probe", prompts[0], sp, None, block_hasher=h._hasher)
+        q0 = ss.num_store_queries
+        first = ss.get_num_new_matched_tokens(req, 0)
+        again = ss.get_num_new_matched_tokens(req, 0)
+        assert first == again and first[0] > 0 and first[1] is True
+        assert ss.num_store_queries == q0 + 1
+        ss.request_finished(req)
+
+
+def test_lookup_cache_is_bounded(store_config: StoreConfig):
+    prompts = shared_prefix_prompts(12, num_prefixes=1, prefix_len=48, suffix_len=8, seed=9)
+    with Harness(store_config, num_blocks=12, max_num_seqs=2, extra={"max_lookup_cache": 2}) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _run_pass(h, prompts, max_tokens=8)
+        assert ss.peak_lookup_cache == 2  # the bound was hit, never exceeded
+        _check(h, prompts, max_tokens=8)
