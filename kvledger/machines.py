@@ -112,6 +112,10 @@ SPECS: dict[str, MachineSpec] = load_specs()
 TABLES: dict[str, Mapping[tuple[str, str], frozenset[str]]] = {n: compile_table(s) for n, s in SPECS.items()}
 STORE_JOB = TABLES["StoreJob"]
 STORE_REQUEST = TABLES["StoreRequest"]
+#: The same tables flattened to allowed (state, trigger, dest) triples: the hot path's membership test
+#: (``(state, trigger, dest) in STORE_JOB_ALLOWED``), with :func:`step` raising on the error path.
+STORE_JOB_ALLOWED = frozenset((s, t, d) for (s, t), ds in STORE_JOB.items() for d in ds)
+STORE_REQUEST_ALLOWED = frozenset((s, t, d) for (s, t), ds in STORE_REQUEST.items() for d in ds)
 
 
 def step(table: Mapping[tuple[str, str], frozenset[str]], machine: str, state: str, trigger: str,

@@ -57,6 +57,9 @@ class SchedulerLedger:
                 raise LedgerInputError("block_pool", type(block_pool).__name__, f"has no {attr!r}")
         self._pool = block_pool
         self._blocks = block_pool.blocks
+        self._get_block = block_pool.blocks.__getitem__
+        self._touch = block_pool.touch
+        self._first_job_id = first_job_id
         self._world_size = world_size
         self._max_jobs = max_inflight_jobs
         self._max_pins = max_pinned_blocks
@@ -66,7 +69,6 @@ class SchedulerLedger:
         self._num_pins = 0
         self._trace = trace
         # counters
-        self.num_jobs_opened = 0
         self.num_jobs_released = 0
         self.num_deferrals = 0
         self.num_unknown_reports = 0
@@ -94,28 +96,30 @@ class SchedulerLedger:
         else:
             ids = self._clean_ids(block_ids, tail_block_ids)
         n = len(ids)
-        if len(self._pinned) >= self._max_jobs or self._num_pins + n > self._max_pins:
+        pinned = self._pinned
+        njobs = len(pinned)
+        pins = self._num_pins + n
+        if njobs >= self._max_jobs or pins > self._max_pins:
             if n > self._max_pins:
                 raise LedgerInputError("block_ids", f"{n} blocks for {req_id!r}",
                                        f"more than max_pinned_blocks={self._max_pins}: never admissible")
             self.num_deferrals += 1
             return None
         try:
-            blocks = list(map(self._blocks.__getitem__, ids))
+            blocks = list(map(self._get_block, ids))
         except (IndexError, TypeError):
-            bad = [b for b in ids if not isinstance(b, int) or not 0 < b < len(self._blocks)]
+            bad = [b for b in ids if b.__class__ is not int or not 0 < b < len(self._blocks)]
             raise LedgerInputError("block_ids", bad, f"not block ids of this pool "
                                    f"(1..{len(self._blocks) - 1}) for {req_id!r}") from None
         job_id = self._next_job_id
         self._next_job_id = job_id + 1
-        self._pool.touch(blocks)
-        self._pinned[job_id] = [blocks, self._world_size]
-        pins = self._num_pins = self._num_pins + n
+        self._touch(blocks)
+        pinned[job_id] = [blocks, self._world_size]
+        self._num_pins = pins
         if pins > self.peak_pinned_blocks:
             self.peak_pinned_blocks = pins
-        if len(self._pinned) > self.peak_inflight_jobs:
-            self.peak_inflight_jobs = len(self._pinned)
-        self.num_jobs_opened += 1
+        if njobs >= self.peak_inflight_jobs:
+            self.peak_inflight_jobs = njobs + 1
         if self._trace is not None:
             self._trace.emit("sched", "EmitStore", {
                 "job": job_id, "req_id": req_id, "blocks": list(ids), "ranks_left": self._world_size,
@@ -208,6 +212,10 @@ class SchedulerLedger:
     def num_pinned_blocks(self) -> int:
         """Block pins held (with multiplicity)."""
         return self._num_pins
+
+    @property
+    def num_jobs_opened(self) -> int:
+        return self._next_job_id - self._first_job_id
 
     @property
     def next_job_id(self) -> int:

@@ -25,10 +25,11 @@ them: a job stays pinned there until its report is taken and collected), request
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from typing import Any
 
 from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
-from .machines import STORE_JOB, STORE_REQUEST, step
+from .machines import STORE_JOB, STORE_JOB_ALLOWED, STORE_REQUEST, step
 from .trace import TraceSink
 
 
@@ -65,6 +66,11 @@ class _Job:
         self.state = "emitted"
 
 
+def _refuse(job: "_Job", trigger: str, dest: str) -> None:
+    """The error path of the inlined table checks: raises the named lifecycle error."""
+    step(STORE_JOB, "StoreJob", job.state, trigger, dest, job.job_id)
+
+
 class WorkerLedger:
     def __init__(self, rank: int, *, max_live_jobs: int, max_requests: int | None = None,
                  trace: TraceSink | None = None) -> None:
@@ -84,7 +90,7 @@ class WorkerLedger:
         self._jobs: dict[int, _Job] = {}
         self._completed: dict[int, int] = {}
         # recently reported job ids (insertion-ordered, bounded) to tell a double finish from an unknown id
-        self._reported: dict[int, None] = {}
+        self._reported: OrderedDict[int, None] = OrderedDict()
         self._pressure = False
         self._skipped: set[StoreRequestState] = set()
         self._next_generation = 0
@@ -113,7 +119,9 @@ class WorkerLedger:
             self._next_generation += 1
             self._requests[req_id] = req
         job = _Job(job_id, req)
-        job.state = step(STORE_JOB, "StoreJob", "emitted", "Receive", "queued", job_id)
+        if ("emitted", "Receive", "queued") not in STORE_JOB_ALLOWED:
+            _refuse(job, "Receive", "queued")
+        job.state = "queued"
         self._jobs[job_id] = job
         req.live.add(job_id)
         if self._trace is not None:
@@ -140,7 +148,10 @@ class WorkerLedger:
             verdict = Verdict.SKIP
         else:
             verdict = Verdict.RUN
-        job.state = step(STORE_JOB, "StoreJob", job.state, "DmaRead", verdict.value, job_id)
+        dest = verdict.value
+        if (job.state, "DmaRead", dest) not in STORE_JOB_ALLOWED:
+            _refuse(job, "DmaRead", dest)
+        job.state = dest
         if self._trace is not None:
             self._emit_job("DmaRead", job, {"dest": job.state, "offset": req.saved_offset})
         return verdict
@@ -157,7 +168,9 @@ class WorkerLedger:
         if num_tokens.__class__ is not int or num_tokens < 0:
             raise LedgerInputError("num_tokens", num_tokens, "must be an int >= 0")
         job = self._job(job_id)
-        job.state = step(STORE_JOB, "StoreJob", job.state, "Put", "stored", job_id)
+        if (job.state, "Put", "stored") not in STORE_JOB_ALLOWED:
+            _refuse(job, "Put", "stored")
+        job.state = "stored"
         req = job.req
         live = job_id in req.live
         if live:
@@ -176,7 +189,9 @@ class WorkerLedger:
         pressure and, if the job is live, its request is skipped until a later put succeeds."""
         job = self._job(job_id)
         trigger = "DmaRead" if job.state == "queued" else "Put"
-        job.state = step(STORE_JOB, "StoreJob", job.state, trigger, "failed", job_id)
+        if (job.state, trigger, "failed") not in STORE_JOB_ALLOWED:
+            _refuse(job, trigger, "failed")
+        job.state = "failed"
         req = job.req
         live = job_id in req.live
         if pressure:
@@ -206,18 +221,22 @@ class WorkerLedger:
         raised) is first moved to ``failed``. A second call raises S5 ReportedOnce."""
         job = self._job(job_id)
         state = job.state
-        if state == "queued":
-            state = step(STORE_JOB, "StoreJob", state, "DmaRead", "failed", job_id)
-        elif state == "running":
-            state = step(STORE_JOB, "StoreJob", state, "Put", "failed", job_id)
-        job.state = step(STORE_JOB, "StoreJob", state, "Report", "reported", job_id)
+        if state == "queued" or state == "running":  # the handler raised: the job failed
+            trigger = "DmaRead" if state == "queued" else "Put"
+            if (state, trigger, "failed") not in STORE_JOB_ALLOWED:
+                _refuse(job, trigger, "failed")
+            state = job.state = "failed"
+        if (state, "Report", "reported") not in STORE_JOB_ALLOWED:
+            _refuse(job, "Report", "reported")
+        job.state = "reported"
         del self._jobs[job_id]
         req = job.req
         req.live.discard(job_id)
         self._completed[job_id] = 1
-        self._reported[job_id] = None
-        if len(self._reported) > self._max_jobs:
-            del self._reported[next(iter(self._reported))]
+        reported = self._reported
+        reported[job_id] = None
+        if len(reported) > self._max_jobs:
+            reported.popitem(last=False)  # OrderedDict: O(1) (a dict's next(iter()) degrades)
         closed = False
         if req.state == "closing" and not req.live:
             req.state = step(STORE_REQUEST, "StoreRequest", "closing", "Report", "closed", req.req_id)
