@@ -15,11 +15,13 @@ Actions:
 
 Matching is by operation (``exist`` / ``put`` / ``get``), optional key set or key substring, optional call
 numbers (0-based, per operation) and a probability drawn from one `random.Random(seed)`: the same plan and
-the same sequence of calls inject the same faults. Every injection is appended to `FaultyStore.injected`.
+the same sequence of calls inject the same faults. Every injection is appended to `FaultyStore.injected`
+(bounded: the newest `FaultPlan.log_limit` events; `injected_total` counts them all).
 """
 from __future__ import annotations
 
 import random
+from collections import deque
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +70,11 @@ class FaultRule:
 class FaultPlan:
     rules: Sequence[FaultRule] = ()
     seed: int = 0
+    log_limit: int = 10_000  # FaultyStore.injected keeps the newest this many events (a long fuzz run)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.log_limit, bool) or not isinstance(self.log_limit, int) or self.log_limit < 1:
+            raise ValueError(f"FaultPlan.log_limit={self.log_limit!r}: must be an int >= 1")
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,11 @@ class FaultyStore:
 
     inner: KVStore
     plan: FaultPlan = field(default_factory=FaultPlan)
-    injected: list[FaultEvent] = field(default_factory=list)
+    injected: deque[FaultEvent] = field(init=False)  # newest plan.log_limit events
+    injected_total: int = field(init=False, default=0)  # every event ever, including dropped ones
 
     def __post_init__(self) -> None:
+        self.injected = deque(maxlen=self.plan.log_limit)
         self._rng = random.Random(self.plan.seed)
         self._calls = {op: 0 for op in _OPS}
         self._fires = [0] * len(self.plan.rules)
@@ -108,7 +117,7 @@ class FaultyStore:
                 if rule.action == "raise":
                     if self._can_fire(r) and self._rng.random() < rule.probability:
                         self._fires[r] += 1
-                        self.injected.append(FaultEvent(op, call, "raise", None, None))
+                        self._log(FaultEvent(op, call, "raise", None, None))
                         raise InjectedFault(f"injected fault: {op} call {call} (rule {r})")
                     continue
                 for i, k in enumerate(keys):
@@ -119,11 +128,15 @@ class FaultyStore:
                     self._fires[r] += 1
                     if rule.action == "code":
                         codes[i] = int(rule.code)
-                        self.injected.append(FaultEvent(op, call, "code", k, int(rule.code)))
+                        self._log(FaultEvent(op, call, "code", k, int(rule.code)))
                     else:
                         evict.append(i)
-                        self.injected.append(FaultEvent(op, call, "evict", k, None))
+                        self._log(FaultEvent(op, call, "evict", k, None))
             return codes, evict
+
+    def _log(self, event: FaultEvent) -> None:
+        self.injected.append(event)
+        self.injected_total += 1
 
     def _can_fire(self, r: int) -> bool:
         cap = self.plan.rules[r].max_fires

@@ -141,6 +141,14 @@ def _probe(field: str, address: str, other: str, timeout_s: float = 2.0) -> None
                                     f"{field} {host}:{port} does not accept connections ({e})") from None
 
 
+def _all_positive(ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> bool:
+    """Fast path of the buffer check: every pointer and size of every key > 0 (C-speed min over the lists)."""
+    try:
+        return not ptrs or (min(map(min, ptrs)) > 0 and min(map(min, sizes)) > 0)
+    except (ValueError, TypeError):  # an empty chunk list or a non-number: check key by key
+        return False
+
+
 def _unique_rounds(keys: Sequence[str], send: list[int]) -> list[list[int]]:
     """Split `send` so no call repeats a key: Mooncake fails every occurrence of a key that appears twice in
     one batch when any occurrence fails (measured: a good get next to a bad one of the same key gave -800)."""
@@ -257,7 +265,7 @@ class MooncakeStore:
             return False
 
     def _note(self, results: list[int]) -> list[int]:
-        if results and any(r in MASTER_DOWN_CODES for r in results):
+        if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
             self._skip_until = time.monotonic() + self.config.unhealthy_backoff_ms / 1000.0
         return results
 
@@ -270,79 +278,83 @@ class MooncakeStore:
 
     # -- batch calls -------------------------------------------------------------------------------
 
-    def _key_ok(self, key: str) -> bool:
-        return isinstance(key, str) and 0 < len(key.encode()) <= self.max_key_bytes
+    def _key_code(self, key: object) -> int:
+        """0 if `key` may be sent, else the local code for it."""
+        if not isinstance(key, str) or not key:
+            return int(StoreCode.INVALID_PARAMS)
+        # ASCII keys (ours always are) are as long in bytes as in chars: skip the encode
+        n = len(key) if key.isascii() else len(key.encode())
+        return 0 if n <= self.max_key_bytes else int(StoreCode.KEY_TOO_LONG)
 
-    def _call(self, fn_name: str, keys: Sequence[str], send: list[int], *args: list[Any]) -> list[int]:
-        """Call the raw batch method on the keys at indices `send`; merge into a full per-key result."""
-        out = [0] * len(keys)
-        for batch in _unique_rounds(keys, send):
-            try:
-                res = getattr(self._raw, fn_name)([keys[i] for i in batch], *[[a[i] for i in batch] for a in args])
-            except Exception as e:
-                self.last_exception = e
-                res = [int(StoreCode.CLIENT_EXCEPTION)] * len(batch)
-            if len(res) != len(batch):  # never seen; do not trust a short answer
-                res = [int(StoreCode.CLIENT_EXCEPTION)] * len(batch)
-            for i, r in zip(batch, res):
-                out[i] = int(r)
-        return self._note(out)
+    @staticmethod
+    def _buffer_ok(ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
+        # a null or negative pointer would crash the process inside Mooncake; refuse it here
+        # (a non-int that compares, e.g. a float, is rejected by pybind11 for the whole call -> CLIENT_EXCEPTION)
+        try:
+            return bool(ptrs) and min(ptrs) > 0 and min(sizes) > 0
+        except TypeError:
+            return False
 
     def _presend(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]] | None,
                  sizes: Sequence[Sequence[int]] | None) -> tuple[list[int], list[int]]:
-        """(indices to send, per-key codes for the ones not sent)."""
-        codes = [0] * len(keys)
-        send: list[int] = []
-        for i, k in enumerate(keys):
-            if not self._key_ok(k):
-                codes[i] = int(StoreCode.KEY_TOO_LONG if isinstance(k, str) and k else StoreCode.INVALID_PARAMS)
-            elif ptrs is not None and sizes is not None and (
-                    not ptrs[i] or any((not isinstance(p, int)) or p <= 0 for p in ptrs[i])
-                    or any((not isinstance(s, int)) or s <= 0 for s in sizes[i])):
-                codes[i] = int(StoreCode.BAD_BUFFER)
-            else:
-                send.append(i)
-        return send, codes
+        """(indices to send, per-key codes; 0 for the ones sent)."""
+        codes = [self._key_code(k) for k in keys]
+        if ptrs is not None and sizes is not None and not _all_positive(ptrs, sizes):
+            for i, c in enumerate(codes):
+                if c == 0 and not self._buffer_ok(ptrs[i], sizes[i]):
+                    codes[i] = int(StoreCode.BAD_BUFFER)
+        return [i for i, c in enumerate(codes) if c == 0], codes
+
+    def _run(self, fn_name: str, keys: Sequence[str], *args: Sequence[Sequence[int]]) -> list[int]:
+        """Check, skip or call: one code per key, never an exception for a per-key problem."""
+        n = len(keys)
+        skipped = self._skip(n)
+        if skipped is not None:
+            return skipped
+        send, codes = self._presend(keys, *(args or (None, None)))  # type: ignore[arg-type]
+        fn = getattr(self._raw, fn_name)
+        if len(send) == n and len(set(keys)) == n:  # the common case: one call, no copying
+            return self._note(self._invoke(fn, n, list(keys), *[list(a) for a in args]))
+        for batch in _unique_rounds(keys, send):
+            res = self._invoke(fn, len(batch), [keys[i] for i in batch], *[[a[i] for i in batch] for a in args])
+            for i, r in zip(batch, res):
+                codes[i] = r
+        return self._note(codes)
+
+    def _invoke(self, fn: Any, n: int, *args: list[Any]) -> list[int]:
+        try:
+            res = [int(r) for r in fn(*args)]
+        except Exception as e:  # pybind11 type errors, anything else the client throws
+            self.last_exception = e
+            return [int(StoreCode.CLIENT_EXCEPTION)] * n
+        if len(res) != n:  # never seen; do not trust a short answer
+            return [int(StoreCode.CLIENT_EXCEPTION)] * n
+        return res
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """1 exists, 0 missing, < 0 error (per key)."""
-        skipped = self._skip(len(keys))
-        if skipped is not None:
-            return skipped
-        send, codes = self._presend(keys, None, None)
-        res = self._call("batch_is_exist", keys, send)
-        sent = set(send)
-        return [res[i] if i in sent else codes[i] for i in range(len(keys))]
+        return self._run("batch_is_exist", keys)
 
     def batch_put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                   sizes: Sequence[Sequence[int]]) -> list[int]:
         """Zero-copy put of each key's chunks; 0 stored or already present (first writer wins), < 0 error."""
         _check_lists(keys, ptrs, sizes)
-        return self._batch("batch_put_from_multi_buffers", keys, ptrs, sizes)
+        return self._run("batch_put_from_multi_buffers", keys, ptrs, sizes)
 
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                   sizes: Sequence[Sequence[int]]) -> list[int]:
         """Zero-copy get into each key's chunks; bytes read (== object size) or < 0 error."""
         _check_lists(keys, ptrs, sizes)
-        return self._batch("batch_get_into_multi_buffers", keys, ptrs, sizes)
-
-    def _batch(self, fn: str, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-               sizes: Sequence[Sequence[int]]) -> list[int]:
-        skipped = self._skip(len(keys))
-        if skipped is not None:
-            return skipped
-        send, codes = self._presend(keys, ptrs, sizes)
-        res = self._call(fn, keys, send, [list(p) for p in ptrs], [list(s) for s in sizes])
-        sent = set(send)
-        return [res[i] if i in sent else codes[i] for i in range(len(keys))]
+        return self._run("batch_get_into_multi_buffers", keys, ptrs, sizes)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0 removed, -704 missing, -706 leased (use force). Used by fault injection and tests."""
         skipped = self._skip(1)
         if skipped is not None:
             return skipped[0]
-        if not self._key_ok(key):
-            return int(StoreCode.KEY_TOO_LONG)
+        code = self._key_code(key)
+        if code:
+            return code
         try:
             return self._note([int(self._raw.remove(key, force))])[0]
         except Exception as e:

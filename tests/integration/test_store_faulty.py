@@ -89,4 +89,14 @@ def test_length_mismatch_is_rejected_before_any_fault(shared_store: MooncakeStor
     fs = FaultyStore(shared_store, FaultPlan([FaultRule("get", "raise")]))
     with pytest.raises(ValueError, match="keys=2 vs 1"):
         fs.batch_get(["a", "b"], [[1]], [[1], [1]])
-    assert fs.injected == []
+    assert list(fs.injected) == [] and fs.injected_total == 0
+
+
+def test_injection_log_is_bounded(shared_store: MooncakeStore) -> None:
+    fs = FaultyStore(shared_store, FaultPlan([FaultRule("exist", "code", code=-800)], log_limit=4))
+    keys = [f"k{i}" for i in range(10)]
+    assert fs.batch_is_exist(keys) == [-800] * 10  # injected codes: nothing reaches the store
+    assert len(fs.injected) == 4 and fs.injected_total == 10
+    assert [e.key for e in fs.injected] == keys[-4:]  # the newest are kept
+    with pytest.raises(ValueError, match="FaultPlan.log_limit=0"):
+        FaultPlan(log_limit=0)
