@@ -85,6 +85,7 @@ class WorkerSide:
         self.num_saves_rejected = 0
         self.num_loads = 0
         self.num_load_blocks_failed = 0
+        self.num_store_exceptions = 0
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -226,7 +227,7 @@ class WorkerSide:
                 with self._lock:
                     self.ledger.record_saved(job, spec.end_block * self.block_size)
                 return
-            exist = self.store.batch_is_exist(keys)
+            exist = self._store_call("batch_is_exist", len(keys), keys)
             todo = [j for j, e in enumerate(exist) if e != 1]
             codes: list[int] = []
             if todo:
@@ -238,7 +239,7 @@ class WorkerSide:
                     ptrs.append(p)
                     sizes.append(s)
                 t0 = time.perf_counter()
-                codes = self.store.batch_put([keys[j] for j in todo], ptrs, sizes)
+                codes = self._store_call("batch_put", len(todo), [keys[j] for j in todo], ptrs, sizes)
                 self.stats.add("put_s", time.perf_counter() - t0)
                 self.stats.add("puts")
                 self.stats.add("put_keys", len(todo))
@@ -263,6 +264,15 @@ class WorkerSide:
                     self.ledger.finish(job)  # Report: exactly once, on every exit path
             except LedgerError as e:
                 self._note_error(f"report job {job}: {e}")
+
+    def _store_call(self, fn: str, n: int, *args: Any) -> list[int]:
+        """A store batch call whose exception becomes CLIENT_EXCEPTION for each of its `n` keys (the store
+        wrapper already does this; a wrapped or test store may raise)."""
+        try:
+            return list(getattr(self.store, fn)(*args))
+        except Exception:
+            self.num_store_exceptions += 1
+            return [int(StoreCode.CLIENT_EXCEPTION)] * n
 
     def _note_error(self, msg: str) -> None:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
@@ -298,15 +308,15 @@ class WorkerSide:
                 sub = order[lo:lo + step]
                 try:
                     bufs = [self._block_buffers(spec.block_ids[i]) for i in sub]
-                    t0 = time.perf_counter()
-                    res = self.store.batch_get([keys[i] for i in sub], [b[0] for b in bufs],
-                                               [b[1] for b in bufs])
-                    self.stats.add("get_s", time.perf_counter() - t0)
-                    self.stats.add("gets")
-                    self.stats.add("get_keys", len(sub))
-                except Exception as e:
-                    self._note_error(f"load {spec.req_id} sub-batch: {type(e).__name__}: {e}")
+                except LedgerInputError as e:  # a block id outside the cache: this sub-batch fails
+                    self._note_error(f"load {spec.req_id}: {e}")
                     continue
+                t0 = time.perf_counter()
+                res = self._store_call("batch_get", len(sub), [keys[i] for i in sub],
+                                       [b[0] for b in bufs], [b[1] for b in bufs])
+                self.stats.add("get_s", time.perf_counter() - t0)
+                self.stats.add("gets")
+                self.stats.add("get_keys", len(sub))
                 for i, r in zip(sub, res):
                     if r == self._key_bytes:
                         loaded.add(spec.block_ids[i])
