@@ -27,10 +27,15 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
 _START_TIMEOUT_S = 30.0
+# flags we set ourselves; overriding them could open a listener beyond loopback or break readiness
+_OWN_FLAGS = frozenset({"--rpc_address", "--rpc_port", "--port", "--enable_http_metadata_server",
+                        "--http_metadata_server_host", "--http_metadata_server_port", "--metrics_host",
+                        "--metrics_port", "--logtostderr"})
 
 
 class EmbeddedStartError(RuntimeError):
@@ -97,7 +102,17 @@ class EmbeddedMooncake:
     """
 
     def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
-                 client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True) -> None:
+                 client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
+                 extra_master_flags: Sequence[str] = ()) -> None:
+        for name, value in (("rpc_timeout_ms", rpc_timeout_ms), ("lease_ttl_ms", lease_ttl_ms),
+                            ("client_ttl_s", client_ttl_s)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EmbeddedMooncake {name}={value!r}: must be an int >= 1")
+        bad = [f for f in extra_master_flags if not f.startswith("--") or f.split("=")[0] in _OWN_FLAGS]
+        if bad:
+            raise ValueError(f"EmbeddedMooncake extra_master_flags={bad!r}: must be --flag[=value] and not one of "
+                             f"{sorted(_OWN_FLAGS)} (those keep every listener on 127.0.0.1)")
+        self.extra_master_flags = tuple(extra_master_flags)
         self.rpc_timeout_ms = rpc_timeout_ms
         # short leases let tests remove/evict recently read keys; Mooncake's default is 10 s
         self.lease_ttl_ms = lease_ttl_ms
@@ -163,6 +178,7 @@ class EmbeddedMooncake:
         cmd = _tool("mooncake_http_metadata_server") + [
             "--host", LOOPBACK, "--port", str(self.metadata_port),
             "--log-level", "WARNING" if self.quiet else "INFO"]
+        self._refuse_busy("metadata", [self.metadata_port])
         self._metadata = self._spawn("metadata", cmd)
         self._wait_ready(self._metadata, [self.metadata_port])
 
@@ -176,7 +192,8 @@ class EmbeddedMooncake:
             f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             f"--client_ttl={self.client_ttl_s}",
-            "--logtostderr", f"--minloglevel={1 if self.quiet else 0}"]
+            "--logtostderr", f"--minloglevel={1 if self.quiet else 0}", *self.extra_master_flags]
+        self._refuse_busy("master", [self.rpc_port, self.metrics_port])
         self._master = self._spawn("master", cmd)
         self._wait_ready(self._master, [self.rpc_port])
 
@@ -219,6 +236,13 @@ class EmbeddedMooncake:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=_child_env(self.rpc_timeout_ms), start_new_session=True)
         return _Proc(name, cmd, log_path, popen)
+
+    @staticmethod
+    def _refuse_busy(name: str, ports: list[int]) -> None:
+        # readiness is "the port accepts": a port someone else already serves would look ready at once
+        busy = [p for p in ports if port_accepts(p)]
+        if busy:
+            raise EmbeddedStartError(f"mooncake {name}: port(s) {busy} on {LOOPBACK} already in use")
 
     def _wait_ready(self, proc: _Proc, ports: list[int]) -> None:
         popen = proc.popen

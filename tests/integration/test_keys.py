@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from connector.keys import KeyBuilder, KeyLayout, KeyTooLongError
 from connector.store import MooncakeStore, StoreCode
 
+ROOT = Path(__file__).resolve().parents[2]
 BASE = KeyLayout(model="meta-llama/Llama-3.1-8B", tp_rank=0, tp_size=2, block_size=16, dtype="torch.bfloat16",
                  kv_layout="NHD", num_layers=32, num_kv_heads=4, head_size=128)
 HASH = bytes.fromhex("00ff" * 16)
@@ -48,7 +50,7 @@ def test_key_is_stable_across_processes() -> None:
     code = ("from connector.keys import KeyBuilder, KeyLayout;"
             "print(KeyBuilder(KeyLayout('m', 0, 1, 16, 'torch.float16', 'NHD', 2, 2, 8)).key(b'ab'))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."}).stdout for seed in ("1", "2")}
+                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}).stdout for seed in ("1", "2")}
     assert len(outs) == 1 and outs.pop().strip().endswith("/tp0of1/6162")
 
 
