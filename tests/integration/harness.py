@@ -197,7 +197,10 @@ class Harness:
         self.stats = RunStats()
         self.key_builders = [w.worker_side.keys for w in self.workers]  # type: ignore[union-attr]
         self._checker: MooncakeStore | None = None
-        self._store_config = store_config
+        emb = self.workers[0]._embedded if store_config.embedded else None
+        # embedded default: the connectors started a private master; the checker joins it
+        self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
+                              if emb is not None else store_config)
         self._closed = False
 
     # ------------------------------------------------------------------ access
@@ -396,11 +399,11 @@ class Harness:
         if self._closed:
             return
         self._closed = True
+        if self._checker is not None:  # before an embedded master goes away with the last connector
+            self._checker.close()
         for w in self.workers:
             w.shutdown()
         self.scheduler_connector.shutdown()
-        if self._checker is not None:
-            self._checker.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
