@@ -6,9 +6,11 @@ backoff, duplicate-key rounds) against the raw Mooncake batch calls it wraps
 (torch ``copy_``) of the same bytes. Every KV block is one key made of two chunks (K and V from two
 tensors, as in a real layer). Per iteration the three paths run in a rotating order; puts use fresh keys
 each iteration (removed untimed afterwards, since put is first-writer-wins); gets read keys stored once.
-Data is checked byte-exact once per path. One embedded master on 127.0.0.1; the client owns the segment,
-so Mooncake moves the bytes in-process (its TCP-only memcpy path): this measures our overhead over
-Mooncake, not the network.
+Data is checked byte-exact once per path. Two placements, each on its own embedded master on 127.0.0.1:
+"local" (the client owns the segment; Mooncake moves the bytes in-process with its TCP-only memcpy path)
+and "remote" (the segment belongs to a separate `mooncake_client` holder process and the benchmarking
+client contributes none, so every byte crosses a loopback TCP connection, as for workers that are pure
+consumers).
 
 Adding a suite (e.g. the connector's per-step scheduler overhead): write ``def my_suite(args) -> int``
 printing its own table, and append it to `SUITES`; `main()` runs them in order.
@@ -145,20 +147,30 @@ def store_suite(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # the memcpy baseline must not fight Mooncake's threads for 2 cores
     print(f"[bench.connector] store throughput: MooncakeStore vs raw Mooncake batch calls vs torch copy_ "
           f"(medians; per-iteration paired ratios; rotating order)", flush=True)
-    with EmbeddedMooncake() as mc:
-        store = MooncakeStore.connect(StoreConfig(global_segment_size=512 << 20, local_buffer_size=4 << 20),
-                                      embedded=mc)
-        try:
-            rows = [(shape, _store_shape(store, shape, ITERS[shape] // div)) for shape in SHAPES]
-        finally:
-            store.close()
-            torch.set_num_threads(threads)
-    print(f"{'shape':<40} {'op':<4} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy GB/s':>12} "
+    rows = []
+    try:
+        for placement in ("local", "remote"):
+            with EmbeddedMooncake() as mc:
+                if placement == "remote":  # the segment lives in another process: bytes cross loopback TCP
+                    mc.start_holder(512 << 20)
+                segment = 512 << 20 if placement == "local" else 0
+                store = MooncakeStore.connect(StoreConfig(global_segment_size=segment, local_buffer_size=4 << 20),
+                                              embedded=mc)
+                try:
+                    # remote is ~10x slower per byte: half the iterations keep the run short
+                    per = 1 if placement == "local" else 2
+                    rows += [(placement, shape, _store_shape(store, shape, max(3, ITERS[shape] // div // per)))
+                             for shape in SHAPES]
+                finally:
+                    store.close()
+    finally:
+        torch.set_num_threads(threads)
+    print(f"{'placement':<9} {'shape':<40} {'op':<4} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy GB/s':>12} "
           f"{'ours/raw':>9} {'ours-raw us':>12} {'memcpy/ours':>12}")
-    for shape, res in rows:
+    for placement, shape, res in rows:
         for op in ("put", "get"):
             r = res[op]
-            print(f"{shape.label():<40} {op:<4} {r['ours']:>10.2f} {r['raw']:>9.2f} {r['memcpy']:>12.2f} "
+            print(f"{placement:<9} {shape.label():<40} {op:<4} {r['ours']:>10.2f} {r['raw']:>9.2f} {r['memcpy']:>12.2f} "
                   f"{r['ratio']:>9.2f} {r['extra_us']:>12.0f} {r['memcpy'] / r['ours']:>12.1f}")
     print("ours/raw: median of per-iteration throughput ratios (1.0 = the wrapper costs nothing measurable);\n"
           "ours-raw us: median extra time per batch call; memcpy/ours: what Mooncake itself costs over a copy.")

@@ -125,6 +125,7 @@ class EmbeddedMooncake:
         self.metrics_port = 0
         self._master: _Proc | None = None
         self._metadata: _Proc | None = None
+        self._holders: list[_Proc] = []
         self._stopped = False
         # stop at interpreter exit even if the owner forgets; weak so the object can still be collected
         ref = weakref.ref(self)
@@ -197,6 +198,37 @@ class EmbeddedMooncake:
         self._master = self._spawn("master", cmd)
         self._wait_ready(self._master, [self.rpc_port])
 
+    def start_holder(self, segment_size: int) -> int:
+        """Start a storage-only `mooncake_client` contributing `segment_size` bytes to the pool (RPC port on
+        127.0.0.1); returns its pid. Workers can then run with ``global_segment_size=0`` and every byte they
+        store crosses a real TCP connection, and stored KV outlives any one worker (Mooncake §6 advice)."""
+        if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < (1 << 20):
+            raise ValueError(f"start_holder segment_size={segment_size!r}: must be an int >= 1 MiB")
+        if self._pid(self._master) is None:
+            raise EmbeddedStartError("start_holder: the master is not running")
+        port = free_port()
+        cmd = _tool("mooncake_client") + [
+            f"--host={LOOPBACK}", f"--port={port}", f"--global_segment_size={segment_size >> 20}MB",
+            f"--master_server_address={self.master_address}", f"--metadata_server={self.metadata_server}",
+            "--protocol=tcp", "--logtostderr", f"--minloglevel={1 if self.quiet else 0}"]
+        self._refuse_busy("holder", [port])
+        proc = self._spawn(f"holder-{len(self._holders)}", cmd)
+        self._wait_ready(proc, [port])
+        self._holders.append(proc)
+        return proc.popen.pid if proc.popen is not None else -1
+
+    @property
+    def holder_pids(self) -> list[int]:
+        return [pid for pid in (self._pid(h) for h in self._holders) if pid is not None]
+
+    def kill_holder(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        """Kill one holder by pid (the data in its segment is gone: readers see -800, then -704)."""
+        for h in self._holders:
+            if h.popen is not None and h.popen.pid == pid:
+                self._kill(h, sig)
+                return
+        raise ValueError(f"kill_holder pid={pid!r}: not a holder of this deployment ({self.holder_pids})")
+
     def kill_master(self, sig: int = signal.SIGKILL) -> None:
         """Kill the master by pid (SIGKILL by default: a crash). Clients see -900 until it is back."""
         self._kill(self._master, sig)
@@ -216,6 +248,8 @@ class EmbeddedMooncake:
         if self._stopped:
             return
         self._stopped = True
+        for h in self._holders:
+            self._kill(h, signal.SIGTERM)
         self._kill(self._master, signal.SIGTERM)
         self._kill(self._metadata, signal.SIGTERM)
         atexit.unregister(self._atexit)

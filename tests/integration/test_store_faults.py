@@ -119,3 +119,31 @@ def test_hung_master_times_out_with_901_within_rpc_timeout(
     assert res == [StoreCode.RPC_TIMEOUT], res
     assert store.batch_is_exist(["a"]) == [StoreCode.UNHEALTHY_SKIPPED]
     assert wait_until(lambda: store.batch_is_exist(["a"]) == [0], 30.0)  # the same client works again
+
+
+def test_segment_owner_dies_readers_see_800_then_704_and_puts_200() -> None:
+    """Workers as pure consumers (segment 0) storing into a separate holder process over real TCP; the
+    holder dies: its keys fail (-800), then vanish (-704) once the master drops it; puts find no space."""
+    with EmbeddedMooncake(rpc_timeout_ms=RPC_TIMEOUT_MS, client_ttl_s=2) as mc:
+        holder = mc.start_holder(32 << 20)
+        assert mc.holder_pids == [holder]
+        store = MooncakeStore.connect(StoreConfig(global_segment_size=0, rpc_timeout_ms=RPC_TIMEOUT_MS), embedded=mc)
+        try:
+            src, dst = torch.arange(4096, dtype=torch.float32), torch.zeros(4096)
+            assert put_one(store, "held", src) == 0  # the only segment is the holder's
+            assert get_one(store, "held", dst) == src.nbytes and torch.equal(dst, src)
+            mc.kill_holder(holder)
+            assert mc.holder_pids == []
+            dst.zero_()
+            first = get_one(store, "held", dst)
+            assert first in (StoreCode.TRANSFER_FAIL, StoreCode.OBJECT_NOT_FOUND)
+            assert torch.count_nonzero(dst) == 0
+            assert wait_until(lambda: store.batch_is_exist(["held"]) == [0], 30.0)  # after client_ttl
+            assert get_one(store, "held", dst) == StoreCode.OBJECT_NOT_FOUND
+            assert put_one(store, "new", src) == StoreCode.NO_AVAILABLE_HANDLE  # no segment left
+            assert store.healthy()  # the master is fine; only the data holder is gone
+            mc.kill_holder(holder)  # already dead: a no-op
+            with pytest.raises(ValueError, match="not a holder"):
+                mc.kill_holder(os.getpid())
+        finally:
+            store.close()
