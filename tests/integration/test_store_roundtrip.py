@@ -172,3 +172,11 @@ def test_closed_store_answers_every_key_and_close_is_idempotent(store_config: St
     s.close()
     assert not s.healthy()
     assert s.batch_is_exist(["a", "b"]) == [StoreCode.INVALID_PARAMS] * 2
+
+
+def test_a_client_exception_becomes_a_code_per_key(shared_store: MooncakeStore, key_prefix: str) -> None:
+    # a float pointer passes our range check but pybind11 rejects the call with TypeError
+    res = shared_store.batch_get([f"{key_prefix}a", f"{key_prefix}b"], [[1.5], [2.5]], [[4], [4]])  # type: ignore[list-item]
+    assert res == [StoreCode.CLIENT_EXCEPTION] * 2
+    assert isinstance(shared_store.last_exception, TypeError)
+    assert shared_store.healthy()  # a bad call does not mark the store unhealthy
