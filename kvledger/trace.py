@@ -18,22 +18,26 @@ EmitStore       sched    job, req_id, blocks (pinned ids, in order), ranks_left 
 Collect         sched    completed {job: count} (as given, job ids as strings: JSON keys),
                          released [jobs freed now, tail first], ranks_left {job: left} (jobs still pinned
                          among those reported), unknown [ids ignored], pinned_jobs, pinned_blocks
-Receive         w<r>     job, req_id, generation, live [live job ids of that generation after register]
+Receive         w<r>     job, req_id, generation, live [live job ids of that generation after register],
+                         stale_on_arrival (bool: an older generation's job), superseded [job ids made
+                         stale because this job's newer generation replaced the open one: an
+                         unannounced preemption, folded into this Receive as in the model]
 DmaRead         w<r>     job, req_id, generation, dest ("running"|"stale"|"skipped"|"failed"),
                          offset (saved offset of the job's generation)
 Put             w<r>     job, req_id, generation, dest ("stored"|"failed"), num_tokens, pressure (bool),
                          live (bool: did the result touch the generation), offset (after)
 Report          w<r>     job, req_id, generation, from (job state before the report), live [after],
                          closed (bool: the report closed a closing generation)
-DropGeneration  w<r>     req_id, generation, finished (bool), dest ("closed"|"closing"), live [jobs still
-                         live], stale [jobs that became stale]
+DropGeneration  w<r>     req_id, generation (of the state dropped), notice_generation, finished (bool),
+                         dest ("closed"|"closing"), live [jobs still live], stale [jobs now stale]
 Load            w<r>     load, req_id, attempted [block ids], loaded [..], failed [..] (emitted when the
                          load is finished: per-key results are folded into one event)
 HandleLoadErrors w<r>    blocks [block ids handed out by take_errors]
 =============== ======== =============================================================================
 
-Generations are per rank, monotonic over all requests of that rank (not per req_id), so they stay
-bounded-memory; the trace checker treats them as opaque ids that differ between generations.
+Generations are the scheduler's (admissions of the request, as ``gen[r]`` in the model) when the connector
+passes them to ``register`` / ``drop_generation``; otherwise the rank numbers them itself, monotonic over
+all its requests, and the checker must treat them as opaque ids that differ between generations.
 """
 from __future__ import annotations
 

@@ -97,11 +97,20 @@ class WorkerLedger:
         self._trace = trace
 
     # ---------------------------------------------------------------- Receive
-    def register(self, req_id: str, job_id: int) -> None:
-        """Receive: put ``job_id`` in the live set of ``req_id``'s open generation (a fresh generation if
-        there is none). Call before the job is enqueued, so a concurrent drop sees it."""
+    def register(self, req_id: str, job_id: int, generation: int | None = None) -> None:
+        """Receive: put ``job_id`` in the live set of ``req_id``'s open generation. Call before the job is
+        enqueued, so a concurrent drop sees it.
+
+        ``generation``: the scheduler's generation of the request (number of admissions), carried in the
+        job's metadata. Give it: it is how a rank learns of a preemption nobody announced
+        (``reset_prefix_cache(reset_running_requests=True)`` preempts outside ``schedule()``). A job of a
+        newer generation closes the open one (its jobs become stale) and opens a fresh state; a job of an
+        older generation is registered stale. Without it, the rank numbers generations itself and only
+        :meth:`drop_generation` separates them."""
         if job_id.__class__ is not int:
             raise LedgerInputError("job_id", job_id, "must be an int")
+        if generation is not None and (generation.__class__ is not int or generation < 0):
+            raise LedgerInputError("generation", generation, "must be an int >= 0")
         if job_id in self._jobs or job_id in self._reported or job_id in self._completed:
             raise LedgerInputError("job_id", job_id, f"already registered on rank {self.rank}")
         if len(self._jobs) + len(self._completed) >= self._max_jobs:
@@ -110,23 +119,36 @@ class WorkerLedger:
                       f"jobs reach max_live_jobs={self._max_jobs}; job {job_id} refused (the scheduler cap "
                       f"must not exceed it)")
         req = self._requests.get(req_id)
-        if req is None:
-            if len(self._requests) >= self._max_requests:
+        live = True
+        superseded: list[int] = []
+        if req is None or (generation is not None and generation > req.generation):
+            if req is None and len(self._requests) >= self._max_requests:
                 raise LedgerInputError("max_requests", self._max_requests,
                                        f"rank {self.rank} holds that many request states; {req_id!r} refused "
                                        f"(a DropGeneration is missing?)")
-            req = StoreRequestState(req_id, self._next_generation)
-            self._next_generation += 1
+            if req is not None:  # unannounced preemption: the newer generation supersedes the open one
+                superseded = self._close(req, finished=False, generation=generation, emit=False)
+            if generation is None:
+                generation = self._next_generation
+                self._next_generation += 1
+            req = StoreRequestState(req_id, generation)
             self._requests[req_id] = req
+        elif generation is not None and generation < req.generation:
+            # a job of a generation that is already gone: registered (it will be reported) but stale
+            req = StoreRequestState(req_id, generation)
+            req.state = "closed"
+            live = False
         job = _Job(job_id, req)
         if ("emitted", "Receive", "queued") not in STORE_JOB_ALLOWED:
             _refuse(job, "Receive", "queued")
         job.state = "queued"
         self._jobs[job_id] = job
-        req.live.add(job_id)
+        if live:
+            req.live.add(job_id)
         if self._trace is not None:
             self._trace.emit(self._actor, "Receive", {
-                "job": job_id, "req_id": req_id, "generation": req.generation, "live": sorted(req.live)})
+                "job": job_id, "req_id": req_id, "generation": req.generation, "live": sorted(req.live),
+                "stale_on_arrival": not live, "superseded": superseded})
 
     def _job(self, job_id: int) -> _Job:
         job = self._jobs.get(job_id)
@@ -252,34 +274,47 @@ class WorkerLedger:
         return done
 
     # ---------------------------------------------------------------- DropGeneration
-    def drop_generation(self, req_id: str, *, finished: bool) -> str | None:
-        """DropGeneration: the scheduler preempted (``finished=False``) or finished ``req_id``.
+    def drop_generation(self, req_id: str, *, finished: bool, generation: int | None = None) -> str | None:
+        """DropGeneration: the scheduler preempted (``finished=False``) or finished ``req_id``
+        (``generation``: which generation, as in :meth:`register`).
 
         Preemption closes the open generation at once: its live jobs become stale. A finish with live jobs
         moves it to ``closing`` (the jobs still save: their blocks are pinned) and detaches it from
-        ``req_id``; it closes when its last job reports. No open generation (never saved on this rank,
-        already closed, or closing: the notice is about a newer generation that has no job here): no-op,
-        returns None. Otherwise returns the new StoreRequest state."""
+        ``req_id``; it closes when its last job reports. Returns the new StoreRequest state, or None when
+        there is nothing to drop: no open generation (never saved on this rank, already closed, or
+        closing), or a late notice about an older generation than the open one."""
         req = self._requests.get(req_id)
         if req is None:
             return None
+        if generation is not None:
+            if generation.__class__ is not int or generation < 0:
+                raise LedgerInputError("generation", generation, "must be an int >= 0")
+            if generation < req.generation:
+                return None
+        return self._close(req, finished=finished, generation=generation)
+
+    def _close(self, req: StoreRequestState, *, finished: bool, generation: int | None,
+               emit: bool = True) -> Any:
+        """DropGeneration on an open generation. Returns the new state; with ``emit=False`` (a newer
+        generation's Receive supersedes it: part of that Receive, as in the model) the stale job ids."""
         stale: list[int] = []
-        if finished and req.live:
-            dest = "closing"
-        else:
-            dest = "closed"
-        req.state = step(STORE_REQUEST, "StoreRequest", req.state, "DropGeneration", dest, req_id)
+        dest = "closing" if finished and req.live and (generation is None or generation == req.generation) \
+            else "closed"
+        req.state = step(STORE_REQUEST, "StoreRequest", req.state, "DropGeneration", dest, req.req_id)
         if dest == "closed":
             stale = sorted(req.live)
             req.live.clear()
             self._forget(req)
         else:
-            del self._requests[req_id]
+            del self._requests[req.req_id]
             self._closing.add(req)
+        if not emit:
+            return stale
         if self._trace is not None:
             self._trace.emit(self._actor, "DropGeneration", {
-                "req_id": req_id, "generation": req.generation, "finished": finished, "dest": dest,
-                "live": sorted(req.live), "stale": stale})
+                "req_id": req.req_id, "generation": req.generation, "finished": finished, "dest": dest,
+                "live": sorted(req.live), "stale": stale,
+                "notice_generation": generation if generation is not None else req.generation})
         return dest
 
     def _forget(self, req: StoreRequestState) -> None:

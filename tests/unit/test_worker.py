@@ -278,3 +278,64 @@ def test_request_state_memory_is_small():
     st.live.update(range(4))
     size = sys.getsizeof(st) + sys.getsizeof(st.live) + sys.getsizeof(st.req_id)
     assert size < 2048, size
+
+
+# ---- scheduler generations (as the model's gen[r]): unannounced preemption, late notices
+def test_unannounced_preemption_new_generation_makes_old_jobs_stale():
+    """reset_prefix_cache(reset_running_requests=True) preempts outside schedule(): no notice. The next
+    generation's first job tells the rank."""
+    tr = ListTrace()
+    led = WorkerLedger(0, max_live_jobs=8, trace=tr)
+    led.register("r", 0, generation=1)
+    assert led.begin(0) is Verdict.RUN          # gen 1 job is reading
+    led.register("r", 1, generation=1)          # queued, gen 1
+    led.register("r", 2, generation=2)          # gen 2 arrives: gen 1 is gone
+    assert led.request("r").generation == 2 and led.request("r").live == {2}
+    assert tr.events[-1]["superseded"] == [0, 1] and tr.actions().count("DropGeneration") == 0
+    assert led.record_saved(0, 128) is False    # the old read lands: no effect on gen 2
+    assert led.begin(1) is Verdict.STALE
+    assert run_ok(led, 2, 32) is Verdict.RUN
+    led.finish(0)
+    led.finish(1)
+    assert led.request("r").saved_offset == 32
+    assert led.take_completed() == {0: 1, 1: 1, 2: 1}
+
+
+def test_late_notice_of_older_generation_is_ignored():
+    led = w()
+    led.register("r", 0, generation=1)
+    led.register("r", 1, generation=2)          # supersedes gen 1
+    assert led.drop_generation("r", finished=False, generation=1) is None
+    assert led.is_live(1)
+
+
+def test_old_generation_job_arriving_late_is_stale():
+    led = w()
+    led.register("r", 5, generation=2)
+    led.register("r", 4, generation=1)
+    assert led.begin(4) is Verdict.STALE
+    assert led.request("r").live == {5}
+    led.finish(4)
+    assert led.take_completed() == {4: 1}
+
+
+def test_notice_for_newer_generation_closes_the_open_one():
+    led = w()
+    led.register("r", 0, generation=1)
+    assert led.drop_generation("r", finished=False, generation=2) == "closed"
+    assert led.begin(0) is Verdict.STALE
+
+
+def test_finish_notice_of_same_generation_defers_close():
+    led = w()
+    led.register("r", 0, generation=3)
+    assert led.drop_generation("r", finished=True, generation=3) == "closing"
+    assert led.begin(0) is Verdict.RUN
+
+
+@pytest.mark.parametrize("g", [-1, 1.0, "2"])
+def test_bad_generation_names_field(g):
+    led = w()
+    with pytest.raises(LedgerInputError) as e:
+        led.register("r", 0, generation=g)
+    assert e.value.field == "generation" and led.num_live_jobs == 0
