@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ledger")
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     a = ap.parse_args(argv)
-    budget = 20_000 if a.quick else 150_000
+    budget = 20_000 if a.quick else 400_000
     gc_was = gc.isenabled()
     gc.disable()
     rows = []
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         for B in (8, 32):
             for N in (64, 256, 1024):
                 for ws in (1, 2):
-                    steps = max(24, min(300, budget // (N * B)))
+                    steps = max(24 if a.quick else 60, min(400, budget // (N * B)))
                     r = run_scheduler_config(N, B, ws, steps, warmup=max(3, steps // 10))
                     rows.append(r)
                     ok = r["vs_upstream"] <= TARGET_VS_UPSTREAM and r["vs_plain"] <= TARGET_VS_PLAIN
