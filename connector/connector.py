@@ -115,15 +115,20 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._embedded: EmbeddedMooncake | None = None
         self._owns_store = store is None
         self._trace_file = None
+        self.store: KVStore | None = None
+        save_decode = extra.get("save_decode", False)
+        if not isinstance(save_decode, bool):
+            raise ConfigError("save_decode", save_decode, "must be a bool", "kv_connector_extra_config")
+        pc = vllm_config.parallel_config
+        # every connector key is validated before anything is started or connected
+        load_threads = _extra_int(extra, "load_threads", 1, 1)
+        max_lookup_cache = _extra_int(extra, "max_lookup_cache", 4096, 1)
+        tp_rank = self._tp_rank(extra, pc.tensor_parallel_size) if role != KVConnectorRole.SCHEDULER else 0
         trace = None
         if extra.get("trace_path"):
             from kvledger.trace import NdjsonTrace
             self._trace_file = open(str(extra["trace_path"]), "a", encoding="utf-8")
             trace = NdjsonTrace(self._trace_file)
-        save_decode = extra.get("save_decode", False)
-        if not isinstance(save_decode, bool):
-            raise ConfigError("save_decode", save_decode, "must be a bool", "kv_connector_extra_config")
-        pc = vllm_config.parallel_config
         bs = vllm_config.cache_config.block_size
         self.stats = StatsRecorder()
         self.scheduler_side: SchedulerSide | None = None
@@ -138,10 +143,9 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(
                 block_size=bs, world_size=pc.world_size, key_builders=builders, store=store,
                 max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
-                save_decode=save_decode, max_lookup_cache=_extra_int(extra, "max_lookup_cache", 4096, 1),
+                save_decode=save_decode, max_lookup_cache=max_lookup_cache,
                 stats=self.stats, trace=trace)
         else:
-            tp_rank = self._tp_rank(extra, pc.tensor_parallel_size)
             if store is None:
                 store = self._connect(cfg)
             self.store = store
@@ -150,7 +154,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(
                 store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes), tp_rank=tp_rank, block_size=bs,
                 config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
-                num_load_threads=_extra_int(extra, "load_threads", 1, 1), stats=self.stats, trace=trace)
+                num_load_threads=load_threads, stats=self.stats, trace=trace)
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         if cfg.embedded:

@@ -124,6 +124,7 @@ class RunStats:
     finished: dict[str, str] = field(default_factory=dict)  # req_id -> finish reason (last generation)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     load_error_blocks: int = 0
+    push_work_steps: int = 0  # steps taken only because store jobs still held pins (has_pending_push_work)
     recovered_requests: set[str] = field(default_factory=set)
 
 
@@ -171,16 +172,14 @@ class Harness:
         # workers first (as in vLLM: KV caches exist before the scheduler)
         self.workers: list[KVLedgerConnector] = []
         self.kv_caches: list[dict[str, torch.Tensor]] = []
-        for r in range(tp_size):
-            vc = copy.copy(self.vllm_config)
-            vc.kv_transfer_config = dataclasses.replace(
-                self.vllm_config.kv_transfer_config, kv_connector_extra_config={**extra, "tp_rank": r})
-            w = KVLedgerConnector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
-            caches = {n: torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size,
-                                     dtype=torch.float32, device=device) for n in self.layer_names}
-            w.register_kv_caches(caches)
-            self.workers.append(w)
-            self.kv_caches.append(caches)
+        try:
+            self._build_workers(extra, tp_size, num_blocks, block_size, num_kv_heads, head_size, device)
+        except BaseException:
+            for w in self.workers:
+                w.shutdown()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size, log_stats=True)
@@ -197,11 +196,25 @@ class Harness:
         self.stats = RunStats()
         self.key_builders = [w.worker_side.keys for w in self.workers]  # type: ignore[union-attr]
         self._checker: MooncakeStore | None = None
+        self._scratch: torch.Tensor | None = None
         emb = self.workers[0]._embedded if store_config.embedded else None
         # embedded default: the connectors started a private master; the checker joins it
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
                               if emb is not None else store_config)
         self._closed = False
+
+    def _build_workers(self, extra: dict[str, Any], tp_size: int, num_blocks: int, block_size: int,
+                       num_kv_heads: int, head_size: int, device: str) -> None:
+        for r in range(tp_size):
+            vc = copy.copy(self.vllm_config)
+            vc.kv_transfer_config = dataclasses.replace(
+                self.vllm_config.kv_transfer_config, kv_connector_extra_config={**extra, "tp_rank": r})
+            w = KVLedgerConnector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.workers.append(w)
+            caches = {n: torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size,
+                                     dtype=torch.float32, device=device) for n in self.layer_names}
+            w.register_kv_caches(caches)
+            self.kv_caches.append(caches)
 
     # ------------------------------------------------------------------ access
     def connector(self, rank: int) -> KVLedgerConnector:
@@ -240,6 +253,8 @@ class Harness:
         """One engine step; False when the engine would stop (Scheduler.has_requests() is False)."""
         if not self.scheduler.has_requests():
             return False
+        if not self.scheduler.has_unfinished_requests() and self.scheduler_connector.has_pending_push_work():
+            self.stats.push_work_steps += 1
         out = self.scheduler.schedule()
         self.stats.steps += 1
         for rid in out.preempted_req_ids or ():
@@ -367,8 +382,10 @@ class Harness:
         store = self._checker
         span = self.content.span
         L = len(self.layer_names)
-        scratch = torch.zeros(2 * L, self.block_size, span, dtype=torch.float32)
-        store.register_buffer(scratch.data_ptr(), scratch.numel() * 4)
+        if self._scratch is None:  # one registered buffer per harness (a re-registered address is -600)
+            self._scratch = torch.zeros(2 * L, self.block_size, span, dtype=torch.float32)
+            store.register_buffer(self._scratch.data_ptr(), self._scratch.numel() * 4)
+        scratch = self._scratch
         chunk = self.block_size * span * 4
         ptrs = [scratch.data_ptr() + i * chunk for i in range(2 * L)]
         checked = polluted = 0

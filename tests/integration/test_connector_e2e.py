@@ -60,6 +60,7 @@ def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig)
         assert ss.ledger.num_deferrals > 0
         assert ss.ledger.peak_inflight_jobs == 1 and ss.ledger.peak_pinned_blocks <= 8
         assert ss.ledger.num_jobs_opened > 0
+        assert h.scheduler_connector.stats.totals.data["deferrals"] > 0  # reported to vLLM's stats too
         _check(h, prompts, max_tokens=24)
 
 
@@ -90,3 +91,37 @@ def test_lookup_cache_is_bounded(store_config: StoreConfig):
         _run_pass(h, prompts, max_tokens=8)
         assert ss.peak_lookup_cache == 2  # the bound was hit, never exceeded
         _check(h, prompts, max_tokens=8)
+
+
+def test_finished_request_frees_at_once_and_pins_keep_the_engine_stepping(store_config: StoreConfig):
+    """request_finished never delays the free; the store job's own pin keeps the blocks until every rank
+    reported, and has_pending_push_work keeps the engine stepping until then. `SlowStore` (a test double)
+    delays puts so that the job outlives its request deterministically."""
+    import time
+
+    class SlowStore:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def batch_put(self, *a):
+            time.sleep(0.3)
+            return self.inner.batch_put(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    prompt = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=3)[0]
+    with Harness(store_config, tp_size=2, num_blocks=16) as h:
+        for w in h.workers:
+            w.worker_side.store = SlowStore(w.worker_side.store)
+        h.add_request("req-0", prompt, 1)
+        pinned_after_finish = 0
+        while h.step():
+            if "req-0" in h.stats.finished and h.scheduler_connector.has_pending_push_work():
+                held = [b for b in h.block_pool.blocks[1:] if b.ref_cnt > 0]
+                pinned_after_finish = max(pinned_after_finish, len(held))
+        assert h.stats.finished["req-0"] == "length"
+        assert h.stats.push_work_steps > 0
+        assert pinned_after_finish == len(prompt) // 16  # the job's blocks, held by its pin alone
+        assert h.check_at_rest() == []
+        assert h.check_store()[1] == 0
