@@ -35,7 +35,7 @@ from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata
 from connector.stats import StatsRecorder
 from connector.store import KVStore, StoreCode
 from kvledger.errors import LedgerError, LedgerInputError
-from kvledger.load import rotation
+from kvledger.load import LoadLedger, rotation
 from kvledger.trace import TraceSink
 from kvledger.worker import Verdict, WorkerLedger
 
@@ -67,7 +67,9 @@ class WorkerSide:
         self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
         self._finished_loads: set[str] = set()
-        self._load_errors: set[int] = set()
+        # loads in flight: queued + one per load thread (+1: a rejected load is begun and finished at once)
+        self.loads = LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
+                                trace=trace)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
         self._chunks: list[tuple[int, int, int]] = []  # per (layer, k|v): (base ptr, block stride, bytes)
@@ -179,7 +181,9 @@ class WorkerSide:
             self._load_q.put_nowait(spec)
         except queue.Full:  # bounded: every block reported failed, vLLM recomputes them
             self.stats.add("rejected_jobs")
-            self._finish_load(spec, set(spec.block_ids))
+            with self._lock:
+                load_id = self.loads.begin_load(spec.req_id, spec.block_ids)
+            self._finish_load(load_id, spec.req_id, f"load queue full ({self.config.load_queue_size})")
 
     def take_finished_loads(self) -> set[str]:
         with self._lock:
@@ -188,8 +192,7 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
-            errs, self._load_errors = self._load_errors, set()
-        return errs
+            return self.loads.take_errors()  # HandleLoadErrors
 
     def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
         with self._lock:
@@ -288,7 +291,10 @@ class WorkerSide:
             self._handle_load(spec)
 
     def _handle_load(self, spec: LoadSpec) -> None:
-        loaded: set[int] = set()
+        """Load: every sub-batch is tried; a block not loaded is reported (LoadLedger: S8 on finish)."""
+        with self._lock:
+            load_id = self.loads.begin_load(spec.req_id, spec.block_ids)
+        reason = "not attempted"
         try:
             n = len(spec.block_ids)
             if n != len(spec.block_hashes):
@@ -302,6 +308,9 @@ class WorkerSide:
             fits, too_long = self.keys.split_by_length([keys[i] for i in order])
             if too_long:
                 self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
+                with self._lock:
+                    self.loads.record_failed(load_id, [spec.block_ids[order[j]] for j in too_long],
+                                             f"key longer than max_key_bytes={self.keys.max_key_bytes}")
             order = [order[j] for j in fits]
             step = self.config.load_sub_batch_keys
             for lo in range(0, len(order), step):  # every sub-batch is tried and accounted
@@ -317,32 +326,40 @@ class WorkerSide:
                 self.stats.add("get_s", time.perf_counter() - t0)
                 self.stats.add("gets")
                 self.stats.add("get_keys", len(sub))
-                for i, r in zip(sub, res):
-                    if r == self._key_bytes:
-                        loaded.add(spec.block_ids[i])
-                    else:
-                        self.stats.fail_code(r if r < 0 else int(StoreCode.INVALID_PARAMS))
-                self.stats.add("get_bytes", self._key_bytes * sum(1 for r in res if r == self._key_bytes))
+                ok = [spec.block_ids[i] for i, r in zip(sub, res) if r == self._key_bytes]
+                bad = [(spec.block_ids[i], r) for i, r in zip(sub, res) if r != self._key_bytes]
+                for _, r in bad:
+                    self.stats.fail_code(r if r < 0 else int(StoreCode.INVALID_PARAMS))
+                self.stats.add("get_bytes", self._key_bytes * len(ok))
+                with self._lock:
+                    self.loads.record_ok(load_id, ok)
+                    if bad:
+                        self.loads.record_failed(load_id, [b for b, _ in bad],
+                                                 f"store codes {sorted({r for _, r in bad})}")
         except Exception as e:
-            self._note_error(f"load {spec.req_id}: {type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {e}"
+            self._note_error(f"load {spec.req_id}: {reason}")
         finally:
-            self._finish_load(spec, set(spec.block_ids) - loaded)
+            self._finish_load(load_id, spec.req_id, reason)
 
-    def _finish_load(self, spec: LoadSpec, failed: set[int]) -> None:
+    def _finish_load(self, load_id: int, req_id: str, reason: str) -> None:
         """Errors first, then finished, under one lock: vLLM reads finished before errors in a step, so a
         request is never seen finished without its failed blocks (S8 LoadErrorsReported)."""
-        if failed:
-            self.num_load_blocks_failed += len(failed)
-            self.stats.add("get_failed_keys", len(failed))
-            self.stats.add("load_errors_reported", len(failed))
         with self._lock:
-            self._load_errors |= failed
-            self._finished_loads.add(spec.req_id)
+            failed = self.loads.fail_pending(load_id, reason)
+            result = self.loads.finish_load(load_id)
+            self._finished_loads.add(req_id)
+        if result.failed:
+            self.num_load_blocks_failed += len(result.failed)
+            self.stats.add("get_failed_keys", len(result.failed))
+            self.stats.add("load_errors_reported", len(result.failed))
+        del failed
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:
         with self._lock:
             return (self.ledger.has_pending_work() or bool(self._finished_loads)
+                    or self.loads.num_inflight_loads > 0
                     or not self._store_q.empty() or not self._load_q.empty())
 
     def shutdown(self, timeout: float = 10.0) -> None:

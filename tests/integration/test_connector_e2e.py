@@ -125,3 +125,20 @@ def test_finished_request_frees_at_once_and_pins_keep_the_engine_stepping(store_
         assert pinned_after_finish == len(prompt) // 16  # the job's blocks, held by its pin alone
         assert h.check_at_rest() == []
         assert h.check_store()[1] == 0
+
+
+def test_trace_path_writes_the_shared_vocabulary(store_config: StoreConfig, tmp_path):
+    """extra `trace_path`: the ledgers' NDJSON events (DESIGN §5 names) from a real run, both roles."""
+    import json
+    trace = tmp_path / "trace.ndjson"
+    prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=13)
+    with Harness(store_config, num_blocks=12, extra={"trace_path": str(trace)}) as h:
+        _run_pass(h, prompts, max_tokens=20)
+        _run_pass(h, prompts, max_tokens=20)
+        _check(h, prompts, max_tokens=20)
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    actions = {e["action"] for e in events}
+    assert {"EmitStore", "Collect", "Receive", "DmaRead", "Put", "Report", "DropGeneration", "Load"} <= actions
+    emitted = {e["job"] for e in events if e["action"] == "EmitStore"}
+    reported = [e["job"] for e in events if e["action"] == "Report"]
+    assert sorted(reported) == sorted(emitted)  # one rank: every job reported exactly once (S5)
