@@ -142,3 +142,29 @@ def test_trace_path_writes_the_shared_vocabulary(store_config: StoreConfig, tmp_
     emitted = {e["job"] for e in events if e["action"] == "EmitStore"}
     reported = [e["job"] for e in events if e["action"] == "Report"]
     assert sorted(reported) == sorted(emitted)  # one rank: every job reported exactly once (S5)
+
+
+def test_reset_prefix_cache_preempting_running_requests(store_config: StoreConfig):
+    """reset_prefix_cache(reset_running_requests=True) preempts outside schedule(): in vllm 0.32.0 the ids
+    still reach the connector through the next step's preempted_req_ids, so the old generations are
+    dropped, their in-flight jobs stay pinned until reported, and every request finishes correctly.
+    While store jobs hold pins vLLM's reset itself reports failure (RuntimeError): pins are never dropped
+    early to make a cache reset succeed."""
+    prompts = shared_prefix_prompts(8, num_prefixes=4, prefix_len=48, suffix_len=16, seed=17)
+    with Harness(store_config, tp_size=2, num_blocks=40) as h:
+        for i, p in enumerate(prompts):
+            h.add_request(f"req-{i}", p, MAX_TOKENS)
+        for _ in range(6):
+            h.step()
+        running = {r.request_id for r in h.scheduler.running}
+        assert running
+        if h.scheduler_connector.has_pending_push_work():
+            # vLLM frees every running request, then finds blocks still referenced (our store jobs' pins:
+            # a DMA may be reading them) and raises; the requests are preempted all the same
+            with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+                h.scheduler.reset_prefix_cache(reset_running_requests=True)
+        else:
+            assert h.scheduler.reset_prefix_cache(reset_running_requests=True)
+        h.run()
+        assert running <= h.stats.preempted_req_ids
+        _check(h, prompts)

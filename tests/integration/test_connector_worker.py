@@ -269,3 +269,16 @@ def test_worker_metadata_aggregates_and_pickles():
     assert pickle.loads(pickle.dumps(a)).completed_saves == {1: 2, 2: 1}
     with pytest.raises(ValueError, match="completed_saves"):
         KVLedgerWorkerMetadata({3: -1})
+
+
+def test_shutdown_drains_queued_jobs_and_reports_them(store, cfg, request):
+    salt = request.node.name
+    ws = _worker(store, cfg, salt=salt)
+    ws.register_kv_caches(_caches())
+    for job in range(3):
+        ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
+            SaveSpec(f"r{job}", job, 0, 1, (job + 1,), (_hash(job, salt),))]))
+    ws.shutdown()
+    assert all(not t.is_alive() for t in ws._threads)
+    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
+    assert ws.errors == []
