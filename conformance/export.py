@@ -76,9 +76,18 @@ def parse_value(text: str) -> Any:
         raise ExportError(str(e)) from None
 
 
+_INTERVAL = re.compile(r"(?<![\w.])(-?\d+)\.\.(-?\d+)(?![\w.])")
+
+
+def _expand_intervals(text: str) -> str:
+    """TLC prints a set of consecutive ints as `a..b`; write it as the set it is."""
+    return _INTERVAL.sub(lambda m: "{" + ", ".join(str(i) for i in range(int(m.group(1)),
+                                                                        int(m.group(2)) + 1)) + "}", text)
+
+
 def parse_state(text: str) -> dict[str, Any]:
     try:
-        return {k: plain(v) for k, v in tlc.parse_state(text).items()}
+        return {k: plain(v) for k, v in tlc.parse_state(_expand_intervals(text)).items()}
     except tlc.TLCValueError as e:
         raise ExportError(str(e)) from None
 
@@ -86,7 +95,8 @@ def parse_state(text: str) -> dict[str, Any]:
 def run_tlc(spec_dir: Path, module: str, cfg: str, *extra: str, xmx: str = "1g",
             timeout: float = 900) -> tlc.TLCResult:
     """TLC on one core, bounded heap; a verdict other than ok is an ExportError."""
-    res = tlc.run_tlc(spec_dir / f"{module}.tla", spec_dir / cfg, xmx=xmx, timeout=timeout,
+    cfg_path = Path(cfg) if Path(cfg).is_absolute() else spec_dir / cfg
+    res = tlc.run_tlc(spec_dir / f"{module}.tla", cfg_path, xmx=xmx, timeout=timeout,
                       extra_args=["-deadlock", *extra])
     if res.exit_code != 0:
         raise ExportError(f"TLC on {module}/{cfg} {' '.join(extra[:2])} exited {res.exit_code} "

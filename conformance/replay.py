@@ -92,6 +92,8 @@ def replay_behaviour(driver: Driver, states: list[dict[str, Any]], index: int = 
     prefix: list[str] = []
     for k in range(1, len(states)):
         pre, post = states[k - 1], states[k]
+        if post == pre:  # a stuttering step (the model rests once everything finished): nothing to do
+            continue
         act = post.get("lastAction", {"name": "?"})
         name = action_str(act)
         try:

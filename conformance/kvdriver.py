@@ -1,0 +1,559 @@
+"""The replay/fuzz driver of tla/KVLedger.tla (fixed design) on the real parts.
+
+Model action              -> real system
+Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of vLLM's Scheduler) on
+                              vLLM's real BlockPool (allocation from the free queue head, frees appended
+                              tail first) and a real torch KV tensor: Compute writes chunk <<r, c>>'s code
+                              into the block's row
+EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids)        (pins via BlockPool.touch)
+Collect                   -> aggregate(take_completed() of every rank) -> SchedulerLedger.collect
+Receive(w)                -> WorkerLedger.register(req_id, job, generation)   (oldest emitted job)
+DropGeneration(w, r, g)   -> WorkerLedger.drop_generation(req_id, finished=, generation=g)
+DmaRead(w)                -> WorkerLedger.begin(job) then a real tensor copy of the pinned blocks'
+                             rows from the rank's saved offset; outcome "failed" = injected handler error
+Put(w)                    -> a real Mooncake batch_put of the staged rows (first writer wins), then
+                             record_saved / record_failed; "fail" and "pressure" are injected store codes
+                             (-800 / -200) instead of the call; while the store is down every put fails
+Report(w)                 -> WorkerLedger.finish(job)
+Lookup/EmitLoad/Load/HandleLoadErrors -> Mooncake batch_is_exist / BlockPool allocation + LoadLedger.begin_load
+                             / real batch_get into the block rows + LoadLedger.record_results (a
+                             transfer failure "xfail" is an injected -800) / take_errors
+Evict(k)                  -> Mooncake remove(key, force=True)
+StoreFail / StoreRestart  -> the store marked down (an injected fault: every call fails with -900) /
+                             every key of this behaviour removed, store up again
+
+Abstract state compared after every step (field: model -> impl):
+  status gen ncomp emitted table     the request bookkeeping (table = block ids)
+  ref free                           ref counts and free-queue order of vLLM's BlockPool
+  content                            the KV tensor rows, decoded
+  nextJob pins                       SchedulerLedger: next id, {job: [pinned block ids, ranks_left]}
+  jp                                 per rank, per emitted job: StoreJob state as the ledgers give it
+  ws                                 per rank, per request: open/closing generation's live set, saved
+                                     offset (in chunks), pressure skip, phase
+  buf store                          the staged DMA rows, decoded; the Mooncake keys, read back
+  ld                                 per request: load phase, keys, blocks reported invalid
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+
+from conformance.replay import Refused
+from kvledger.errors import LedgerError, LedgerInvariantError
+from kvledger.load import LoadLedger
+from kvledger.metadata import aggregate_into
+from kvledger.scheduler import SchedulerLedger
+from kvledger.worker import Verdict, WorkerLedger
+
+ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
+CODE_NO_CONTENT = 0.0
+STORE_DOWN = -900
+XFER_FAIL = -800
+NO_SPACE = -200
+
+
+@dataclass
+class Consts:
+    req: list[str]
+    ranks: list[str]
+    num_blocks: int
+    num_chunks: int
+    max_jobs: int
+    pin_cap: int
+
+    @classmethod
+    def from_init(cls, init: dict[str, Any]) -> "Consts":
+        req = sorted(init["status"])
+        ranks = sorted(init["ws"])
+        jobs = init["jobs"]
+        return cls(req, ranks, len(init["ref"]), 0, len(jobs) if isinstance(jobs, list) else len(jobs), 0)
+
+
+class MemStoreBackend:
+    """Only for unit tests of the driver itself where no Mooncake is wanted; replay uses Mooncake."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, row: torch.Tensor) -> int:
+        self.d.setdefault(key, row.clone())
+        return 0
+
+    def get(self, key: str, out: torch.Tensor) -> int:
+        if key not in self.d:
+            return -704
+        out.copy_(self.d[key])
+        return out.numel() * 4
+
+    def exists(self, key: str) -> bool:
+        return key in self.d
+
+    def remove(self, key: str) -> None:
+        self.d.pop(key, None)
+
+    def close(self) -> None:
+        self.d.clear()
+
+
+class MooncakeBackend:
+    """A real Mooncake client on a loopback master; one registered staging tensor for transfers.
+    Keys are namespaced per behaviour (`prefix`), so a new behaviour starts on an empty store."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.stage = torch.zeros(ROW, dtype=torch.float32)
+        self.nbytes = self.stage.numel() * self.stage.element_size()
+        store.register_buffer(self.stage.data_ptr(), self.nbytes)
+        self.prefix = ""
+
+    def put(self, key: str, row: torch.Tensor) -> int:
+        self.stage.copy_(row)
+        return self.store.batch_put([self.prefix + key], [[self.stage.data_ptr()]], [[self.nbytes]])[0]
+
+    def get(self, key: str, out: torch.Tensor) -> int:
+        self.stage.zero_()
+        code = self.store.batch_get([self.prefix + key], [[self.stage.data_ptr()]], [[self.nbytes]])[0]
+        if code >= 0:
+            out.copy_(self.stage)
+        return code
+
+    def exists(self, key: str) -> bool:
+        return self.store.batch_is_exist([self.prefix + key])[0] == 1
+
+    def remove(self, key: str) -> None:
+        self.store.remove(self.prefix + key, force=True)
+
+    def close(self) -> None:
+        pass
+
+
+_behaviour_ids = itertools.count()
+
+
+class KVDriver:
+    """See the module doc. `backend` is a MooncakeBackend (replay, fuzz) or MemStoreBackend."""
+
+    def __init__(self, backend: Any, *, sub_batch: int = 1) -> None:
+        self.backend = backend
+        self.sub_batch = sub_batch
+
+    # ------------------------------------------------------------------ set-up
+    def reset(self, init: dict[str, Any]) -> None:
+        self.req = sorted(init["status"])
+        self.ranks = sorted(init["ws"])
+        self.num_blocks = len(init["ref"])
+        self.keys = sorted(init["store"])  # model keys as JSON strings of <<r, c>>
+        self.num_chunks = max(int(_key(k)[1]) for k in self.keys)
+        self.max_jobs = len(init["jobs"])
+        if isinstance(self.backend, MooncakeBackend):
+            self.backend.prefix = f"b{next(_behaviour_ids)}-"
+        else:
+            self.backend.d.clear()
+        self.pool = BlockPool(num_gpu_blocks=self.num_blocks + 1, enable_caching=False, hash_block_size=16)
+        self.kv = torch.zeros(self.num_blocks + 1, ROW, dtype=torch.float32)
+        # the pin cap of the model config is read from the first EmitStore refusal; the ledger's own
+        # cap is set from the model's PinCap via `pin_cap` (see configure)
+        self.sched = SchedulerLedger(self.pool, world_size=len(self.ranks), max_inflight_jobs=self.pin_cap,
+                                     max_pinned_blocks=self.pin_cap * self.num_blocks, first_job_id=1)
+        self.workers = {w: WorkerLedger(i, max_live_jobs=self.max_jobs + 1)
+                        for i, w in enumerate(self.ranks)}
+        self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req)) for i, w in enumerate(self.ranks)}
+        self.status = {r: "waiting" for r in self.req}
+        self.gen = {r: 0 for r in self.req}
+        self.table: dict[str, list[Any]] = {r: [] for r in self.req}
+        self.ncomp = {r: 0 for r in self.req}
+        self.emitted = {r: 0 for r in self.req}
+        self.jobs: dict[int, tuple[str, int, list[int], int, int]] = {}  # j -> (r, g, blocks, lo, hi)
+        self.inbox: dict[str, list[int]] = {w: [] for w in self.ranks}  # emitted, not yet received
+        self.queue: dict[str, list[int]] = {w: [] for w in self.ranks}  # received, not yet read
+        self.notice: dict[str, set[tuple[str, int, str]]] = {w: set() for w in self.ranks}
+        self.busy: dict[str, int | None] = {w: None for w in self.ranks}  # job on the store thread
+        self.buf: dict[str, dict[int, torch.Tensor]] = {w: {} for w in self.ranks}
+        self.up = True
+        self.ld: dict[str, dict[str, Any]] = {r: self._ld_idle() for r in self.req}
+
+    pin_cap = 1
+
+    @staticmethod
+    def _ld_idle() -> dict[str, Any]:
+        return {"ph": "idle", "n": 0, "bad": set(), "load_ids": {}, "blocks": []}
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    def code(self, r: str, c: int) -> float:
+        return float(1000 * (self.req.index(r) + 1) + c)
+
+    def decode(self, row: torch.Tensor) -> Any:
+        v = float(row[0])
+        if not bool((row == row[0]).all()):
+            return ["torn", v]
+        if v == CODE_NO_CONTENT:
+            return ["NoReq", 0]
+        return [self.req[int(v) // 1000 - 1], int(v) % 1000]
+
+    def skey(self, r: str, c: int) -> str:
+        return f"{r}/{c}"
+
+    # ------------------------------------------------------------------ actions
+    def apply(self, a: dict[str, Any], pre: dict[str, Any], post: dict[str, Any]) -> None:
+        fn = getattr(self, "do_" + a["name"], None)
+        if fn is None:
+            raise Refused(f"no mapping for action {a['name']}")
+        try:
+            fn(a)
+        except LedgerInvariantError:
+            raise
+        except LedgerError as e:
+            raise Refused(str(e)) from e
+
+    def do_Admit(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        if self.status[r] not in ("waiting", "preempted") or self.gen[r] >= 2:
+            raise Refused(f"{r} is {self.status[r]}")
+        self.status[r] = "running"
+        self.gen[r] += 1
+        self.ld[r] = self._ld_idle()
+
+    def _running_done(self, r: str) -> None:
+        if self.status[r] != "running" or self.ld[r]["ph"] != "done":
+            raise Refused(f"{r} is not running with its load done")
+
+    def do_Compute(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        self._running_done(r)
+        c = self.ncomp[r] + 1
+        if c > self.num_chunks:
+            raise Refused(f"{r} has computed every chunk")
+        if c <= len(self.table[r]):
+            blk = self.table[r][c - 1]
+        else:
+            if self.pool.get_num_free_blocks() == 0:
+                raise Refused("no free block")
+            (blk,) = self.pool.get_new_blocks(1)
+            self.table[r].append(blk)
+        self.kv[blk.block_id].fill_(self.code(r, c))
+        self.ncomp[r] = c
+
+    def do_EmitStore(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        self._running_done(r)
+        if self.emitted[r] >= self.ncomp[r]:
+            raise Refused(f"{r}: nothing new to save")
+        if self.sched.next_job_id > self.max_jobs:
+            raise Refused(f"the model has only {self.max_jobs} job ids")
+        ids = [b.block_id for b in self.table[r]]
+        j = self.sched.open_job(r, ids)
+        if j is None:
+            raise Refused("deferred: the pin cap is reached")
+        self.jobs[j] = (r, self.gen[r], ids, self.emitted[r] + 1, self.ncomp[r])
+        self.emitted[r] = self.ncomp[r]
+        for w in self.ranks:
+            self.inbox[w].append(j)
+
+    def _free_table(self, r: str) -> None:
+        self.pool.free_blocks(reversed(self.table[r]))
+        self.table[r] = []
+
+    def do_Preempt(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        self._running_done(r)
+        if self.gen[r] >= 2:
+            raise Refused("the model bounds generations")
+        self._free_table(r)
+        self.status[r] = "preempted"
+        self.ncomp[r] = self.emitted[r] = 0
+        for w in self.ranks:
+            self.notice[w].add((r, self.gen[r], "preempt"))
+
+    def do_Finish(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        self._running_done(r)
+        if self.ncomp[r] != self.num_chunks or (self.emitted[r] != self.ncomp[r]
+                                                  and self.sched.next_job_id <= self.max_jobs):
+            raise Refused(f"{r} has work left")
+        self._free_table(r)
+        self.status[r] = "finished"
+        for w in self.ranks:
+            self.notice[w].add((r, self.gen[r], "finish"))
+
+    def do_Collect(self, a: dict[str, Any]) -> None:
+        merged: dict[int, int] = {}
+        for wl in self.workers.values():
+            aggregate_into(merged, wl.take_completed())
+        if not merged:
+            raise Refused("no report to collect")
+        self.sched.collect(merged)
+
+    def do_Receive(self, a: dict[str, Any]) -> None:
+        w = a["w"]
+        if not self.inbox[w]:
+            raise Refused(f"{w} has no emitted job")
+        j = self.inbox[w].pop(0)
+        r, g, *_ = self.jobs[j]
+        self.workers[w].register(r, j, generation=g)
+        self.queue[w].append(j)
+
+    def do_DropGeneration(self, a: dict[str, Any]) -> None:
+        w, r, g, kind = a["w"], a["r"], a["g"], a["kind"]
+        nt = (r, g, kind)
+        if nt not in self.notice[w] or any(self.jobs[j][:2] == (r, g) for j in self.inbox[w]):
+            raise Refused(f"no deliverable notice {nt} for {w}")
+        self.notice[w].discard(nt)
+        self.workers[w].drop_generation(r, finished=(kind == "finish"), generation=g)
+
+    def do_DmaRead(self, a: dict[str, Any]) -> None:
+        w = a["w"]
+        if self.busy[w] is not None or not self.queue[w]:
+            raise Refused(f"{w}: store thread busy or queue empty")
+        j = self.queue[w].pop(0)
+        self.busy[w] = j
+        wl = self.workers[w]
+        if a.get("outcome") == "failed":  # injected: the handler raised before the read
+            wl.record_failed(j)
+            return
+        v = wl.begin(j)
+        if v is Verdict.RUN:
+            r, g, ids, lo, hi = self.jobs[j]
+            start = wl.saved_offset(j) + 1
+            self.buf[w] = {c: self.kv[ids[c - 1]].clone() for c in range(start, hi + 1)}
+
+    def _busy(self, w: str, *phases: str) -> int:
+        j = self.busy[w]
+        if j is None or self.workers[w].job_state(j) not in phases:
+            raise Refused(f"{w}: no job in {phases}")
+        return j
+
+    def do_Put(self, a: dict[str, Any]) -> None:
+        w, outcome = a["w"], a["outcome"]
+        j = self._busy(w, "running")
+        r, g, ids, lo, hi = self.jobs[j]
+        wl = self.workers[w]
+        staged, self.buf[w] = self.buf[w], {}
+        if outcome == "ok" and self.up:
+            codes = [self.backend.put(self.skey(r, c), row) for c, row in sorted(staged.items())]
+        elif outcome == "pressure":
+            codes = [NO_SPACE]
+        else:
+            codes = [STORE_DOWN if not self.up else XFER_FAIL]
+        if all(c >= 0 for c in codes):
+            wl.record_saved(j, hi)
+        else:
+            wl.record_failed(j, pressure=NO_SPACE in codes)
+
+    def do_Report(self, a: dict[str, Any]) -> None:
+        w = a["w"]
+        j = self._busy(w, "stored", "failed", "stale", "skipped")
+        self.workers[w].finish(j)
+        self.busy[w] = None
+
+    def do_Evict(self, a: dict[str, Any]) -> None:
+        r, c = a["k"]
+        if not self.backend.exists(self.skey(r, c)):
+            raise Refused("nothing to evict")
+        self.backend.remove(self.skey(r, c))
+
+    def do_StoreFail(self, a: dict[str, Any]) -> None:
+        if not self.up:
+            raise Refused("already down")
+        self.up = False
+
+    def do_StoreRestart(self, a: dict[str, Any]) -> None:
+        if self.up:
+            raise Refused("store is up")
+        for r in self.req:
+            for c in range(1, self.num_chunks + 1):
+                self.backend.remove(self.skey(r, c))
+        self.up = True
+
+    def do_Lookup(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        if self.status[r] != "running" or self.ld[r]["ph"] != "idle":
+            raise Refused(f"{r}: no lookup now")
+        h = 0
+        if self.up:
+            while h < self.num_chunks and self.backend.exists(self.skey(r, h + 1)):
+                h += 1
+        self.ld[r].update(ph="done" if h == 0 else "looked", n=h, bad=set())
+
+    def do_EmitLoad(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        ld = self.ld[r]
+        if self.status[r] != "running" or ld["ph"] != "looked":
+            raise Refused(f"{r}: no load to emit")
+        if self.pool.get_num_free_blocks() < ld["n"]:
+            raise Refused("not enough free blocks")
+        self.table[r] = self.pool.get_new_blocks(ld["n"])
+        ids = [b.block_id for b in self.table[r]]
+        ld["load_ids"] = {w: self.loads[w].begin_load(r, ids) for w in self.ranks}
+        ld["done"] = {w: 0 for w in self.ranks}
+        ld["ph"] = "loading"
+
+    def do_Load(self, a: dict[str, Any]) -> None:
+        w, r = a["w"], a["r"]
+        ld = self.ld[r]
+        if ld["ph"] != "loading" or ld["done"][w] >= ld["n"]:
+            raise Refused(f"{w}: no pending key of {r}")
+        i0 = ld["done"][w] + 1
+        batch = list(range(i0, min(i0 + self.sub_batch - 1, ld["n"]) + 1))
+        model_failed = set(a.get("failed", []))
+        ids, codes = [], []
+        for i in batch:
+            blk = self.table[r][i - 1].block_id
+            ids.append(blk)
+            key = self.skey(r, i)
+            if not self.up:
+                codes.append(STORE_DOWN)
+            elif i in model_failed and self.backend.exists(key):
+                codes.append(XFER_FAIL)  # injected transfer failure (the model's xfail)
+            else:
+                codes.append(self.backend.get(key, self.kv[blk]))
+        failed = self.loads[w].record_results(ld["load_ids"][w], ids, codes)
+        ld["bad"] |= {batch[ids.index(b)] for b in failed}
+        ld["done"][w] = batch[-1]
+        if not self.loads[w].pending(ld["load_ids"][w]):
+            self.loads[w].finish_load(ld["load_ids"][w])
+        if all(ld["done"][v] >= ld["n"] for v in self.ranks):
+            ld["ph"] = "loaded"
+
+    def do_HandleLoadErrors(self, a: dict[str, Any]) -> None:
+        r = a["r"]
+        ld = self.ld[r]
+        if ld["ph"] != "loaded":
+            raise Refused(f"{r}: no finished load")
+        errors: set[int] = set()
+        for w in self.ranks:
+            errors |= self.loads[w].take_errors()
+        ids = [b.block_id for b in self.table[r]]
+        bad_chunks = {ids.index(b) + 1 for b in errors if b in ids}
+        keep = min(bad_chunks) - 1 if bad_chunks else ld["n"]
+        self.ncomp[r] = self.emitted[r] = keep
+        ld["ph"] = "done"
+        ld["bad"] = bad_chunks
+
+    # ------------------------------------------------------------------ abstract state
+    def observe(self) -> dict[str, Any]:
+        blocks = self.pool.blocks
+        pinned = {}
+        for j in self.sched.inflight_jobs():
+            pinned[str(j)] = [self.sched.pinned_block_ids(j), self.sched.ranks_left(j)]
+        jp = {}
+        for w, wl in self.workers.items():
+            row = {}
+            for j in range(1, self.sched.next_job_id):
+                if str(j) not in pinned:
+                    row[str(j)] = "released"
+                elif j in self.inbox[w]:
+                    row[str(j)] = "emitted"
+                else:
+                    row[str(j)] = wl.job_state(j)
+            jp[w] = row
+        ws = {}
+        for w, wl in self.workers.items():
+            row = {}
+            for r in self.req:
+                s = wl.request(r) or self._closing(wl, r)
+                row[r] = ({"phase": "closed"} if s is None else
+                          {"phase": s.state, "live": sorted(s.live), "off": s.saved_offset,
+                           "skip": s.pressure_skip and wl.under_pressure})
+            ws[w] = row
+        store = {}
+        for k in self.keys:
+            r, c = _key(k)
+            out = torch.zeros(ROW)
+            code = self.backend.get(self.skey(r, c), out) if self.up or True else -1
+            store[k] = self.decode(out) if code >= 0 else ["NoReq", 0]
+        return {
+            "status": dict(self.status), "gen": dict(self.gen), "ncomp": dict(self.ncomp),
+            "emitted": dict(self.emitted),
+            "table": {r: [b.block_id for b in t] for r, t in self.table.items()},
+            "ref": [blocks[b].ref_cnt for b in range(1, self.num_blocks + 1)],
+            "free": [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()],
+            "content": [self.decode(self.kv[b]) for b in range(1, self.num_blocks + 1)],
+            "nextJob": self.sched.next_job_id, "pins": pinned, "jp": jp, "ws": ws,
+            "buf": {w: sorted([c, self.decode(row)] for c, row in b.items()) for w, b in self.buf.items()},
+            "store": store, "up": self.up,
+            "ld": {r: {"ph": v["ph"], "n": v["n"], "bad": sorted(v["bad"])} for r, v in self.ld.items()},
+        }
+
+    def _closing(self, wl: WorkerLedger, r: str) -> Any:
+        # a finished generation with live jobs is detached from its req_id; reach it through a job
+        for j, (jr, *_rest) in self.jobs.items():
+            if jr == r and wl.is_live(j):
+                s = wl.job_request(j)
+                if s.state == "closing":
+                    return s
+        return None
+
+    def expect(self, s: dict[str, Any]) -> dict[str, Any]:
+        next_job = s["nextJob"]
+        jobs = s["jobs"]
+        pins = {}
+        for j in range(1, next_job):
+            jb = jobs[j - 1] if isinstance(jobs, list) else jobs[str(j)]
+            if jb["left"] > 0:
+                pins[str(j)] = [list(jb["blocks"]), jb["left"]]
+        jp = {w: {str(j): (row[j - 1] if isinstance(row, list) else row[str(j)])
+                  for j in range(1, next_job)} for w, row in s["jp"].items()}
+        ws = {}
+        for w, row in s["ws"].items():
+            ws[w] = {r: ({"phase": "closed"} if st["phase"] == "closed" else
+                         {"phase": st["phase"], "live": sorted(st["live"]), "off": st["off"],
+                          "skip": st["skip"]})
+                     for r, st in row.items()}
+        return {
+            "status": s["status"], "gen": s["gen"], "ncomp": s["ncomp"], "emitted": s["emitted"],
+            "table": {r: list(t) for r, t in s["table"].items()},
+            "ref": _seq(s["ref"]), "free": list(s["free"]),
+            "content": [list(c) for c in _seq(s["content"])],
+            "nextJob": next_job, "pins": pins, "jp": jp, "ws": ws,
+            "buf": {w: sorted([p[0], list(p[1])] for p in b) for w, b in s["buf"].items()},
+            "store": {k: list(v) for k, v in s["store"].items()}, "up": s["up"],
+            "ld": {r: {"ph": v["ph"], "n": v["n"], "bad": sorted(v["bad"])} for r, v in s["ld"].items()},
+        }
+
+    # ------------------------------------------------------------------ fuzz hooks
+    OUTPUT_PARAMS = {"job", "g", "lo", "hi", "from", "blocks", "hits", "bad", "keep", "released",
+                     "freed", "keys", "r_"}
+
+    def inputs(self, a: dict[str, Any]) -> Any:
+        """What a caller chooses: the action, its request/rank/key, and injected fault outcomes."""
+        out = {k: v for k, v in a.items() if k not in self.OUTPUT_PARAMS}
+        if a["name"] == "DmaRead":
+            out["outcome"] = "failed" if a["outcome"] == "failed" else "-"
+        if a["name"] == "Receive":
+            out.pop("r", None)
+        if a["name"] == "Load":
+            out["xfail"] = bool(a.get("failed"))
+            out.pop("failed", None)
+        return out
+
+    def check_invariants(self) -> None:
+        """S1 NoPollution, S3 RefCountExact, S6 BoundedPins on the real parts (independent of the model)."""
+        obs = self.observe()
+        for k, v in obs["store"].items():
+            if v != ["NoReq", 0] and v != list(_key(k)):
+                raise LedgerInvariantError.of("S1", f"store key {k} holds {v}")
+        for b in range(1, self.num_blocks + 1):
+            holders = sum(b in [x.block_id for x in t] for t in self.table.values())
+            holders += sum(b in blocks for blocks, _ in obs["pins"].values())
+            if obs["ref"][b - 1] != holders:
+                raise LedgerInvariantError.of("S3", f"block {b}: ref {obs['ref'][b - 1]} != {holders} holders")
+        if len(obs["pins"]) > self.pin_cap:
+            raise LedgerInvariantError.of("S6", f"{len(obs['pins'])} pinned jobs > cap {self.pin_cap}")
+
+
+def _seq(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, list) else [v[str(i)] for i in range(1, len(v) + 1)]
+
+
+def _key(k: str) -> tuple[str, int]:
+    import json
+
+    r, c = json.loads(k)
+    return r, int(c)
