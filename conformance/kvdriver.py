@@ -433,8 +433,8 @@ class KVDriver:
         bad_chunks = {ids.index(b) + 1 for b in errors if b in ids}
         keep = min(bad_chunks) - 1 if bad_chunks else ld["n"]
         self.ncomp[r] = self.emitted[r] = keep
-        ld["ph"] = "done"
-        ld["bad"] = bad_chunks
+        # the load is over: its bookkeeping is cleared (as the model does)
+        self.ld[r] = {**self._ld_idle(), "ph": "done"}
 
     # ------------------------------------------------------------------ abstract state
     def observe(self) -> dict[str, Any]:
