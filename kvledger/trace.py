@@ -29,7 +29,9 @@ Put             w<r>     job, req_id, generation, dest ("stored"|"failed"), num_
 Report          w<r>     job, req_id, generation, from (job state before the report), live [after],
                          closed (bool: the report closed a closing generation)
 DropGeneration  w<r>     req_id, generation (of the state dropped), notice_generation, finished (bool),
-                         dest ("closed"|"closing"), live [jobs still live], stale [jobs now stale]
+                         dest ("closed"|"closing"), live [jobs still live], stale [jobs now stale];
+                         a notice with nothing to drop (no open generation, or a late notice of an older
+                         one) is logged too: dest "none", generation null
 Load            w<r>     load, req_id, attempted [block ids], loaded [..], failed [..] (emitted when the
                          load is finished: per-key results are folded into one event)
 HandleLoadErrors w<r>    blocks [block ids handed out by take_errors]

@@ -283,14 +283,15 @@ class WorkerLedger:
         ``req_id``; it closes when its last job reports. Returns the new StoreRequest state, or None when
         there is nothing to drop: no open generation (never saved on this rank, already closed, or
         closing), or a late notice about an older generation than the open one."""
+        if generation is not None and (generation.__class__ is not int or generation < 0):
+            raise LedgerInputError("generation", generation, "must be an int >= 0")
         req = self._requests.get(req_id)
-        if req is None:
+        if req is None or (generation is not None and generation < req.generation):
+            if self._trace is not None:  # the notice was consumed: logged, so a trace checker sees it
+                self._trace.emit(self._actor, "DropGeneration", {
+                    "req_id": req_id, "generation": None, "finished": finished, "dest": "none",
+                    "live": [], "stale": [], "notice_generation": generation})
             return None
-        if generation is not None:
-            if generation.__class__ is not int or generation < 0:
-                raise LedgerInputError("generation", generation, "must be an int >= 0")
-            if generation < req.generation:
-                return None
         return self._close(req, finished=finished, generation=generation)
 
     def _close(self, req: StoreRequestState, *, finished: bool, generation: int | None,
