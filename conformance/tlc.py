@@ -96,7 +96,7 @@ _TOKEN = re.compile(
     r"""\s*(?:
         (?P<string>"(?:[^"\\]|\\.)*")
       | (?P<int>-?\d+)
-      | (?P<punct><<|>>|\|->|:>|@@|[\[\]{}(),])
+      | (?P<punct><<|>>|\|->|:>|@@|\.\.|[\[\]{}(),])
       | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
     )""",
     re.VERBOSE,
@@ -154,6 +154,13 @@ class _ValueParser:
             raise TLCValueError(f"unexpected end of TLC value {self.text[:60]!r}")
         self.i += 1
         if kind == "int":
+            if self.i < len(self.toks) and self.toks[self.i][1] == "..":  # an interval a..b
+                self.i += 1
+                hi_kind, hi = self.toks[self.i] if self.i < len(self.toks) else ("", "")
+                if hi_kind != "int":
+                    raise TLCValueError(f"interval bound expected after '..' in {self.text[:60]!r}")
+                self.i += 1
+                return frozenset(range(int(tok), int(hi) + 1))
             return int(tok)
         if kind == "string":
             return tok[1:-1].replace('\\"', '"').replace("\\\\", "\\")
@@ -306,6 +313,7 @@ _TEMPORAL = re.compile(r"Temporal properties were violated")
 _STATS = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found")
 _DEPTH = re.compile(r"depth of the complete state graph search is (\d+)")
 _BACK = re.compile(r"Back to state (\d+)")
+_PROGRESS = re.compile(r"states generated \([^)]*\), ([\d,]+) distinct states found")
 
 
 def _int(s: str) -> int:
@@ -449,8 +457,11 @@ def run_tlc(
         proc = subprocess.run(cmd, cwd=spec_p.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise TLCSetupError(f"TLC ran past {timeout:.0f}s on {_rel(spec_p)} with {cfg_p.name}; "
-                            "shrink the config's constants or raise the timeout") from e
+        partial = e.output.decode() if isinstance(e.output, bytes) else (e.output or "")
+        seen = _PROGRESS.findall(partial)
+        so_far = f" ({seen[-1].replace(',', '')} distinct states so far)" if seen else ""
+        raise TLCSetupError(f"TLC ran past {timeout:.0f}s on {_rel(spec_p)} with {cfg_p.name}{so_far}; "
+                            "shrink the config's constants or raise the timeout", None, partial) from e
     finally:
         shutil.rmtree(meta, ignore_errors=True)
         shutil.rmtree(jtmp, ignore_errors=True)
