@@ -1,7 +1,7 @@
 """What crosses the process boundary each engine step, in both directions.
 
     scheduler ──KVLedgerConnectorMetadata──▶ every worker rank      (built in build_connector_meta)
-        saves:     SaveSpec per store job opened this step (store_job_id, blocks, hashes, range)
+        saves:     SaveSpec per store job opened this step (store_job_id, generation, blocks, hashes, range)
         loads:     LoadSpec per request whose external hit was allocated (blocks, hashes)
         preempted: req_ids whose generation ended by preemption   (DropGeneration before new jobs)
         finished:  req_ids that finished                          (DropGeneration, close when drained)
@@ -37,6 +37,7 @@ class SaveSpec:
 
     req_id: str
     store_job_id: int
+    generation: int  # the scheduler's generation of the request (request.num_preemptions)
     start_block: int
     end_block: int
     block_ids: tuple[int, ...]
@@ -65,6 +66,8 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # generation each preempted / finished req_id ended (a late or duplicate notice cannot close a newer one)
+    drop_generations: dict[str, int] = field(default_factory=dict)
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):

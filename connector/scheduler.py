@@ -73,6 +73,7 @@ class SchedulerSide:
         self._deferred: set[str] = set()
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._finished_gen: dict[str, int] = {}  # finished since the last step (drained each step)
         self._step = 0
         # whole-run counters (demo report, tests)
         self.num_lookups = 0
@@ -171,8 +172,14 @@ class SchedulerSide:
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
         for req_id in meta.finished_req_ids:
             self._forget(req_id)
+            if req_id in self._finished_gen:
+                meta.drop_generations[req_id] = self._finished_gen[req_id]
+        self._finished_gen.clear()
         for req_id in meta.preempted_req_ids:
             # DropGeneration: the next admission is a new generation that saves from block 0
+            request = self._requests.get(req_id)
+            if request is not None:
+                meta.drop_generations[req_id] = max(request.num_preemptions - 1, 0)
             self._trackers.pop(req_id, None)
             self._deferred.discard(req_id)
             self._lookups.pop(req_id, None)
@@ -229,7 +236,8 @@ class SchedulerSide:
             return
         tracker.deferred = False
         self._deferred.discard(req_id)
-        meta.saves.append(SaveSpec(req_id, job_id, tracker.saved_blocks, end, tuple(block_ids),
+        meta.saves.append(SaveSpec(req_id, job_id, request.num_preemptions, tracker.saved_blocks, end,
+                                   tuple(block_ids),
                                    tuple(request.block_hashes[:end])))
         tracker.saved_blocks = end
         self.stats.add("store_jobs")
@@ -251,6 +259,7 @@ class SchedulerSide:
         if req_id in self._deferred:
             self.num_saves_dropped += 1
         self._forget(req_id)
+        self._finished_gen[req_id] = request.num_preemptions
         return False, None
 
     def _forget(self, req_id: str) -> None:

@@ -148,10 +148,11 @@ class WorkerSide:
             return
         self._last_meta_step = meta.step
         with self._lock:
+            gens = meta.drop_generations
             for req_id in meta.preempted_req_ids:
-                self.ledger.drop_generation(req_id, finished=False)
+                self.ledger.drop_generation(req_id, finished=False, generation=gens.get(req_id))
             for req_id in meta.finished_req_ids:
-                self.ledger.drop_generation(req_id, finished=True)
+                self.ledger.drop_generation(req_id, finished=True, generation=gens.get(req_id))
         for spec in meta.loads:
             self._enqueue_load(spec)
 
@@ -166,7 +167,7 @@ class WorkerSide:
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
             with self._lock:
-                self.ledger.register(spec.req_id, spec.store_job_id)
+                self.ledger.register(spec.req_id, spec.store_job_id, spec.generation)
             try:
                 self._store_q.put_nowait((spec, event))
             except queue.Full:  # bounded: report now, the save becomes a future cache miss

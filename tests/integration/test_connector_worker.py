@@ -55,7 +55,7 @@ def _save_blocks(ws: WorkerSide, caches, hashes: Sequence[bytes], block_ids: Seq
     for j, b in enumerate(block_ids):
         for t in caches.values():
             t[:, b] = float(1000 + j)
-    meta = KVLedgerConnectorMetadata(step=job + 1, saves=[SaveSpec(req_id, job, 0, len(hashes), tuple(block_ids),
+    meta = KVLedgerConnectorMetadata(step=job + 1, saves=[SaveSpec(req_id, job, 0, 0, len(hashes), tuple(block_ids),
                                                                    tuple(hashes))])
     ws.end_step(meta)
     _wait(lambda: not ws.has_pending_work() or bool(ws.ledger._completed))
@@ -187,8 +187,8 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
 
     blocker_hash = _hash(99, salt)
     ws.store = GatedStore()
-    ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 1, (3,), (blocker_hash,))]))
-    ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 2, (1, 2), tuple(hashes))]))
+    ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 0, 1, (3,), (blocker_hash,))]))
+    ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 2, (1, 2), tuple(hashes))]))
     ws.start_step(KVLedgerConnectorMetadata(step=3, preempted_req_ids=["r"]))  # DropGeneration before it ran
     gate.set()
     _wait(lambda: not ws.ledger.has_pending_work() or len(ws.ledger._completed) == 2)
@@ -219,7 +219,7 @@ def test_full_store_queue_reports_rejected_job_at_once(store, cfg, request):
     try:
         for job in range(3):  # job 0 is taken by the thread, job 1 fills the queue, job 2 is rejected
             ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
-                SaveSpec(f"r{job}", job, 0, 1, (job + 1,), (_hash(job, salt),))]))
+                SaveSpec(f"r{job}", job, 0, 0, 1, (job + 1,), (_hash(job, salt),))]))
             if job == 0:
                 _wait(lambda: ws._store_q.empty())
         assert ws.num_saves_rejected == 1
@@ -277,8 +277,37 @@ def test_shutdown_drains_queued_jobs_and_reports_them(store, cfg, request):
     ws.register_kv_caches(_caches())
     for job in range(3):
         ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
-            SaveSpec(f"r{job}", job, 0, 1, (job + 1,), (_hash(job, salt),))]))
+            SaveSpec(f"r{job}", job, 0, 0, 1, (job + 1,), (_hash(job, salt),))]))
     ws.shutdown()
     assert all(not t.is_alive() for t in ws._threads)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
     assert ws.errors == []
+
+
+def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, store):
+    """No DropGeneration notice (a preemption outside schedule()): the job of generation 1 supersedes the
+    queued job of generation 0, which runs nothing and is still reported. GatedStore is a test double that
+    holds the store thread on an earlier job so the order is deterministic."""
+    ws, caches, salt = writer
+    gate = threading.Event()
+    orig = ws.store
+
+    class GatedStore:
+        def __getattr__(self, name):
+            fn = getattr(orig, name)
+
+            def call(*a, **k):
+                gate.wait(10)
+                return fn(*a, **k)
+            return call
+
+    ws.store = GatedStore()
+    h_old, h_new = _hash(0, salt + "old"), _hash(0, salt + "new")
+    ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("blocker", 0, 0, 0, 1, (3,), (_hash(9, salt),))]))
+    ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 1, (1,), (h_old,))]))
+    ws.end_step(KVLedgerConnectorMetadata(step=3, saves=[SaveSpec("r", 2, 1, 0, 1, (2,), (h_new,))]))
+    gate.set()
+    _wait(lambda: len(ws.ledger._completed) == 3)
+    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
+    assert ws.num_saves_stale == 1
+    assert store.batch_is_exist(ws.keys.keys([h_old, h_new])) == [0, 1]
