@@ -279,9 +279,9 @@ class KVLedgerConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
-        if self.scheduler_side is not None and self.scheduler_side.ledger is not None:
-            # no worker reads any more (they shut down first in vLLM): every pin can go
-            self.scheduler_side.ledger.release_all()
+        if self.scheduler_side is not None:
+            # no worker reads or writes any more (they shut down first in vLLM): every pin can go
+            self.scheduler_side.release_all()
         if self._owns_store and self.store is not None:
             self.store.close()
         if self._embedded is not None:

@@ -74,6 +74,10 @@ class SchedulerSide:
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._pending_loads: dict[str, LoadSpec] = {}
         self._finished_gen: dict[str, int] = {}  # finished since the last step (drained each step)
+        # req_id -> destination blocks of its async load, pinned until every rank finished the load: an
+        # aborted request frees its blocks at once, and a load thread must not write into reused blocks
+        self._load_pins: dict[str, list[Any]] = {}
+        self._pool: Any = None
         self._step = 0
         # whole-run counters (demo report, tests)
         self.num_lookups = 0
@@ -85,6 +89,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ binding
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
+        self._pool = block_pool
         self.ledger = SchedulerLedger(block_pool, world_size=self.world_size,
                                       max_inflight_jobs=self.max_inflight_jobs,
                                       max_pinned_blocks=self.max_pinned_blocks, trace=self.trace)
@@ -159,8 +164,13 @@ class SchedulerSide:
         if last > len(block_ids) or last > len(request.block_hashes):
             raise LedgerInputError("num_external_tokens", num_external_tokens,
                                    f"{req_id!r} has {len(block_ids)} blocks, {len(request.block_hashes)} hashes")
-        self._pending_loads[req_id] = LoadSpec(req_id, tuple(block_ids[first:last]),
-                                               tuple(request.block_hashes[first:last]))
+        dest = tuple(block_ids[first:last])
+        self._pending_loads[req_id] = LoadSpec(req_id, dest, tuple(request.block_hashes[first:last]))
+        self._release_load_pin(req_id)  # (never held here: a request gets one load per admission)
+        if self._pool is not None and dest:
+            pinned = [self._pool.blocks[b] for b in dest]
+            self._pool.touch(pinned)
+            self._load_pins[req_id] = pinned
         self.num_loads += 1
         self.stats.add("loaded_tokens", num_external_tokens)
 
@@ -243,7 +253,14 @@ class SchedulerSide:
         self.stats.add("store_jobs")
 
     # ------------------------------------------------------------------ Collect
+    def _release_load_pin(self, req_id: str) -> None:
+        pinned = self._load_pins.pop(req_id, None)
+        if pinned:
+            self._pool.free_blocks(reversed(pinned))
+
     def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():  # every rank finished this load
+            self._release_load_pin(req_id)
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -270,7 +287,18 @@ class SchedulerSide:
         self._pending_loads.pop(req_id, None)
 
     def has_pending_push_work(self) -> bool:
-        return self.ledger is not None and self.ledger.has_pending_work()
+        return bool(self._load_pins) or (self.ledger is not None and self.ledger.has_pending_work())
+
+    def release_all(self) -> None:
+        """Shutdown (workers stopped first): drop every store and load pin."""
+        for req_id in list(self._load_pins):
+            self._release_load_pin(req_id)
+        if self.ledger is not None:
+            self.ledger.release_all()
+
+    @property
+    def num_load_pins(self) -> int:
+        return len(self._load_pins)
 
     @property
     def num_tracked(self) -> int:

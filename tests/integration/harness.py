@@ -367,6 +367,8 @@ class Harness:
         ledger = self.scheduler_connector.scheduler_side.ledger  # type: ignore[union-attr]
         if ledger.has_pending_work():
             problems.append(f"pins held by jobs {ledger.inflight_jobs()[:20]}")
+        if self.scheduler_connector.scheduler_side.num_load_pins:  # type: ignore[union-attr]
+            problems.append("load pins held")
         for r, w in enumerate(self.workers):
             ws = w.worker_side
             if ws.has_pending_work():  # type: ignore[union-attr]

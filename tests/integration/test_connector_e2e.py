@@ -168,3 +168,49 @@ def test_reset_prefix_cache_preempting_running_requests(store_config: StoreConfi
         h.run()
         assert running <= h.stats.preempted_req_ids
         _check(h, prompts)
+
+
+def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: StoreConfig):
+    """An aborted request frees its blocks at once (request_finished never delays); the load already sent
+    to the workers holds its own pin on the destination blocks until every rank finished it, so no other
+    request can be given a block a load thread is still writing. `SlowGet` (a test double) slows gets so
+    the abort lands mid-load."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    class SlowGet:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def batch_get(self, *a):
+            time.sleep(0.4)
+            return self.inner.batch_get(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=23)
+    with Harness(store_config, tp_size=2, num_blocks=14) as h:
+        _run_pass(h, prompts, max_tokens=8)
+        for w in h.workers:
+            w.worker_side.store = SlowGet(w.worker_side.store)
+        for i, p in enumerate(prompts):
+            h.add_request(f"req-{i}", p, 8)
+        ss = h.scheduler_connector.scheduler_side
+        victim = None
+        while victim is None and h.step():
+            loading = [r for r in h.scheduler.requests.values()
+                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id in ss._load_pins]
+            victim = loading[0] if loading else None
+        assert victim is not None
+        dest = [b.block_id for b in ss._load_pins[victim.request_id]]
+        h.scheduler.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+        assert all(h.block_pool.blocks[b].ref_cnt >= 1 for b in dest)  # held by the load pin alone
+        h.run()
+        assert h.garbage == []
+        assert h.check_at_rest() == []
+        for i, p in enumerate(prompts):
+            if f"req-{i}" != victim.request_id:
+                assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, 8)
+        assert h.check_store()[1] == 0
