@@ -112,6 +112,38 @@ def _scratch(name: str) -> Path:
     return work
 
 
+_CFG_KEYWORDS = {"SPECIFICATION", "INIT", "NEXT", "INVARIANT", "INVARIANTS", "PROPERTY", "PROPERTIES",
+                 "CONSTRAINT", "CONSTRAINTS", "ACTION_CONSTRAINT", "ACTION_CONSTRAINTS", "VIEW", "SYMMETRY",
+                 "CHECK_DEADLOCK", "ALIAS", "POSTCONDITION"}
+
+
+def cfg_constants(path: Path) -> dict[str, Any]:
+    """The `CONSTANTS name = value` assignments of a TLC config, values made plain (model values ->
+    their names). The drivers take the model's bounds (MaxGen, PinCap, SubBatch, ...) from here."""
+    consts: dict[str, Any] = {}
+    in_consts = False
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("\\*", 1)[0].strip()
+        if not line:
+            continue
+        word = line.split()[0]
+        if word in ("CONSTANT", "CONSTANTS"):
+            in_consts = True
+            line = line[len(word):].strip()
+            if not line:
+                continue
+        elif word in _CFG_KEYWORDS:
+            in_consts = False
+            continue
+        if in_consts and "=" in line and "<-" not in line:
+            name, _, value = line.partition("=")
+            try:
+                consts[name.strip()] = parse_value(value.strip())
+            except ExportError as e:
+                raise ExportError(f"{Path(path).name}: constant {name.strip()}: {e}") from None
+    return consts
+
+
 # ------------------------------------------------------------------------------------ graph
 _NODE = re.compile(r'^(-?\d+) \[label="((?:[^"\\]|\\.)*)"(.*)\];?$')
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+)(?: \[label="((?:[^"\\]|\\.)*)"[^\]]*\])?;?$')
@@ -221,19 +253,56 @@ def simulate(spec_dir: Path, module: str, cfg: str, graph: Graph, num: int, dept
     return behaviours, run
 
 
-def covering_paths(graph: Graph, max_len: int = 60) -> list[list[int]]:
+def simulated_export(spec_dir: Path, module: str, cfg: str, num: int, depth: int, seed: int,
+                     xmx: str = "1g", log=print) -> "Export":
+    """Random behaviours of a config too big to dump: an Export whose graph holds only the states
+    and steps the behaviours visit (so edge coverage means nothing here; replay works the same)."""
+    consts = cfg_constants(Path(cfg) if Path(cfg).is_absolute() else spec_dir / cfg)
+    work = _scratch(f"simonly-{module}-{Path(cfg).stem}")
+    (work / "sim").mkdir()
+    run = run_tlc(spec_dir, module, cfg, "-simulate", f"file={work / 'sim' / 'b'},num={num}",
+                  "-depth", str(depth), "-seed", str(seed), xmx=xmx)
+    files = sorted((work / "sim").iterdir(), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)])
+    states: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    behaviours: list[list[int]] = []
+    vars_: list[str] = []
+    for f in files:
+        path = []
+        for st in parse_sim_file(f):
+            vars_ = vars_ or sorted(st)
+            key = canon(st, vars_)
+            if key not in index:
+                index[key] = len(states)
+                states.append(st)
+            path.append(index[key])
+        behaviours.append(path)
+    if not behaviours:
+        raise ExportError(f"TLC simulated no behaviour of {module}/{cfg}")
+    edges = sorted({(b[k], b[k + 1], states[b[k + 1]]["lastAction"]["name"])
+                    for b in behaviours for k in range(len(b) - 1)})
+    g = Graph(vars_, [[st[v] for v in vars_] for st in states], sorted({b[0] for b in behaviours}), edges)
+    g.index = index
+    log(f"[export] simulate {module}/{Path(cfg).name} (no graph): {len(behaviours)} behaviours, depth <= {depth}, "
+        f"seed {seed}, {len(states)} distinct states visited ({run.seconds:.1f}s)")
+    return Export(module, cfg, g, [("simulate", b) for b in behaviours], consts)
+
+
+def covering_paths(graph: Graph, max_len: int = 400) -> list[list[int]]:
     """Paths from an initial state that together take every reachable edge.
 
-    Greedy: from an initial state, walk untaken edges while the current state has one; when stuck,
-    end the path and start a new one along a shortest path to the nearest state with an untaken
-    edge. Paths are cut at max_len states so a replay failure stays short to read."""
+    Greedy: from an initial state, walk untaken edges; when the current state has none left, go on
+    along a shortest path (through taken edges) to the nearest state that still has one, so a
+    behaviour does not restart from Init for every rare edge. A path ends when nothing untaken is
+    reachable from where it is or at max_len states (a replay failure stays short enough to read)."""
     out = graph.out_edges()
+    succ = {s: sorted({d for d, _ in es}) for s, es in out.items()}
     # BFS tree from the initial states: parent pointers give a shortest prefix to any state.
     parent: dict[int, int | None] = {i: None for i in graph.init}
     q = deque(graph.init)
     while q:
         s = q.popleft()
-        for d, _ in out.get(s, []):
+        for d in succ.get(s, []):
             if d not in parent:
                 parent[d] = s
                 q.append(d)
@@ -246,14 +315,45 @@ def covering_paths(graph: Graph, max_len: int = 60) -> list[list[int]]:
             cur = parent[cur]
         return p[::-1]
 
-    untaken: dict[int, list[int]] = {s: [d for d, _ in es] for s, es in out.items() if s in parent}
+    untaken: dict[int, list[int]] = {s: list(ds) for s, ds in succ.items() if s in parent and ds}
+
+    def route(src: int, budget: int) -> list[int] | None:
+        """States after src on a shortest path to a state with an untaken edge (None: none near)."""
+        back: dict[int, int] = {src: src}
+        frontier = [src]
+        for _ in range(budget):
+            nxt: list[int] = []
+            for s in frontier:
+                for d in succ.get(s, []):
+                    if d in back:
+                        continue
+                    back[d] = s
+                    if untaken.get(d):
+                        path = [d]
+                        while back[path[-1]] != src:
+                            path.append(back[path[-1]])
+                        return path[::-1]
+                    nxt.append(d)
+            if not nxt:
+                return None
+            frontier = nxt
+        return None
+
     paths: list[list[int]] = []
     for s in sorted(untaken, key=lambda s: len(prefix(s))):
         while untaken.get(s):
             path = prefix(s)
             cur = s
-            while untaken.get(cur) and len(path) < max_len:
+            while len(path) < max_len:
+                if not untaken.get(cur):
+                    hop = route(cur, max_len - len(path) - 1)
+                    if hop is None:
+                        break
+                    path += hop
+                    cur = hop[-1]
                 nxt = untaken[cur].pop()
+                if not untaken[cur]:
+                    del untaken[cur]
                 path.append(nxt)
                 cur = nxt
             paths.append(path)
@@ -276,8 +376,8 @@ def coverage(graph: Graph, behaviours: Iterable[list[int]]) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------ files
 def write_export(path: Path, module: str, cfg: str, graph: Graph,
-                 behaviours: list[tuple[str, list[int]]]) -> None:
-    doc = {"module": module, "cfg": cfg, "vars": graph.vars, "states": graph.states,
+                 behaviours: list[tuple[str, list[int]]], consts: dict[str, Any] | None = None) -> None:
+    doc = {"module": module, "cfg": cfg, "consts": consts or {}, "vars": graph.vars, "states": graph.states,
            "init": graph.init, "edges": graph.edges,
            "behaviours": [{"origin": o, "states": b} for o, b in behaviours]}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +390,7 @@ class Export:
     cfg: str
     graph: Graph
     behaviours: list[tuple[str, list[int]]]
+    consts: dict[str, Any] = field(default_factory=dict)  # the config's CONSTANTS
 
     def steps(self, b: list[int]) -> list[dict[str, Any]]:
         return [self.graph.state(i) for i in b]
@@ -299,14 +400,16 @@ def read_export(path: Path) -> Export:
     doc = json.loads(path.read_text())
     g = Graph(doc["vars"], doc["states"], doc["init"], [tuple(e) for e in doc["edges"]])
     g.index = {canon(g.state(i), g.vars): i for i in range(len(g.states))}
-    return Export(doc["module"], doc["cfg"], g, [(b["origin"], b["states"]) for b in doc["behaviours"]])
+    return Export(doc["module"], doc["cfg"], g, [(b["origin"], b["states"]) for b in doc["behaviours"]],
+                  doc.get("consts", {}))
 
 
 def export(spec_dir: Path, module: str, cfg: str, num: int, depth: int, seed: int,
            out: Path | None = None, cover: bool = True, log=print) -> Export:
     """Graph + behaviours of one config, written to .tlc-out/<module>.<cfg>.json."""
+    consts = cfg_constants(Path(cfg) if Path(cfg).is_absolute() else spec_dir / cfg)
     graph, grun = dump_graph(spec_dir, module, cfg)
-    log(f"[export] graph {module}/{cfg}: {len(graph.states)} states, {len(graph.edges)} edges "
+    log(f"[export] graph {module}/{Path(cfg).name}: {len(graph.states)} states, {len(graph.edges)} edges "
         f"({grun.seconds:.1f}s)")
     sims, srun = simulate(spec_dir, module, cfg, graph, num, depth, seed)
     behaviours = [("simulate", b) for b in sims]
@@ -321,8 +424,8 @@ def export(spec_dir: Path, module: str, cfg: str, num: int, depth: int, seed: in
     log(f"[export] coverage: {taken}/{total} distinct (state, action) edges taken by "
         f"{len(behaviours)} behaviours = {100 * taken / max(total, 1):.1f}%")
     path = out or OUT / f"{module}.{Path(cfg).stem}.json"
-    write_export(path, module, cfg, graph, behaviours)
-    return Export(module, cfg, graph, behaviours)
+    write_export(path, module, cfg, graph, behaviours, consts)
+    return Export(module, cfg, graph, behaviours, consts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,7 @@ from kvledger.errors import LedgerError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.metadata import aggregate_into
 from kvledger.scheduler import SchedulerLedger
+from kvledger.trace import TraceSink
 from kvledger.worker import Verdict, WorkerLedger
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
@@ -135,11 +136,27 @@ _behaviour_ids = itertools.count()
 
 
 class KVDriver:
-    """See the module doc. `backend` is a MooncakeBackend (replay, fuzz) or MemStoreBackend."""
+    """See the module doc. `backend` is a MooncakeBackend (replay, fuzz) or MemStoreBackend.
 
-    def __init__(self, backend: Any, *, sub_batch: int = 1) -> None:
+    `consts`: the config's CONSTANTS (`conformance.export.cfg_constants`); the bounds the model puts on
+    a behaviour (MaxGen, MaxJobs, PinCap, SubBatch) come from there. `trace`: a TraceSink shared by
+    the ledgers (their own events) and this driver, which logs what vLLM's Scheduler and the store do
+    (Admit, Compute, Preempt, Finish, Lookup, EmitLoad, HandleLoadErrors; Evict, StoreFail,
+    StoreRestart), so a log of one behaviour is complete for `conformance.kvtrace`."""
+
+    def __init__(self, backend: Any, consts: dict[str, Any] | None = None, *,
+                 trace: TraceSink | None = None, device: str = "cpu") -> None:
         self.backend = backend
-        self.sub_batch = sub_batch
+        consts = dict(consts or {})
+        self.max_gen = int(consts.get("MaxGen", 2))
+        self.pin_cap = int(consts.get("PinCap", 1))
+        self.sub_batch = int(consts.get("SubBatch", 1))
+        self.cfg_max_jobs = consts.get("MaxJobs")
+        self.late_notices = bool(consts.get("LateNotices", False))
+        # FALSE: the reset_prefix_cache(reset_running_requests=True) path, no preemption notice
+        self.preempt_notices = bool(consts.get("PreemptNotices", True))
+        self.trace = trace
+        self.device = torch.device(device)
 
     # ------------------------------------------------------------------ set-up
     def reset(self, init: dict[str, Any]) -> None:
@@ -149,19 +166,24 @@ class KVDriver:
         self.keys = sorted(init["store"])  # model keys as JSON strings of <<r, c>>
         self.num_chunks = max(int(_key(k)[1]) for k in self.keys)
         self.max_jobs = len(init["jobs"])
+        if self.cfg_max_jobs is not None and int(self.cfg_max_jobs) != self.max_jobs:
+            raise ValueError(f"MaxJobs={self.cfg_max_jobs} in the config, but the model state has "
+                             f"{self.max_jobs} job slots: constants of another config?")
         if isinstance(self.backend, MooncakeBackend):
             self.backend.prefix = f"b{next(_behaviour_ids)}-"
         else:
             self.backend.d.clear()
         self.pool = BlockPool(num_gpu_blocks=self.num_blocks + 1, enable_caching=False, hash_block_size=16)
-        self.kv = torch.zeros(self.num_blocks + 1, ROW, dtype=torch.float32)
-        # the pin cap of the model config is read from the first EmitStore refusal; the ledger's own
-        # cap is set from the model's PinCap via `pin_cap` (see configure)
+        self.kv = torch.zeros(self.num_blocks + 1, ROW, dtype=torch.float32, device=self.device)
+        # the ledger's cap is the model's PinCap (jobs; blocks: every job may pin the whole pool)
+        tr = self.trace
         self.sched = SchedulerLedger(self.pool, world_size=len(self.ranks), max_inflight_jobs=self.pin_cap,
-                                     max_pinned_blocks=self.pin_cap * self.num_blocks, first_job_id=1)
-        self.workers = {w: WorkerLedger(i, max_live_jobs=self.max_jobs + 1)
+                                     max_pinned_blocks=self.pin_cap * self.num_blocks, first_job_id=1,
+                                     trace=tr)
+        self.workers = {w: WorkerLedger(i, max_live_jobs=self.max_jobs + 1, trace=tr)
                         for i, w in enumerate(self.ranks)}
-        self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req)) for i, w in enumerate(self.ranks)}
+        self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req), trace=tr)
+                      for i, w in enumerate(self.ranks)}
         self.status = {r: "waiting" for r in self.req}
         self.gen = {r: 0 for r in self.req}
         self.table: dict[str, list[Any]] = {r: [] for r in self.req}
@@ -175,8 +197,11 @@ class KVDriver:
         self.buf: dict[str, dict[int, torch.Tensor]] = {w: {} for w in self.ranks}
         self.up = True
         self.ld: dict[str, dict[str, Any]] = {r: self._ld_idle() for r in self.req}
+        self.uncollected: set[tuple[str, int]] = set()  # (rank, job) reported, not yet collected
 
-    pin_cap = 1
+    def _emit(self, actor: str, action: str, **fields: Any) -> None:
+        if self.trace is not None:
+            self.trace.emit(actor, action, fields)
 
     @staticmethod
     def _ld_idle() -> dict[str, Any]:
@@ -212,15 +237,29 @@ class KVDriver:
         except LedgerError as e:
             raise Refused(str(e)) from e
 
+    def _engine_synced(self) -> None:
+        """vLLM's engine step: schedule() runs only after every rank bound the last step's metadata
+        (Receive), the ranks' completed-save reports were merged (Collect) and, unless notices may
+        lag, every DropGeneration notice was handed over (the model's EngineSynced)."""
+        if any(self.inbox.values()):
+            raise Refused("engine not synced: an emitted job is not received yet")
+        if self.uncollected:
+            raise Refused("engine not synced: a completed-save report is not collected yet")
+        if not self.late_notices and any(self.notice.values()):
+            raise Refused("engine not synced: a DropGeneration notice is not delivered yet")
+
     def do_Admit(self, a: dict[str, Any]) -> None:
         r = a["r"]
-        if self.status[r] not in ("waiting", "preempted") or self.gen[r] >= 2:
-            raise Refused(f"{r} is {self.status[r]}")
+        self._engine_synced()
+        if self.status[r] not in ("waiting", "preempted") or self.gen[r] >= self.max_gen:
+            raise Refused(f"{r} is {self.status[r]} (generation {self.gen[r]} of {self.max_gen})")
         self.status[r] = "running"
         self.gen[r] += 1
         self.ld[r] = self._ld_idle()
+        self._emit("sched", "Admit", req_id=r, generation=self.gen[r])
 
     def _running_done(self, r: str) -> None:
+        self._engine_synced()
         if self.status[r] != "running" or self.ld[r]["ph"] != "done":
             raise Refused(f"{r} is not running with its load done")
 
@@ -239,6 +278,7 @@ class KVDriver:
             self.table[r].append(blk)
         self.kv[blk.block_id].fill_(self.code(r, c))
         self.ncomp[r] = c
+        self._emit("sched", "Compute", req_id=r, chunk=c, block=blk.block_id)
 
     def do_EmitStore(self, a: dict[str, Any]) -> None:
         r = a["r"]
@@ -263,13 +303,15 @@ class KVDriver:
     def do_Preempt(self, a: dict[str, Any]) -> None:
         r = a["r"]
         self._running_done(r)
-        if self.gen[r] >= 2:
-            raise Refused("the model bounds generations")
+        if self.gen[r] >= self.max_gen:
+            raise Refused(f"the model bounds generations (MaxGen={self.max_gen})")
         self._free_table(r)
         self.status[r] = "preempted"
         self.ncomp[r] = self.emitted[r] = 0
-        for w in self.ranks:
-            self.notice[w].add((r, self.gen[r], "preempt"))
+        if self.preempt_notices:
+            for w in self.ranks:
+                self.notice[w].add((r, self.gen[r], "preempt"))
+        self._emit("sched", "Preempt", req_id=r, generation=self.gen[r])
 
     def do_Finish(self, a: dict[str, Any]) -> None:
         r = a["r"]
@@ -281,6 +323,7 @@ class KVDriver:
         self.status[r] = "finished"
         for w in self.ranks:
             self.notice[w].add((r, self.gen[r], "finish"))
+        self._emit("sched", "Finish", req_id=r, generation=self.gen[r])
 
     def do_Collect(self, a: dict[str, Any]) -> None:
         merged: dict[int, int] = {}
@@ -288,6 +331,7 @@ class KVDriver:
             aggregate_into(merged, wl.take_completed())
         if not merged:
             raise Refused("no report to collect")
+        self.uncollected.clear()
         self.sched.collect(merged)
 
     def do_Receive(self, a: dict[str, Any]) -> None:
@@ -351,17 +395,20 @@ class KVDriver:
         j = self._busy(w, "stored", "failed", "stale", "skipped")
         self.workers[w].finish(j)
         self.busy[w] = None
+        self.uncollected.add((w, j))
 
     def do_Evict(self, a: dict[str, Any]) -> None:
         r, c = a["k"]
         if not self.backend.exists(self.skey(r, c)):
             raise Refused("nothing to evict")
         self.backend.remove(self.skey(r, c))
+        self._emit("store", "Evict", key=[r, c])
 
     def do_StoreFail(self, a: dict[str, Any]) -> None:
         if not self.up:
             raise Refused("already down")
         self.up = False
+        self._emit("store", "StoreFail")
 
     def do_StoreRestart(self, a: dict[str, Any]) -> None:
         if self.up:
@@ -370,9 +417,11 @@ class KVDriver:
             for c in range(1, self.num_chunks + 1):
                 self.backend.remove(self.skey(r, c))
         self.up = True
+        self._emit("store", "StoreRestart")
 
     def do_Lookup(self, a: dict[str, Any]) -> None:
         r = a["r"]
+        self._engine_synced()
         if self.status[r] != "running" or self.ld[r]["ph"] != "idle":
             raise Refused(f"{r}: no lookup now")
         h = 0
@@ -380,10 +429,12 @@ class KVDriver:
             while h < self.num_chunks and self.backend.exists(self.skey(r, h + 1)):
                 h += 1
         self.ld[r].update(ph="done" if h == 0 else "looked", n=h, bad=set())
+        self._emit("sched", "Lookup", req_id=r, hits=h)
 
     def do_EmitLoad(self, a: dict[str, Any]) -> None:
         r = a["r"]
         ld = self.ld[r]
+        self._engine_synced()
         if self.status[r] != "running" or ld["ph"] != "looked":
             raise Refused(f"{r}: no load to emit")
         if self.pool.get_num_free_blocks() < ld["n"]:
@@ -393,6 +444,7 @@ class KVDriver:
         ld["load_ids"] = {w: self.loads[w].begin_load(r, ids) for w in self.ranks}
         ld["done"] = {w: 0 for w in self.ranks}
         ld["ph"] = "loading"
+        self._emit("sched", "EmitLoad", req_id=r, blocks=ids)
 
     def do_Load(self, a: dict[str, Any]) -> None:
         w, r = a["w"], a["r"]
@@ -424,6 +476,7 @@ class KVDriver:
     def do_HandleLoadErrors(self, a: dict[str, Any]) -> None:
         r = a["r"]
         ld = self.ld[r]
+        self._engine_synced()
         if ld["ph"] != "loaded":
             raise Refused(f"{r}: no finished load")
         errors: set[int] = set()
@@ -435,6 +488,7 @@ class KVDriver:
         self.ncomp[r] = self.emitted[r] = keep
         # the load is over: its bookkeeping is cleared (as the model does)
         self.ld[r] = {**self._ld_idle(), "ph": "done"}
+        self._emit("sched", "HandleLoadErrors", req_id=r, bad=sorted(bad_chunks), keep=keep)
 
     # ------------------------------------------------------------------ abstract state
     def observe(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Every runtime mutant (monkeypatched, never edited into the source) is killed by replaying TLC's
-behaviours of the small KVLedger config, and the unmutated runtime conforms (checked inside
-kill_table before any mutant runs)."""
+behaviours of the two small KVLedger configs (store faults; unannounced preemption), and the
+unmutated runtime conforms (checked inside kill_table before any mutant runs)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_mutant_killed(tmp_path: Path) -> None:
-    exp = ex.export(ROOT / "tla", "KVLedger", str(mutants.DEFAULT_CFG), num=100, depth=40, seed=1,
-                    out=tmp_path / "kv.json", log=lambda _: None)
+    exps = [ex.export(ROOT / "tla", "KVLedger", str(c), num=100, depth=40, seed=1,
+                      out=tmp_path / f"{c.stem}.json", log=lambda _: None) for c in mutants.DEFAULT_CFGS]
     lines: list[str] = []
-    res = mutants.kill_table(exp, log=lines.append)
+    res = mutants.kill_table(exps, log=lines.append)
     assert len(res) >= 6
     assert all(res.values()), "\n".join(lines)
     assert lines[-1] == f"[mutants] {len(res)}/{len(res)} killed"
