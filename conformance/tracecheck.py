@@ -90,17 +90,26 @@ class Verdict:
     exit_code: int
     seconds: float
     distinct: int | None
+    seqs: list[Any] | None = None  # the runtime `seq` of each checked event (kvtrace sets it)
 
     @property
     def first_unmatched(self) -> int | None:
         """1-based index of the first event the model could not match (None when accepted)."""
         return None if self.accepted else self.matched + 1
 
+    @property
+    def first_unmatched_seq(self) -> Any:
+        """The runtime `seq` of the first unmatched event (None when accepted or unknown)."""
+        k = self.first_unmatched
+        return self.seqs[k - 1] if k is not None and self.seqs and k <= len(self.seqs) else None
+
     def line(self, name: str = "log") -> str:
         if self.accepted:
             return f"ACCEPTED {name}: all {self.events} events match the model ({self.seconds:.1f}s)"
+        seq = self.first_unmatched_seq
+        at = f" (seq {seq} of the log)" if seq is not None else ""
         return (f"REJECTED {name}: the model matches only the first {self.matched} of {self.events} "
-                f"events; event #{self.first_unmatched} has no model step (TLC exit {self.exit_code})")
+                f"events; event #{self.first_unmatched}{at} has no model step (TLC exit {self.exit_code})")
 
 
 _CURSOR = re.compile(r'<<"cursor", (\d+)>>')
@@ -109,8 +118,9 @@ _CURSOR = re.compile(r'<<"cursor", (\d+)>>')
 def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger",
                  cfg: str = "TraceKVLedger.cfg", spec_dirs: Iterable[Path] = (TLA,),
                  normalize: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-                 xmx: str = "1g", timeout: float = 600) -> Verdict:
-    """Run TLC's trace check of `events` (already normalized when `normalize` is None)."""
+                 xmx: str = "1g", timeout: float = 600, cfg_text: str | None = None) -> Verdict:
+    """Run TLC's trace check of `events` (already normalized when `normalize` is None).
+    `cfg_text`: the trace config to use instead of the file `cfg` (written into the scratch copy)."""
     if normalize is not None:
         events = [e for e in (normalize(ev) for ev in events) if e is not None]
     if not events:
@@ -123,6 +133,8 @@ def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger"
                 if f.suffix in (".tla", ".cfg") and f.name != "TraceData.tla":
                     shutil.copy(f, work)
         (work / "TraceData.tla").write_text(trace_module(events))
+        if cfg_text is not None:
+            (work / cfg).write_text(cfg_text)
         try:
             res = tlc.run_tlc(work / f"{trace_spec}.tla", work / cfg, xmx=xmx, timeout=timeout,
                               extra_args=["-deadlock"])
@@ -137,7 +149,7 @@ def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from conformance import kvtrace  # the KVLedger event mapping
+    from conformance import kvtrace  # the KVLedger event mapping (its main has more options)
 
     ap = argparse.ArgumentParser(description="Check runtime NDJSON logs against the model with TLC")
     ap.add_argument("logs", nargs="+", type=Path)

@@ -23,24 +23,6 @@ def kv_export(tmp_path_factory) -> ex.Export:
     return ex.export(ROOT / "tla", "KVLedger", str(CFG), num=400, depth=40, seed=1, out=out, log=print)
 
 
-@pytest.fixture(scope="module")
-def mooncake_backend():
-    from connector.config import StoreConfig
-    from connector.embedded import EmbeddedMooncake
-    from connector.store import MooncakeStore
-
-    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
-    try:
-        cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
-        store = MooncakeStore.connect(cfg, embedded=mc)
-        try:
-            yield MooncakeBackend(store)
-        finally:
-            store.close()
-    finally:
-        mc.stop()
-
-
 def driver(backend, exp: ex.Export) -> KVDriver:
     return KVDriver(backend, exp.consts)  # MaxGen, PinCap, SubBatch, ... of the config
 
