@@ -144,6 +144,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
                 block_size=bs, world_size=pc.world_size, key_builders=builders, store=store,
                 max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
                 save_decode=save_decode, max_lookup_cache=max_lookup_cache,
+                save_enabled=self._kv_transfer_config.is_kv_producer,
+                load_enabled=self._kv_transfer_config.is_kv_consumer,
                 stats=self.stats, trace=trace)
         else:
             if store is None:

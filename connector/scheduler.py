@@ -53,6 +53,7 @@ class SchedulerSide:
     def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
                  store: KVStore | None, max_inflight_jobs: int, max_pinned_blocks: int,
                  save_decode: bool = False, max_lookup_cache: int = 4096,
+                 save_enabled: bool = True, load_enabled: bool = True,
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
         if max_lookup_cache < 1:
             raise LedgerInputError("max_lookup_cache", max_lookup_cache, "must be >= 1")
@@ -63,6 +64,8 @@ class SchedulerSide:
         self.max_inflight_jobs = max_inflight_jobs
         self.max_pinned_blocks = max_pinned_blocks
         self.save_decode = save_decode
+        self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
+        self.load_enabled = load_enabled  # kv_role kv_consumer | kv_both
         self.max_lookup_cache = max_lookup_cache
         self.stats = stats or StatsRecorder()
         self.trace = trace
@@ -130,7 +133,7 @@ class SchedulerSide:
         bs = self.block_size
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        if self.store is None or end <= start:
+        if self.store is None or end <= start or not self.load_enabled:
             return num_computed_tokens
         hashes = request.block_hashes[start:end]
         keys = [k for kb in self.key_builders for k in kb.keys(hashes)]
@@ -210,6 +213,8 @@ class SchedulerSide:
 
     def _maybe_save(self, meta: KVLedgerConnectorMetadata, req_id: str, num_scheduled: int,
                     block_state: Any) -> None:
+        if not self.save_enabled:
+            return
         request = self._requests.get(req_id)
         if request is None:
             self._deferred.discard(req_id)

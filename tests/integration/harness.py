@@ -133,7 +133,7 @@ class Harness:
                  block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
                  policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
-                 max_model_len: int = 1024) -> None:
+                 max_model_len: int = 1024, kv_role: str = "kv_both") -> None:
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvledger-harness-")
@@ -157,7 +157,7 @@ class Harness:
             parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
                                                 kv_connector_module_path="connector.connector",
-                                                kv_role="kv_both", kv_connector_extra_config=extra,
+                                                kv_role=kv_role, kv_connector_extra_config=extra,
                                                 kv_load_failure_policy=policy),
             device_config=DeviceConfig("cpu"))
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks

@@ -214,3 +214,20 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
             if f"req-{i}" != victim.request_id:
                 assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, 8)
         assert h.check_store()[1] == 0
+
+
+@pytest.mark.parametrize("kv_role, saves, loads", [("kv_producer", True, False), ("kv_consumer", False, True)])
+def test_kv_role_selects_saves_and_loads(store_config: StoreConfig, tmp_path, kv_role: str, saves: bool,
+                                         loads: bool):
+    """kv_producer only saves, kv_consumer only loads (what another kv_both engine of the same model saved:
+    same model dir, so the same key layout)."""
+    prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=29)
+    # the warm engine stays up: stored KV lives in the segments its workers contribute
+    with Harness(store_config, num_blocks=14, workdir=str(tmp_path)) as warm, \
+            Harness(store_config, num_blocks=14, kv_role=kv_role, workdir=str(tmp_path)) as h:
+        _run_pass(warm, prompts, max_tokens=8)
+        _run_pass(h, prompts, max_tokens=8)
+        ss = h.scheduler_connector.scheduler_side
+        assert (ss.ledger.num_jobs_opened > 0) is saves
+        assert (ss.num_loads > 0) is loads
+        _check(h, prompts, max_tokens=8)
