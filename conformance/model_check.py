@@ -49,7 +49,8 @@ CI: list[Check] = [
     Check("MC_safety", "fixed", 0, None, "S1-S8 + lifecycle, 2 req x 2 ranks, 1 block, every fault kind"),
     Check("MC_lag", "fixed", 0, None, "lagging rank offsets, late notices, pin cap 1"),
     Check("MC_nonotice", "fixed", 0, None, "reset_prefix_cache path: no preemption notices"),
-    Check("MC_live", "fixed", 0, None, "PinsReleased NoLeakAtRest LoadsFinish Progress"),
+    Check("MC_live", "fixed", 0, None, "PinsReleased NoLeakAtRest LoadsFinish Progress, 2 req"),
+    Check("MC_live_faults", "fixed", 0, None, "the same liveness with store faults, 1 req"),
     Check("MC_legacy_pollution", "legacy", 12, "NoPollution", "vLLM #52360", deadlock=False),
     Check("MC_legacy_aba", "legacy", 13, "NoStaleEffect", "vLLM #51637 (ABA)", deadlock=False),
     Check("MC_legacy_load", "legacy", 12, "LoadErrorsReported", "load path stops at failing sub-batch",
@@ -58,6 +59,7 @@ CI: list[Check] = [
     Check("MC_mutant_ReportTwice", "mutant", 12, "ReportedOnce", "failed put reported twice", deadlock=False),
     Check("MC_mutant_KeyedByReqId", "mutant", 13, "NoStaleEffect", "worker ledger keyed by req_id",
           deadlock=False),
+    Check("MC_live_nofair", "mutant", 13, "temporal", "no fairness: PinsReleased must fail", deadlock=False),
     Check("MC_mutant_NoCap", "mutant", 12, "BoundedPins", "EmitStore ignores the pin cap", deadlock=False),
 ]
 
