@@ -155,6 +155,9 @@ class KVDriver:
         self.late_notices = bool(consts.get("LateNotices", False))
         # FALSE: the reset_prefix_cache(reset_running_requests=True) path, no preemption notice
         self.preempt_notices = bool(consts.get("PreemptNotices", True))
+        # the fault injector's budget and kinds (the model's MaxFaults, FaultKinds)
+        self.max_faults = int(consts.get("MaxFaults", 1 << 30))
+        self.fault_kinds = set(consts.get("FaultKinds", ["evict", "fail", "put", "pressure", "dma", "load"]))
         self.trace = trace
         self.device = torch.device(device)
 
@@ -198,6 +201,14 @@ class KVDriver:
         self.up = True
         self.ld: dict[str, dict[str, Any]] = {r: self._ld_idle() for r in self.req}
         self.uncollected: set[tuple[str, int]] = set()  # (rank, job) reported, not yet collected
+        self.faults = 0
+
+    def _fault(self, kind: str) -> None:
+        """An injected fault: refused beyond the budget or of a kind the config does not inject."""
+        if self.faults >= self.max_faults or kind not in self.fault_kinds:
+            raise Refused(f"fault {kind!r} not injectable ({self.faults}/{self.max_faults} used, "
+                          f"kinds {sorted(self.fault_kinds)})")
+        self.faults += 1
 
     def _emit(self, actor: str, action: str, **fields: Any) -> None:
         if self.trace is not None:
@@ -359,6 +370,17 @@ class KVDriver:
         self.busy[w] = j
         wl = self.workers[w]
         if a.get("outcome") == "failed":  # injected: the handler raised before the read
+            req = wl.job_request(j)
+            if j not in req.live or (req.pressure_skip and wl.under_pressure):
+                self.queue[w].insert(0, j)
+                self.busy[w] = None
+                raise Refused(f"{w}: job {j} would not run, so it cannot fail in the read")
+            try:
+                self._fault("dma")
+            except Refused:
+                self.queue[w].insert(0, j)
+                self.busy[w] = None
+                raise
             wl.record_failed(j)
             return
         v = wl.begin(j)
@@ -378,6 +400,12 @@ class KVDriver:
         j = self._busy(w, "running")
         r, g, ids, lo, hi = self.jobs[j]
         wl = self.workers[w]
+        if outcome == "ok" and not self.up:
+            raise Refused("the store is down: a put cannot succeed")
+        if outcome == "pressure" and not self.up:
+            raise Refused("the store is down: it answers no pressure")
+        if outcome != "ok" and self.up:
+            self._fault("put" if outcome == "fail" else "pressure")
         staged, self.buf[w] = self.buf[w], {}
         if outcome == "ok" and self.up:
             codes = [self.backend.put(self.skey(r, c), row) for c, row in sorted(staged.items())]
@@ -401,12 +429,14 @@ class KVDriver:
         r, c = a["k"]
         if not self.backend.exists(self.skey(r, c)):
             raise Refused("nothing to evict")
+        self._fault("evict")
         self.backend.remove(self.skey(r, c))
         self._emit("store", "Evict", key=[r, c])
 
     def do_StoreFail(self, a: dict[str, Any]) -> None:
         if not self.up:
             raise Refused("already down")
+        self._fault("fail")
         self.up = False
         self._emit("store", "StoreFail")
 
@@ -454,6 +484,8 @@ class KVDriver:
         i0 = ld["done"][w] + 1
         batch = list(range(i0, min(i0 + self.sub_batch - 1, ld["n"]) + 1))
         model_failed = set(a.get("failed", []))
+        if self.up and any(i in model_failed and self.backend.exists(self.skey(r, i)) for i in batch):
+            self._fault("load")  # a transfer failure of a key the store has
         ids, codes = [], []
         for i in batch:
             blk = self.table[r][i - 1].block_id
@@ -588,11 +620,40 @@ class KVDriver:
         return out
 
     def check_invariants(self) -> None:
-        """S1 NoPollution, S3 RefCountExact, S6 BoundedPins on the real parts (independent of the model)."""
+        """S1-S3, S5-S8 on the real parts, independent of the model (S4 NoStaleEffect is a property of
+        steps: the oracle compares every rank's live sets, offsets and skip flags after each step)."""
         obs = self.observe()
         for k, v in obs["store"].items():
             if v != ["NoReq", 0] and v != list(_key(k)):
                 raise LedgerInvariantError.of("S1", f"store key {k} holds {v}")
+        inflight = set(self.sched.inflight_jobs())
+        for w, j in self.busy.items():
+            if j is None or self.workers[w].job_state(j) != "running":
+                continue
+            r, _g, ids, _lo, _hi = self.jobs[j]
+            if j not in inflight:
+                raise LedgerInvariantError.of("S2", f"{w} reads job {j} whose pins are released")
+            for c, row in self.buf[w].items():
+                if self.decode(row) != [r, c] or self.decode(self.kv[ids[c - 1]]) != [r, c]:
+                    raise LedgerInvariantError.of("S2", f"{w} job {j} chunk {c}: read {self.decode(row)}")
+        for j in inflight:
+            open_ranks = sum(1 for w in self.ranks if j in self.inbox[w]
+                             or self.workers[w].job_state(j) != "reported")
+            if self.sched.ranks_left(j) < open_ranks:
+                raise LedgerInvariantError.of("S5", f"job {j}: ranks_left {self.sched.ranks_left(j)} < "
+                                                    f"{open_ranks} ranks still to report")
+        for r in self.req:
+            if self.status[r] == "running":
+                for i in range(1, self.ncomp[r] + 1):
+                    got = self.decode(self.kv[self.table[r][i - 1].block_id])
+                    if got != [r, i]:
+                        raise LedgerInvariantError.of("S7", f"{r} counts chunk {i} computed, block holds {got}")
+            ld = self.ld[r]
+            if ld["ph"] == "loaded":
+                for i in range(1, ld["n"] + 1):
+                    got = self.decode(self.kv[self.table[r][i - 1].block_id])
+                    if got != [r, i] and i not in ld["bad"]:
+                        raise LedgerInvariantError.of("S8", f"{r} key {i} not loaded ({got}) and not reported")
         for b in range(1, self.num_blocks + 1):
             holders = sum(b in [x.block_id for x in t] for t in self.table.values())
             holders += sum(b in blocks for blocks, _ in obs["pins"].values())
