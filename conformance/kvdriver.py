@@ -387,7 +387,15 @@ class KVDriver:
         if v is Verdict.RUN:
             r, g, ids, lo, hi = self.jobs[j]
             start = wl.saved_offset(j) + 1
-            self.buf[w] = {c: self.kv[ids[c - 1]].clone() for c in range(start, hi + 1)}
+            rows = {c: self.kv[ids[c - 1]] for c in range(start, hi + 1)}
+            if self.device.type == "cuda":  # as the connector: async device->host copies, then an event
+                staged = {c: row.to("cpu", non_blocking=True) for c, row in rows.items()}
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+                self.buf[w] = staged
+            else:
+                self.buf[w] = {c: row.clone() for c, row in rows.items()}
 
     def _busy(self, w: str, *phases: str) -> int:
         j = self.busy[w]

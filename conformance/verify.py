@@ -1,8 +1,19 @@
 """`make verify`: the project's main check, as a thin orchestrator with a summary.
 
 Stage 1 runs the TLC model check (conformance.model_check: the fixed design passes, the legacy
-design and the mutants fail as expected).  Later stages (replay of TLC behaviours against the real
-connector, trace validation) plug in as further entries of STAGES.  Exit 0 only when every stage does.
+design and the mutants fail as expected).  Then conformance, on a real Mooncake master on 127.0.0.1
+(started here, stopped by pid):
+
+  replay     TLC's full graph of tla/MC_conformance.cfg (the CI graph) exported with seeded random
+             behaviours + paths covering every edge, all replayed against the real parts; plus the
+             whole graph of tests/conformance/kv/MC_replay_tiny.cfg (every store fault kind) and
+             simulated behaviours of tla/MC_conformance_sim.cfg (2 ranks, faults; coverage not measured)
+  trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
+  mutants    the runtime mutants' kill table (conformance.mutants)
+
+One summary line: behaviours replayed, edge coverage of the CI graph, logs validated, mutants killed.
+Gates: >= 1000 behaviours, coverage >= 95%, every behaviour conforms, every log accepted, every mutant
+killed.  Exit 0 only when every stage does.  `--skip-model-check` runs the conformance stages only.
 """
 from __future__ import annotations
 
@@ -10,18 +21,106 @@ import sys
 import time
 from typing import Callable
 
+from pathlib import Path
+
 from conformance import model_check
+
+ROOT = Path(__file__).resolve().parent.parent
+CI_CFG = ROOT / "tla" / "MC_conformance.cfg"
+FAULTS_CFG = ROOT / "tests" / "conformance" / "kv" / "MC_replay_tiny.cfg"
+SIM_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
+MIN_BEHAVIOURS, MIN_COVERAGE = 1000, 0.95
+
+# filled by the conformance stages, printed in the summary
+FIGURES: dict[str, str] = {}
+
+
+def _mooncake():
+    from conformance.kvdriver import MooncakeBackend
+    from connector.config import StoreConfig
+    from connector.embedded import EmbeddedMooncake
+    from connector.store import MooncakeStore
+
+    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
+    try:
+        store = MooncakeStore.connect(StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20,
+                                                  rpc_timeout_ms=2000), embedded=mc)
+    except BaseException:
+        mc.stop()
+        raise
+    return mc, store, MooncakeBackend(store)
+
+
+def replay_stage(_argv: list[str]) -> int:
+    from conformance import export as ex
+    from conformance import kvtrace
+    from conformance import replay as rp
+    from conformance.kvdriver import KVDriver
+
+    ci = ex.export(CI_CFG.parent, "KVLedger", CI_CFG.name, num=1000, depth=40, seed=1)
+    taken, total = ex.coverage(ci.graph, (b for _, b in ci.behaviours))
+    faults = ex.export(FAULTS_CFG.parent, "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
+    sim = ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1)
+    mc, store, backend = _mooncake()
+    try:
+        reps = []
+        for e in (ci, faults, sim):
+            r = rp.replay_export(e, KVDriver(backend, e.consts), stop_after=3, progress=print)
+            print(f"{r.line()} [{Path(e.cfg).name}]", flush=True)
+            reps.append(r)
+        logs = kvtrace.record_logs(sim, backend, kvtrace.LOG_DIR, kvtrace.interesting(sim, 4))
+        logs += kvtrace.record_logs(faults, backend, kvtrace.LOG_DIR, kvtrace.interesting(faults, 2))
+    finally:
+        store.close()
+        mc.stop()
+    n = sum(r.behaviours for r in reps)
+    ok = sum(r.conforming for r in reps)
+    cov = taken / max(total, 1)
+    FIGURES["replay"] = (f"{ok}/{n} behaviours replayed and conforming; edge coverage {taken}/{total} = "
+                         f"{100 * cov:.1f}% of the CI graph ({CI_CFG.name}: {len(ci.graph.states)} states)")
+    FIGURES["_logs"] = "\n".join(str(p) for p in logs)
+    return 0 if ok == n and n >= MIN_BEHAVIOURS and cov >= MIN_COVERAGE else 1
+
+
+def trace_stage(_argv: list[str]) -> int:
+    from conformance import kvtrace
+
+    logs = [Path(p) for p in FIGURES.get("_logs", "").split("\n") if p]
+    if not logs:
+        print("verify: no log was recorded (the replay stage failed)")
+        return 1
+    good = 0
+    for log in logs:
+        cfg = SIM_CFG if log.name.startswith(SIM_CFG.stem) else FAULTS_CFG
+        v = kvtrace.check_log(log, cfg)
+        print(v.line(log.name), flush=True)
+        good += v.accepted
+    FIGURES["trace"] = f"{good}/{len(logs)} runtime logs validated by TLC"
+    return 0 if good == len(logs) else 1
+
+
+def mutants_stage(_argv: list[str]) -> int:
+    from conformance import mutants
+
+    res = mutants.kill_table(mutants.exports([str(c) for c in mutants.DEFAULT_CFGS], 100))
+    FIGURES["mutants"] = f"{sum(res.values())}/{len(res)} mutants killed"
+    return 0 if all(res.values()) else 1
+
 
 Stage = tuple[str, Callable[[list[str]], int]]
 STAGES: list[Stage] = [
     ("model check (TLC)", model_check.main),
+    ("replay (real Mooncake)", replay_stage),
+    ("trace validation (TLC)", trace_stage),
+    ("mutant kill table", mutants_stage),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     results: list[tuple[str, int, float]] = []
-    for name, run in STAGES:
+    stages = STAGES[1:] if "--skip-model-check" in argv else STAGES
+    for name, run in stages:
         print(f"== verify: {name}", flush=True)
         t0 = time.monotonic()
         try:
@@ -33,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== verify summary")
     for name, code, secs in results:
         print(f"  {'PASS' if code == 0 else 'FAIL'}  {name:<28} exit {code}  {secs:6.1f}s")
+    figs = [v for k, v in FIGURES.items() if not k.startswith("_")]
+    if figs:
+        print("  conformance: " + "; ".join(figs))
     total = sum(s for _, _, s in results)
     worst = max((c for _, c, _ in results), default=0)
     print(f"  total {total:.1f}s -> {'PASS' if worst == 0 else 'FAIL'}")
