@@ -12,7 +12,10 @@ and "remote" (the segment belongs to a separate `mooncake_client` holder process
 client contributes none, so every byte crosses a loopback TCP connection, as for workers that are pure
 consumers).
 
-Adding a suite (e.g. the connector's per-step scheduler overhead): write ``def my_suite(args) -> int``
+Suite `overhead`: the connector's per-step cost on the scheduler side, with saves (kv_both) and without
+(kv_consumer), against the scheduler's own step time in the same run (see `overhead_suite`).
+
+Adding a suite: write ``def my_suite(args) -> int``
 printing its own table, and append it to `SUITES`; `main()` runs them in order.
 
 Run: ``make bench`` or ``python -m bench.connector [--quick] [--suite store]``.
@@ -177,7 +180,159 @@ def store_suite(args: argparse.Namespace) -> int:
     return 0
 
 
-SUITES: dict[str, Callable[[argparse.Namespace], int]] = {"store": store_suite}
+# ------------------------------------------------------------------ suite `overhead`
+#: public connector methods vLLM's scheduler may call in a step; lifecycle ones (bind, shutdown) excluded
+_NOT_STEP_HOOKS = frozenset({"bind_gpu_block_pool", "bind_kv_cache_manager", "shutdown", "build_kv_connector_stats",
+                             "build_prom_metrics"})
+_SCHEDULER_STEP = ("schedule", "update_from_output", "has_requests")  # what vLLM's engine loop calls per step
+
+
+class _Accumulator:
+    """perf_counter time of the outermost wrapped call (a hook calling another hook counts once). With
+    `inside`, only calls made while `inside` is running count: connector hooks called by the scheduler,
+    not the harness's own bookkeeping calls."""
+
+    def __init__(self, inside: _Accumulator | None = None) -> None:
+        self.inside = inside
+        self.depth = 0
+        self.total = 0.0
+        self.by_name: dict[str, float] = {}
+
+    def wrap(self, obj: object, name: str, before: Callable[[], None] | None = None) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.depth or (self.inside is not None and not self.inside.depth):
+                return fn(*args, **kwargs)
+            if before is not None:
+                before()  # untimed
+            self.depth = 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self.depth = 0
+                self.total += dt
+                self.by_name[name] = self.by_name.get(name, 0.0) + dt
+
+        setattr(obj, name, timed)  # instance attribute: vLLM's `self.connector.<hook>(...)` finds it first
+
+
+@dataclass
+class _RoundResult:
+    steps: int
+    scheduler_s: float  # schedule + update_from_output + has_requests, connector hooks included
+    connector_s: float  # inside the connector's hooks, called by the scheduler
+    by_hook: dict[str, float]
+    saves: int
+    loads: int
+    preemptions: int
+
+
+def _wait_workers_idle(h, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Before each timed schedule(): the worker threads have drained, so they neither steal the scheduler's
+    core nor hold the GIL while it is timed, and a save finishes in the step that emitted it (the same
+    schedule whatever the threads' speed). Untimed; a benchmark device, said so."""
+    deadline = time.monotonic() + timeout_s
+    while any(w.worker_side.busy() for w in h.workers):
+        if time.monotonic() > deadline:
+            raise BenchError(f"worker threads still busy after {timeout_s}s")
+        time.sleep(0.0002)
+
+
+def _overhead_round(h, prompts: list[list[int]], max_tokens: int, tag: str) -> _RoundResult:  # type: ignore[no-untyped-def]
+    sched_acc = _Accumulator()
+    conn_acc = _Accumulator(inside=sched_acc)
+    sched, conn = h.scheduler, h.scheduler_connector
+    saved = dict(sched.__dict__), dict(conn.__dict__)
+    hooks = [n for n in dir(type(conn)) if not n.startswith("_") and n not in _NOT_STEP_HOOKS
+             and callable(getattr(type(conn), n, None))]
+    for name in hooks:
+        conn_acc.wrap(conn, name)
+    for name in _SCHEDULER_STEP:
+        sched_acc.wrap(sched, name, before=(lambda: _wait_workers_idle(h)) if name == "schedule" else None)
+    ss = conn.scheduler_side
+    jobs0, loads0 = ss.ledger.num_jobs_opened, ss.num_loads
+    steps0, pre0 = h.stats.steps, h.stats.preemptions
+    try:
+        for i, p in enumerate(prompts):
+            h.add_request(f"{tag}-{i}", p, max_tokens)
+        h.run(timeout_s=120.0)
+    finally:
+        for obj, d in ((sched, saved[0]), (conn, saved[1])):  # unwrap: instance attributes removed
+            for name in list(obj.__dict__):
+                if name not in d:
+                    delattr(obj, name)
+    problems = h.check_at_rest()
+    if problems or h.garbage:
+        raise BenchError(f"overhead round {tag}: not at rest or wrong KV: {problems} {h.garbage[:3]}")
+    for i, p in enumerate(prompts):
+        if h.stats.outputs.get(f"{tag}-{i}") != h.expected_output(p, max_tokens):
+            raise BenchError(f"overhead round {tag}: request {i} produced a wrong output")
+    return _RoundResult(h.stats.steps - steps0, sched_acc.total, conn_acc.total, dict(conn_acc.by_name),
+                        ss.ledger.num_jobs_opened - jobs0, ss.num_loads - loads0, h.stats.preemptions - pre0)
+
+
+def overhead_suite(args: argparse.Namespace) -> int:
+    """The connector's per-step cost on the scheduler side, with saves (kv_both) and without (kv_consumer),
+    as a share of the scheduler's own step time in the same run.
+
+    Comparing whole engine steps of kv_both against kv_consumer means nothing (saves change the schedule:
+    pins hold blocks, so preemptions and step counts differ). Instead, in each run, every public connector
+    method is wrapped with a perf_counter accumulator that counts only calls made from inside the
+    scheduler's step (`schedule`, `update_from_output`, `has_requests`), which are timed too. Worker ranks
+    run in-process but outside those calls, and are drained before each `schedule()` (untimed), so worker
+    time is excluded from both figures. Rounds alternate kv_both / kv_consumer on the same prompts."""
+    import logging
+
+    from connector.config import StoreConfig
+    from connector.embedded import EmbeddedMooncake
+    from tests.integration.harness import Harness, shared_prefix_prompts
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    rounds = 2 if args.quick else 4
+    n_req, max_tokens = 24, 16
+    print(f"\n[bench.connector] scheduler-side overhead: time inside the connector's hooks per engine step vs "
+          f"the scheduler's own step time (schedule + update_from_output + has_requests, minus the hooks); "
+          f"{rounds} rounds x {n_req} requests per role, alternating", flush=True)
+    results: dict[str, list[_RoundResult]] = {"kv_both": [], "kv_consumer": []}
+    with EmbeddedMooncake() as mc:
+        cfg = StoreConfig(global_segment_size=128 << 20, local_buffer_size=4 << 20).with_addresses(
+            mc.master_address, mc.metadata_server)
+        # a block pool far smaller than the working set (8 seqs x 5 blocks > 24): preemptions happen
+        kw = dict(tp_size=1, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
+        with Harness(cfg, kv_role="kv_both", **kw) as both, Harness(cfg, kv_role="kv_consumer", **kw) as cons:
+            harnesses = {"kv_both": both, "kv_consumer": cons}
+            for r in range(rounds):
+                # fresh prompts per round (the keys of each harness's tiny model differ: no cross hits)
+                prompts = shared_prefix_prompts(n_req, num_prefixes=3, prefix_len=48, suffix_len=16, seed=100 + r)
+                order = list(harnesses) if r % 2 == 0 else list(reversed(harnesses))
+                for role in order:
+                    results[role].append(_overhead_round(harnesses[role], prompts, max_tokens, f"r{r}"))
+    print(f"{'role':<12} {'steps':>6} {'saves':>6} {'loads':>6} {'preempt':>8} {'sched own us/step':>18} "
+          f"{'connector us/step':>18} {'connector/sched':>16}")
+    per_step: dict[str, list[float]] = {}
+    for role, rs in results.items():
+        steps = sum(x.steps for x in rs)
+        conn = sum(x.connector_s for x in rs)
+        own = sum(x.scheduler_s - x.connector_s for x in rs)
+        per_step[role] = [x.connector_s / x.steps for x in rs]
+        ratio = statistics.median(x.connector_s / (x.scheduler_s - x.connector_s) for x in rs)
+        print(f"{role:<12} {steps:>6} {sum(x.saves for x in rs):>6} {sum(x.loads for x in rs):>6} "
+              f"{sum(x.preemptions for x in rs):>8} {own / steps * 1e6:>18.1f} {conn / steps * 1e6:>18.1f} "
+              f"{ratio:>16.3f}")
+        hooks = {k: sum(x.by_hook.get(k, 0.0) for x in rs) for k in {k for x in rs for k in x.by_hook}}
+        print("  " + ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in sorted(hooks.items(), key=lambda kv: -kv[1])
+                               if v / steps * 1e6 >= 0.05) + "  (us/step)")
+    with_vs_without = statistics.median(b / c for b, c in zip(per_step["kv_both"], per_step["kv_consumer"]))
+    print(f"connector us/step with saves / without: {with_vs_without:.2f} (median of per-round ratios)")
+    print("connector/sched: median per-round ratio of hook time to the scheduler's own time (0.10 = the connector "
+          "adds 10% to the scheduler's step).")
+    return 0
+
+
+SUITES: dict[str, Callable[[argparse.Namespace], int]] = {"store": store_suite, "overhead": overhead_suite}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -363,6 +363,13 @@ class WorkerSide:
                     or self.loads.num_inflight_loads > 0
                     or not self._store_q.empty() or not self._load_q.empty())
 
+    def busy(self) -> bool:
+        """A thread has work queued or running (a save not yet reported, a load not yet finished). Unlike
+        `has_pending_work` it ignores results waiting to be taken by the next step (benchmarks wait on it)."""
+        with self._lock:
+            return (self.ledger.num_live_jobs > 0 or self.loads.num_inflight_loads > 0
+                    or not self._store_q.empty() or not self._load_q.empty())
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let the threads finish what is queued (every job still gets reported), then stop them."""
         if self._closed:
