@@ -299,7 +299,9 @@ KEY_DOCS: dict[str, str] = {
     "unhealthy_backoff_ms": "after a master RPC failure (-900/-901) skip store calls this long instead of "
                             "paying a ~4 s reconnect per call",
     "max_inflight_jobs": "cap on store jobs holding pinned blocks (scheduler defers new saves beyond it)",
-    "max_pinned_blocks": "cap on blocks pinned by store jobs (>= max_inflight_jobs)",
+    "max_pinned_blocks": "cap on blocks pinned by store jobs (>= max_inflight_jobs; a saving role also needs >= "
+                         "ceil(max_model_len / block_size), the longest request's blocks, or the connector refuses "
+                         "to start)",
     "load_sub_batch_keys": "keys per batch_get_into_multi_buffers call on the load path",
     "max_key_bytes": "longest store key (UTF-8 bytes); a longer key is never sent, its block is reported as a "
                      "load error",

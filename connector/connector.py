@@ -61,6 +61,9 @@ CONNECTOR_KEYS: dict[str, str] = {
     "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
 }
 
+#: copy-on-write tail blocks outside the block table that a store job pins (none: only full table blocks)
+_PINNED_TAIL_BLOCKS = 0
+
 _EMBEDDED_LOCK = threading.Lock()
 _EMBEDDED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake, refcount]
 
@@ -124,6 +127,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         load_threads = _extra_int(extra, "load_threads", 1, 1)
         max_lookup_cache = _extra_int(extra, "max_lookup_cache", 4096, 1)
         tp_rank = self._tp_rank(extra, pc.tensor_parallel_size) if role != KVConnectorRole.SCHEDULER else 0
+        self._check_caps(self.store_config, vllm_config)
         trace = None
         if extra.get("trace_path"):
             from kvledger.trace import NdjsonTrace
@@ -157,6 +161,27 @@ class KVLedgerConnector(KVConnectorBase_V1):
                 store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes), tp_rank=tp_rank, block_size=bs,
                 config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
                 num_load_threads=load_threads, stats=self.stats, trace=trace)
+
+    def _check_caps(self, cfg: StoreConfig, vllm_config: VllmConfig) -> None:
+        """Start-up check of the pin caps against the model: a store job pins every block it may read
+        (SchedulerLedger.open_job), and one larger than `max_pinned_blocks` could never be admitted, so a
+        cap below the longest request's blocks would silently never save long prompts. The longest request
+        has ceil(max_model_len / block_size) blocks in its table; this connector pins no copy-on-write tail
+        block outside the table (open_job gets no tail_block_ids). Checked on every role, before anything
+        is started; only a role that saves pins (kv_consumer never opens a store job)."""
+        if cfg.max_inflight_jobs < 1:  # StoreConfig.from_dict refuses it too; a StoreConfig built directly not
+            raise ConfigError("max_inflight_jobs", cfg.max_inflight_jobs, "must be >= 1",
+                              "kv_connector_extra_config")
+        if not self._kv_transfer_config.is_kv_producer:
+            return
+        max_model_len = vllm_config.model_config.max_model_len
+        bs = vllm_config.cache_config.block_size
+        longest = -(-max_model_len // bs) + _PINNED_TAIL_BLOCKS
+        if cfg.max_pinned_blocks < longest:
+            raise ConfigError("max_pinned_blocks", cfg.max_pinned_blocks,
+                              f"smaller than the {longest} blocks of the longest request (max_model_len="
+                              f"{max_model_len}, block_size={bs}): its store job could never be admitted; "
+                              f"raise max_pinned_blocks or lower max_model_len", "kv_connector_extra_config")
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         if cfg.embedded:

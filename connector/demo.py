@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = StoreConfig(global_segment_size=256 << 20, local_buffer_size=4 << 20)  # embedded: no master given
     extra = {"max_inflight_jobs": 3, "max_pinned_blocks": 24}  # tight: the cap defers
     bad_outputs = 0
+    # the longest request must fit the pin cap (checked at start-up): 24 blocks of 16 = 384 tokens >= 88 + 24
     with Harness(cfg, tp_size=args.tp, num_blocks=args.blocks, max_num_seqs=16, max_num_batched_tokens=256,
-                 policy="recompute", extra=extra) as h:
+                 policy="recompute", extra=extra, max_model_len=16 * extra["max_pinned_blocks"]) as h:
         ss = h.scheduler_connector.scheduler_side
         report: dict[str, object] = {}
         for pass_no in (1, 2):

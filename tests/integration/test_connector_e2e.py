@@ -54,7 +54,8 @@ def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig)
     """max_inflight_jobs=1: most saves are deferred by the cap and retried; pins never exceed it."""
     prompts = shared_prefix_prompts(10, num_prefixes=2, prefix_len=32, suffix_len=20, seed=5)
     extra = {"max_inflight_jobs": 1, "max_pinned_blocks": 8}
-    with Harness(store_config, tp_size=1, num_blocks=24, extra=extra) as h:
+    # max_model_len 128 = 8 blocks: the longest request fits the pin cap (the connector checks at start-up)
+    with Harness(store_config, tp_size=1, num_blocks=24, extra=extra, max_model_len=128) as h:
         _run_pass(h, prompts, max_tokens=24)
         ss = h.scheduler_connector.scheduler_side
         assert ss.ledger.num_deferrals > 0
