@@ -59,7 +59,7 @@ def replay_stage(_argv: list[str]) -> int:
 
     ci = ex.export(CI_CFG.parent, "KVLedger", CI_CFG.name, num=1000, depth=40, seed=1)
     taken, total = ex.coverage(ci.graph, (b for _, b in ci.behaviours))
-    faults = ex.export(FAULTS_CFG.parent, "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
+    faults = ex.export(ROOT / "tla", "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
     sim = ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1)
     mc, store, backend = _mooncake()
     try:
