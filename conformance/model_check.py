@@ -157,7 +157,8 @@ class Row:
         if self.error:
             return "error"
         r = self.result
-        assert r is not None
+        if r is None:
+            return "error"
         if r.exit_code == 0:
             return "pass"
         return f"{EXIT_NAME.get(r.exit_code, r.outcome)} {r.violated or ''}".strip()
