@@ -14,6 +14,10 @@ did not write itself (prefix-cache hits, loads from the store) already holds the
 there is a computation on garbage (S7), recorded in `garbage`. Sampled tokens are a function of the
 prefix too, so a finished request's output is checkable (`expected_output`).
 
+Every loop over `step()` is bounded: a step that makes no progress (no token scheduled, no pin or load pin
+released or taken, no request finished) for `stall_timeout_s` raises `HarnessStallError` with the engine's
+and the ranks' state, so a lost report or a load that never finishes fails its test instead of spinning.
+
 After a run, tests call `check_at_rest()` (NoLeakAtRest: every block free, no pin, nothing queued) and
 `check_store()` (S1 NoPollution: every stored key of every request block holds that block's KV).
 
@@ -128,12 +132,21 @@ class RunStats:
     recovered_requests: set[str] = field(default_factory=set)
 
 
+class HarnessStallError(TimeoutError):
+    """The engine made no progress for `stall_timeout_s`; the message says what it was waiting for."""
+
+
 class Harness:
     def __init__(self, store_config: StoreConfig, *, tp_size: int = 1, num_blocks: int = 32,
                  block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
                  policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
-                 max_model_len: int = 1024, kv_role: str = "kv_both") -> None:
+                 max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
+        self.stall_timeout_s = stall_timeout_s
+        self._last_progress = time.monotonic()
+        self._progress_mark: tuple[int, ...] = ()
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvledger-harness-")
@@ -240,6 +253,7 @@ class Harness:
         self.stats.finished.pop(req_id, None)
         self.stats.outputs[req_id] = []
         self.scheduler.add_request(req)
+        self._last_progress = time.monotonic()
 
     def expected_output(self, prompt: list[int], max_tokens: int) -> list[int]:
         toks, cache = list(prompt), []
@@ -286,9 +300,29 @@ class Harness:
                 self.stats.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.stats.finished[o.request_id] = str(o.finish_reason)
+        self._check_progress(bool(req_ids))
         if not req_ids and self.scheduler.has_requests():
             time.sleep(0.001)  # only threads can make progress: let them
         return True
+
+    def _check_progress(self, scheduled: bool) -> None:
+        ss = self.scheduler_connector.scheduler_side
+        ledger = ss.ledger  # type: ignore[union-attr]
+        mark = (ledger.num_jobs_opened, ledger.num_jobs_released, ss.num_load_pins,  # type: ignore[union-attr]
+                ss.num_loads, len(self.stats.finished), len(self.scheduler.requests))  # type: ignore[union-attr]
+        now = time.monotonic()
+        if scheduled or mark != self._progress_mark:
+            self._progress_mark = mark
+            self._last_progress = now
+            return
+        if now - self._last_progress > self.stall_timeout_s:
+            stalled, self._last_progress = now - self._last_progress, now  # a caller going on gets a new window
+            busy = [r for r, w in enumerate(self.workers) if w.worker_side.busy()]  # type: ignore[union-attr]
+            raise HarnessStallError(
+                f"no progress for {stalled:.1f}s (stall_timeout_s={self.stall_timeout_s}) "
+                f"after {self.stats.steps} steps: running={len(self.scheduler.running)} "
+                f"waiting={len(self.scheduler.waiting)} pinned jobs={ledger.inflight_jobs()[:10]} "  # type: ignore
+                f"load pins={ss.num_load_pins} ranks with queued/running work={busy}")  # type: ignore[union-attr]
 
     def _forward(self, out: Any, req_ids: list[str]) -> list[list[int]]:
         """Stand-in for the model: check earlier KV (S7), write this step's KV, sample one token per
@@ -345,6 +379,7 @@ class Harness:
     # ------------------------------------------------------------------ runs
     def run(self, max_steps: int = 20000, timeout_s: float = 240.0) -> RunStats:
         deadline = time.monotonic() + timeout_s
+        self._last_progress = time.monotonic()
         for _ in range(max_steps):
             if not self.step():
                 return self.stats
@@ -450,5 +485,5 @@ def shared_prefix_prompts(n: int, *, num_prefixes: int, prefix_len: int, suffix_
             for i in range(n)]
 
 
-__all__ = ["Harness", "KVContent", "RunStats", "shared_prefix_prompts", "write_model_dir", "KVStore",
+__all__ = ["Harness", "HarnessStallError", "KVContent", "RunStats", "shared_prefix_prompts", "write_model_dir", "KVStore",
            "KeyBuilder"]
