@@ -304,16 +304,29 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """Every step is bounded (thread joins, store close) and runs even if an earlier one raised, so the
+        embedded servers are always released; the first error is raised at the end."""
+        steps = []
         if self.worker_side is not None:
-            self.worker_side.shutdown()
+            steps.append(self.worker_side.shutdown)
         if self.scheduler_side is not None:
             # no worker reads or writes any more (they shut down first in vLLM): every pin can go
-            self.scheduler_side.release_all()
+            steps.append(self.scheduler_side.release_all)
         if self._owns_store and self.store is not None:
-            self.store.close()
+            steps.append(self.store.close)
         if self._embedded is not None:
             self._embedded = None
-            _release_embedded(self._engine_id)
+            steps.append(lambda: _release_embedded(self._engine_id))
         if self._trace_file is not None:
-            self._trace_file.close()
+            steps.append(self._trace_file.close)
             self._trace_file = None
+        first: BaseException | None = None
+        for fn in steps:
+            try:
+                fn()
+            except Exception as e:
+                logger.error("KVLedgerConnector shutdown: %s: %s: %s", getattr(fn, "__qualname__", fn),
+                             type(e).__name__, e)
+                first = first or e
+        if first is not None:
+            raise first

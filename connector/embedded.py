@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -77,6 +78,29 @@ def _tail(path: str, n: int = 25) -> str:
             return "".join(f.readlines()[-n:])
     except OSError as e:
         return f"<no log: {e}>"
+
+
+def _pdeathsig_prefix() -> list[str]:
+    """`setpriv --pdeathsig KILL --` when available and called from the main thread: the kernel kills the
+    server when this process dies, even by SIGKILL (no atexit then), so a killed or timed-out test run
+    leaves no master behind. The signal follows the spawning *thread*, hence main thread only."""
+    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
+        return []
+    global _SETPRIV
+    if _SETPRIV is None:
+        path = shutil.which("setpriv")
+        ok = False
+        if path:
+            try:
+                ok = "--pdeathsig" in subprocess.run([path, "--help"], capture_output=True, text=True,
+                                                     timeout=5).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+        _SETPRIV = [path, "--pdeathsig", "KILL", "--"] if ok and path else []
+    return list(_SETPRIV)
+
+
+_SETPRIV: list[str] | None = None
 
 
 @dataclass
@@ -244,17 +268,23 @@ class EmbeddedMooncake:
         self.start_master()
 
     def stop(self) -> None:
-        """Kill both servers by pid. Idempotent; also called at interpreter exit."""
+        """Kill every server by pid. Idempotent; also called at interpreter exit. Bounded: each process
+        gets SIGTERM (and SIGCONT, in case it was stopped), then SIGKILL after 10 s; a failure to stop one
+        does not keep the others running (the first error is raised after all were tried)."""
         if self._stopped:
             return
         self._stopped = True
-        for h in self._holders:
-            self._kill(h, signal.SIGTERM)
-        self._kill(self._master, signal.SIGTERM)
-        self._kill(self._metadata, signal.SIGTERM)
+        first: BaseException | None = None
+        for proc in [*self._holders, self._master, self._metadata]:
+            try:
+                self._kill(proc, signal.SIGTERM)
+            except Exception as e:
+                first = first or e
         atexit.unregister(self._atexit)
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if first is not None:
+            raise EmbeddedStartError(f"stopping mooncake servers: {type(first).__name__}: {first}") from first
 
     def __enter__(self) -> EmbeddedMooncake:
         return self
@@ -266,6 +296,7 @@ class EmbeddedMooncake:
 
     def _spawn(self, name: str, cmd: list[str]) -> _Proc:
         log_path = os.path.join(self.log_dir, f"{name}.log")
+        cmd = _pdeathsig_prefix() + cmd
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=_child_env(self.rpc_timeout_ms), start_new_session=True)
@@ -299,6 +330,8 @@ class EmbeddedMooncake:
             return
         try:
             os.kill(proc.popen.pid, sig)
+            if sig != signal.SIGKILL:
+                os.kill(proc.popen.pid, signal.SIGCONT)  # a stopped (hung) process acts on SIGTERM at once
             proc.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.kill(proc.popen.pid, signal.SIGKILL)
