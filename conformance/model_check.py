@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deep", action="store_true", help="run the larger fixed configs (make verify-deep)")
     ap.add_argument("--only", action="append", default=[], metavar="CFG", help="run only these configs")
     ap.add_argument("--xmx", default="1g", help="TLC heap (default 1g)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per TLC run")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per TLC run (default 600; 1800 with --deep)")
     args = ap.parse_args(argv)
     checks = DEEP if args.deep else CI
     if args.only:
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         checks = [known[n] for n in args.only]
     t0 = time.monotonic()
-    rows = run_set(checks, out=lambda s: print(s, flush=True), xmx=args.xmx, timeout=args.timeout)
+    timeout = args.timeout if args.timeout is not None else (1800.0 if args.deep else 600.0)
+    rows = run_set(checks, out=lambda s: print(s, flush=True), xmx=args.xmx, timeout=timeout)
     ok = report(rows, time.monotonic() - t0)
     setup_errors = [r for r in rows if r.error]
     if setup_errors and len(setup_errors) == len(rows):
