@@ -2,7 +2,7 @@
 two upstream vLLM 0.32.0 load-path failures), rotation, bounded queues, stale jobs.
 
 `WorkerSide` is driven directly with real CPU tensors as KV cache and the real store. Two test doubles,
-each named where used: `GatedStore` (holds calls until released, to make a queue fill deterministically)
+each named where used: `_GatedStore` (holds calls until released, to make a queue fill deterministically)
 and `connector.faults.FaultyStore` (injects codes / exceptions on chosen calls).
 """
 from __future__ import annotations
@@ -170,23 +170,29 @@ def test_oversized_keys_are_reported_not_sent(writer, store, cfg):
         reader.shutdown()
 
 
+class _GatedStore:
+    """TEST DOUBLE: forwards every call to the real store, but only once ``gate`` opens (holds the
+    worker's store/load thread so a queue bound can be hit deterministically)."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name):
+        fn = getattr(self._inner, name)
+
+        def call(*a, **k):
+            self._gate.wait(10)
+            return fn(*a, **k)
+        return call
+
+
 def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     ws, caches, salt = writer
     hashes = [_hash(i, salt) for i in range(2)]
     gate = threading.Event()
-    orig = ws.store
-
-    class GatedStore:  # TEST DOUBLE: holds the first call until released (deterministic interleaving)
-        def __getattr__(self, name):
-            fn = getattr(orig, name)
-
-            def call(*a, **k):
-                gate.wait(10)
-                return fn(*a, **k)
-            return call
 
     blocker_hash = _hash(99, salt)
-    ws.store = GatedStore()
+    ws.store = _GatedStore(ws.store, gate)
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 0, 1, (3,), (blocker_hash,))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 2, (1, 2), tuple(hashes))]))
     ws.start_step(KVLedgerConnectorMetadata(step=3, preempted_req_ids=["r"]))  # DropGeneration before it ran
@@ -204,18 +210,7 @@ def test_full_store_queue_reports_rejected_job_at_once(store, cfg, request):
     ws = _worker(store, cfg, salt=salt, store_queue_size=1)
     ws.register_kv_caches(_caches())
     gate = threading.Event()
-    orig = store
-
-    class GatedStore:  # TEST DOUBLE: blocks every call until the gate opens
-        def __getattr__(self, name):
-            fn = getattr(orig, name)
-
-            def call(*a, **k):
-                gate.wait(10)
-                return fn(*a, **k)
-            return call
-
-    ws.store = GatedStore()
+    ws.store = _GatedStore(store, gate)
     try:
         for job in range(3):  # job 0 is taken by the thread, job 1 fills the queue, job 2 is rejected
             ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
@@ -237,18 +232,7 @@ def test_full_load_queue_reports_every_block(store, cfg, request):
     ws = _worker(store, cfg, salt=salt, load_queue_size=1)
     ws.register_kv_caches(_caches())
     gate = threading.Event()
-    orig = store
-
-    class GatedStore:  # TEST DOUBLE: blocks every call until the gate opens
-        def __getattr__(self, name):
-            fn = getattr(orig, name)
-
-            def call(*a, **k):
-                gate.wait(10)
-                return fn(*a, **k)
-            return call
-
-    ws.store = GatedStore()
+    ws.store = _GatedStore(store, gate)
     try:
         ws.start_step(KVLedgerConnectorMetadata(step=1, loads=[LoadSpec("a", (1,), (_hash(0, salt),))]))
         _wait(lambda: ws._load_q.empty())
@@ -290,18 +274,8 @@ def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, sto
     holds the store thread on an earlier job so the order is deterministic."""
     ws, caches, salt = writer
     gate = threading.Event()
-    orig = ws.store
 
-    class GatedStore:
-        def __getattr__(self, name):
-            fn = getattr(orig, name)
-
-            def call(*a, **k):
-                gate.wait(10)
-                return fn(*a, **k)
-            return call
-
-    ws.store = GatedStore()
+    ws.store = _GatedStore(ws.store, gate)
     h_old, h_new = _hash(0, salt + "old"), _hash(0, salt + "new")
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("blocker", 0, 0, 0, 1, (3,), (_hash(9, salt),))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 1, (1,), (h_old,))]))
