@@ -2,11 +2,13 @@
 
 Model action              -> real system
 Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of vLLM's Scheduler) on
-                              vLLM's real BlockPool (allocation from the free queue head, frees appended
-                              tail first) and a real torch KV tensor: Compute writes chunk <<r, c>>'s code
-                              into the block's row
+                              vLLM's real BlockPool (allocation from the free queue head; each
+                              free_blocks call prepends the blocks it frees, LIFO, a table tail first)
+                              and a real torch KV tensor: Compute writes chunk <<r, c>>'s code into the
+                              block's row
 EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids)        (pins via BlockPool.touch)
 Collect                   -> aggregate(take_completed() of every rank) -> SchedulerLedger.collect
+                             (completed in ascending job id order: the model frees released jobs so)
 Receive(w)                -> WorkerLedger.register(req_id, job, generation)   (oldest emitted job)
 DropGeneration(w, r, g)   -> WorkerLedger.drop_generation(req_id, finished=, generation=g)
 DmaRead(w)                -> WorkerLedger.begin(job) then a real tensor copy of the pinned blocks'
@@ -343,7 +345,9 @@ class KVDriver:
         if not merged:
             raise Refused("no report to collect")
         self.uncollected.clear()
-        self.sched.collect(merged)
+        # collect frees each released job with its own free_blocks call, in the order of `completed`;
+        # the model's Collect releases in ascending job id order (the free queue order depends on it)
+        self.sched.collect(dict(sorted(merged.items())))
 
     def do_Receive(self, a: dict[str, Any]) -> None:
         w = a["w"]

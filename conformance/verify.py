@@ -9,7 +9,7 @@ design and the mutants fail as expected).  Then conformance, on a real Mooncake 
              behaviours + paths covering every edge, all replayed against the real parts; plus the
              whole graph of tests/conformance/kv/MC_replay_tiny.cfg (every store fault kind), and
              simulated behaviours (coverage not measured) of tla/MC_conformance.cfg (1 rank, both
-             requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, faults)
+             requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, 2 blocks, faults)
   trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
   mutants    the runtime mutants' kill table (conformance.mutants)
 
