@@ -41,21 +41,9 @@ DEFAULT_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
 LOG_DIR = ROOT / ".tlc-out" / "traces"
 
 
-def _tla_const(v: Any) -> str:
-    if isinstance(v, bool):
-        return "TRUE" if v else "FALSE"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "{" + ", ".join(_tla_const(x) for x in v) + "}"
-    raise tc.TraceCheckError(f"no config form for constant value {v!r}")
-
-
 def trace_cfg(consts: dict[str, Any]) -> str:
     """TraceKVLedger's config: the model's constants, model values as strings."""
-    lines = ["CONSTANTS"] + [f"    {k} = {_tla_const(v)}" for k, v in consts.items()]
+    lines = ["CONSTANTS"] + [f"    {k} = {tc.to_tla_const(v)}" for k, v in consts.items()]
     lines += ["SPECIFICATION TraceSpec", "INVARIANT NotFullyMatched", "CONSTRAINT Furthest", ""]
     return "\n".join(lines)
 
@@ -213,16 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         logs += record_logs(exp, MemStoreBackend(), LOG_DIR, interesting(exp, a.record))
     if not logs:
         ap.error("no log to check (give paths or --record N)")
-    bad = 0
-    for log in logs:
-        try:
-            v = check_log(log, a.cfg)
-        except tc.TraceCheckError as e:
-            print(f"ERROR {log.name}: {e}")
-            bad += 1
-            continue
-        print(v.line(log.name))
-        bad += not v.accepted
+    bad = tc.check_many(logs, lambda log: check_log(log, a.cfg))
     print(f"[trace] {len(logs) - bad}/{len(logs)} logs accepted by TLC")
     return 1 if bad else 0
 

@@ -449,7 +449,8 @@ def run_tlc(
     TLC_TMP.mkdir(exist_ok=True)
     meta = Path(tempfile.mkdtemp(prefix=f"{spec_p.stem}-{cfg_p.stem}-", dir=TLC_OUT))
     jtmp = Path(tempfile.mkdtemp(prefix="java-", dir=TLC_TMP))
-    cmd = [java, "-XX:+UseParallelGC", f"-Xmx{xmx}", f"-Djava.io.tmpdir={jtmp}",
+    # -Xss: TLC evaluates a long tuple literal (a trace of thousands of events) recursively
+    cmd = [java, "-XX:+UseParallelGC", f"-Xmx{xmx}", "-Xss16m", f"-Djava.io.tmpdir={jtmp}",
            "-cp", str(jar), "tlc2.TLC", "-tool", "-cleanup", "-workers", str(workers),
            "-metadir", str(meta), *extra_args, "-config", str(cfg_p), spec_p.name]
     t0 = time.monotonic()

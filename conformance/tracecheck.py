@@ -62,6 +62,15 @@ def to_tla(v: Any) -> str:
     raise TraceCheckError(f"no TLA+ form for a {type(v).__name__} in a trace event: {v!r}")
 
 
+def to_tla_const(v: Any) -> str:
+    """A plain value as a TLC config constant: like `to_tla`, but lists are sets (Req = {...})."""
+    if isinstance(v, list):
+        return "{" + ", ".join(to_tla_const(x) for x in v) + "}"
+    if isinstance(v, (bool, int, str)):
+        return to_tla(v)
+    raise TraceCheckError(f"no config form for constant value {v!r}")
+
+
 def read_log(path: Path) -> list[dict[str, Any]]:
     events = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -91,6 +100,8 @@ class Verdict:
     seconds: float
     distinct: int | None
     seqs: list[Any] | None = None  # the runtime `seq` of each checked event (kvtrace sets it)
+    violated: str | None = None  # the invariant or property TLC named, if any
+    seq_name: str = "seq"  # what `seqs` count (runlog: the log's line numbers)
 
     @property
     def first_unmatched(self) -> int | None:
@@ -106,8 +117,14 @@ class Verdict:
     def line(self, name: str = "log") -> str:
         if self.accepted:
             return f"ACCEPTED {name}: all {self.events} events match the model ({self.seconds:.1f}s)"
+        if self.violated and self.violated != "NotFullyMatched":
+            return (f"REJECTED {name}: {self.violated} is violated after the first {self.matched} of "
+                    f"{self.events} events (TLC exit {self.exit_code})")
+        if self.matched >= self.events:
+            return (f"REJECTED {name}: all {self.events} events match, but the run did not end at rest "
+                    f"(a pin, a notice or a failed load block left over; TLC exit {self.exit_code})")
         seq = self.first_unmatched_seq
-        at = f" (seq {seq} of the log)" if seq is not None else ""
+        at = f" ({self.seq_name} {seq} of the log)" if seq is not None else ""
         return (f"REJECTED {name}: the model matches only the first {self.matched} of {self.events} "
                 f"events; event #{self.first_unmatched}{at} has no model step (TLC exit {self.exit_code})")
 
@@ -118,9 +135,12 @@ _CURSOR = re.compile(r'<<"cursor", (\d+)>>')
 def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger",
                  cfg: str = "TraceKVLedger.cfg", spec_dirs: Iterable[Path] = (TLA,),
                  normalize: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-                 xmx: str = "1g", timeout: float = 600, cfg_text: str | None = None) -> Verdict:
+                 xmx: str = "1g", timeout: float = 600, cfg_text: str | None = None,
+                 done_marker: str | None = None) -> Verdict:
     """Run TLC's trace check of `events` (already normalized when `normalize` is None).
-    `cfg_text`: the trace config to use instead of the file `cfg` (written into the scratch copy)."""
+    `cfg_text`: the trace config to use instead of the file `cfg` (written into the scratch copy).
+    `done_marker`: the spec prints <<marker, n>> when the whole log is matched and has no trap invariant;
+    then accepted = TLC exit 0 with the marker printed (no counterexample of thousands of states)."""
     if normalize is not None:
         events = [e for e in (normalize(ev) for ev in events) if e is not None]
     if not events:
@@ -143,9 +163,28 @@ def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cursors = [int(c) for c in _CURSOR.findall(res.output)]
-    accepted = res.exit_code == 12 and res.violated == "NotFullyMatched"
+    if done_marker is None:
+        accepted = res.exit_code == 12 and res.violated == "NotFullyMatched"
+    else:
+        accepted = res.exit_code == 0 and f'<<"{done_marker}",' in res.output
     matched = len(events) if accepted else max(cursors, default=0)
-    return Verdict(accepted, len(events), matched, res.exit_code, res.seconds, res.distinct)
+    return Verdict(accepted, len(events), matched, res.exit_code, res.seconds, res.distinct,
+                   violated=res.violated)
+
+
+def check_many(logs: list[Path], check: Callable[[Path], Verdict]) -> int:
+    """Check each log, print one line each; the number of logs not accepted (errors included)."""
+    bad = 0
+    for log in logs:
+        try:
+            v = check(log)
+        except TraceCheckError as e:
+            print(f"ERROR {log.name}: {e}")
+            bad += 1
+            continue
+        print(v.line(log.name))
+        bad += not v.accepted
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,17 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Check runtime NDJSON logs against the model with TLC")
     ap.add_argument("logs", nargs="+", type=Path)
     a = ap.parse_args(argv)
-    bad = 0
-    for log in a.logs:
-        try:
-            v = kvtrace.check_log(log)
-        except TraceCheckError as e:
-            print(f"ERROR {log.name}: {e}")
-            bad += 1
-            continue
-        print(v.line(log.name))
-        bad += not v.accepted
-    return 1 if bad else 0
+    return 1 if check_many(a.logs, kvtrace.check_log) else 0
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._embedded: EmbeddedMooncake | None = None
         self._owns_store = store is None
-        self._trace_file = None
+        self._trace_file: Any = None  # connector.tracefile.SharedTrace when `trace_path` is set
         self.store: KVStore | None = None
         save_decode = extra.get("save_decode", False)
         if not isinstance(save_decode, bool):
@@ -130,9 +130,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._check_caps(self.store_config, vllm_config)
         trace = None
         if extra.get("trace_path"):
-            from kvledger.trace import NdjsonTrace
-            self._trace_file = open(str(extra["trace_path"]), "a", encoding="utf-8")
-            trace = NdjsonTrace(self._trace_file)
+            from connector.tracefile import open_trace
+            trace = self._trace_file = open_trace(str(extra["trace_path"]))
         bs = vllm_config.cache_config.block_size
         self.stats = StatsRecorder()
         self.scheduler_side: SchedulerSide | None = None
@@ -318,8 +317,9 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self._embedded = None
             steps.append(lambda: _release_embedded(self._engine_id))
         if self._trace_file is not None:
-            steps.append(self._trace_file.close)
-            self._trace_file = None
+            from connector.tracefile import close_trace
+            sink, self._trace_file = self._trace_file, None
+            steps.append(lambda: close_trace(sink))
         first: BaseException | None = None
         for fn in steps:
             try:

@@ -7,10 +7,13 @@ Then a second pass over the same prompts, with the same req_ids, hits the store;
 between lookup and load (FaultyStore, seeded) so the load-failure recovery is exercised too
 (`--no-faults` turns that off). The driver is tests/integration/harness.py.
 
-Exit status 1 if any key holds KV that is not its own, any block leaked, any request computed on wrong KV
-or produced a wrong output.
+The run's NDJSON log (connector `trace_path`) is then checked by TLC against the model's job lifecycle
+(conformance.runlog, tla/TraceRuntime.tla); `--no-trace` skips that.
 
-    python -m connector.demo [--requests 240] [--blocks 48] [--tp 2] [--no-faults]
+Exit status 1 if any key holds KV that is not its own, any block leaked, any request computed on wrong KV,
+produced a wrong output, or the log is not a behaviour of the model.
+
+    python -m connector.demo [--requests 240] [--blocks 48] [--tp 2] [--no-faults] [--trace PATH | --no-trace]
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (in-process workers)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--trace", default=None, help="keep the run's log here (default: a temp file)")
+    ap.add_argument("--no-trace", action="store_true", help="no log, no trace validation")
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
@@ -44,11 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     prompts = shared_prefix_prompts(args.requests, num_prefixes=12, prefix_len=64, suffix_len=24, seed=2026)
     cfg = StoreConfig(global_segment_size=256 << 20, local_buffer_size=4 << 20)  # embedded: no master given
-    extra = {"max_inflight_jobs": 3, "max_pinned_blocks": 24}  # tight: the cap defers
+    cap_jobs, cap_blocks = 3, 24  # tight: the cap defers
+    extra: dict[str, object] = {"max_inflight_jobs": cap_jobs, "max_pinned_blocks": cap_blocks}
+    tmp = None
+    if not args.no_trace:
+        if args.trace is None:
+            tmp = tempfile.TemporaryDirectory(prefix="kvledger-demo-")
+            args.trace = os.path.join(tmp.name, "demo.ndjson")
+        elif os.path.exists(args.trace):
+            os.remove(args.trace)  # the connector appends: one run per log
+        extra["trace_path"] = args.trace
     bad_outputs = 0
     # the longest request must fit the pin cap (checked at start-up): 24 blocks of 16 = 384 tokens >= 88 + 24
     with Harness(cfg, tp_size=args.tp, num_blocks=args.blocks, max_num_seqs=16, max_num_batched_tokens=256,
-                 policy="recompute", extra=extra, max_model_len=16 * extra["max_pinned_blocks"]) as h:
+                 policy="recompute", extra=extra, max_model_len=16 * cap_blocks) as h:
         ss = h.scheduler_connector.scheduler_side
         report: dict[str, object] = {}
         for pass_no in (1, 2):
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{int(wtot.get('stale_jobs', 0))} stale (preempted generation), "
                            f"{int(wtot.get('put_keys', 0))} keys put"),
             ("peak pins", f"{ss.ledger.peak_inflight_jobs} jobs / {ss.ledger.peak_pinned_blocks} block pins "
-                          f"(cap {extra['max_inflight_jobs']} / {extra['max_pinned_blocks']})"),
+                          f"(cap {cap_jobs} / {cap_blocks})"),
             ("preemptions", f"{h.stats.preemptions} ({len(h.stats.preempted_req_ids)} distinct requests)"),
             ("deferrals", f"{ss.ledger.num_deferrals} (cap reached; saves retried), "
                           f"{ss.num_saves_dropped} saves dropped at finish"),
@@ -103,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<20} {value}")
         print(f"  {'wall time':<20} {time.monotonic() - t0:.1f} s")
         ok = polluted == 0 and leaked_blocks == 0 and not leaks and not h.garbage and bad_outputs == 0
+    if args.trace:  # after close: every connector flushed and closed the log
+        from conformance import runlog
+        v = runlog.check_log(args.trace, pin_cap=cap_jobs, expect_rest=not leaks)
+        print(f"  {'trace validation':<20} TLC: {v.line(os.path.basename(args.trace))}")
+        ok = ok and v.accepted
+    if tmp is not None:
+        tmp.cleanup()
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -183,16 +183,23 @@ class SchedulerSide:
         meta = KVLedgerConnectorMetadata(step=self._step)
         meta.finished_req_ids = sorted(scheduler_output.finished_req_ids)
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
+        trace = self.trace
         for req_id in meta.finished_req_ids:
             self._forget(req_id)
             if req_id in self._finished_gen:
                 meta.drop_generations[req_id] = self._finished_gen[req_id]
+            if trace is not None:  # the notice every rank gets (a DropGeneration each)
+                trace.emit("sched", "Finish", {"req_id": req_id,
+                                               "generation": meta.drop_generations.get(req_id)})
         self._finished_gen.clear()
         for req_id in meta.preempted_req_ids:
             # DropGeneration: the next admission is a new generation that saves from block 0
             request = self._requests.get(req_id)
             if request is not None:
                 meta.drop_generations[req_id] = max(request.num_preemptions - 1, 0)
+            if trace is not None:
+                trace.emit("sched", "Preempt", {"req_id": req_id,
+                                                "generation": meta.drop_generations.get(req_id)})
             self._trackers.pop(req_id, None)
             self._deferred.discard(req_id)
             self._lookups.pop(req_id, None)
@@ -242,7 +249,7 @@ class SchedulerSide:
             self.num_saves_dropped += 1
             tracker.saved_blocks = end
             return
-        job_id = self._ledger().open_job(req_id, block_ids)
+        job_id = self._ledger().open_job(req_id, block_ids, generation=request.num_preemptions)
         if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
             if not tracker.deferred:
                 self.stats.add("deferrals")

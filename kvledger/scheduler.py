@@ -77,14 +77,15 @@ class SchedulerLedger:
 
     # ---------------------------------------------------------------- EmitStore
     def open_job(self, req_id: str, block_ids: Sequence[int],
-                 tail_block_ids: Sequence[int] = ()) -> int | None:
+                 tail_block_ids: Sequence[int] = (), *, generation: int | None = None) -> int | None:
         """EmitStore: a new store job id, with every non-null block of ``block_ids`` then of
         ``tail_block_ids`` (copy-on-write tail blocks outside the table) pinned, deduplicated in order.
 
         Returns None (DEFER) when the cap on in-flight jobs or pinned blocks would be exceeded: nothing was
         pinned and no id was used; the caller keeps the save and asks again in a later step. Raises
         :class:`LedgerInputError` for a block id outside the pool, or for a job that needs more pins than
-        ``max_pinned_blocks`` (it could never be admitted)."""
+        ``max_pinned_blocks`` (it could never be admitted). ``generation`` (the request's, as the ranks get
+        it in the job's metadata) is only written to the trace."""
         try:
             fast = not tail_block_ids and (not block_ids or min(block_ids) > NULL_BLOCK_ID)
         except TypeError:  # a non-int id: the slow path names it
@@ -122,7 +123,8 @@ class SchedulerLedger:
             self.peak_inflight_jobs = njobs + 1
         if self._trace is not None:
             self._trace.emit("sched", "EmitStore", {
-                "job": job_id, "req_id": req_id, "blocks": list(ids), "ranks_left": self._world_size,
+                "job": job_id, "req_id": req_id, "generation": generation, "blocks": list(ids),
+                "ranks_left": self._world_size,
                 "pinned_jobs": len(self._pinned), "pinned_blocks": pins})
         return job_id
 

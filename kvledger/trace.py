@@ -13,8 +13,12 @@ connector holds its lock around ledger calls, so the order is the order of the s
 =============== ======== =============================================================================
 action          actor    fields
 =============== ======== =============================================================================
-EmitStore       sched    job, req_id, blocks (pinned ids, in order), ranks_left (= world size),
-                         pinned_jobs, pinned_blocks (block pins after the emit)
+EmitStore       sched    job, req_id, generation (the request's, null when not given), blocks (pinned
+                         ids, in order), ranks_left (= world size), pinned_jobs, pinned_blocks (block
+                         pins after the emit)
+Preempt         sched    req_id, generation (the one dropped; null if unknown): the connector's
+                         scheduler side tells every rank (each logs a DropGeneration)
+Finish          sched    req_id, generation (null when no save was ever planned): likewise
 Collect         sched    completed {job: count} (as given, job ids as strings: JSON keys),
                          released [jobs freed now, tail first], ranks_left {job: left} (jobs still pinned
                          among those reported), unknown [ids ignored], pinned_jobs, pinned_blocks

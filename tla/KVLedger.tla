@@ -247,6 +247,19 @@ Compute(r) ==
 
 CapOK == Legacy \/ Mutant = "NoCap" \/ Cardinality(PinnedJobs) < PinCap
 
+\* The ledger's part of EmitStore (the scheduler ledger's open_job): the next id, pins on bs, every rank
+\* gets the job.  (TraceRuntime, which checks logs of real vLLM runs, uses it with the logged values.)
+OpenJob(r, g, bs, lo, hi) ==
+    /\ nextJob <= MaxJobs
+    /\ CapOK
+    /\ LET j == nextJob IN
+         /\ jobs' = [jobs EXCEPT ![j] = [r |-> r, g |-> g, blocks |-> bs, lo |-> lo, hi |-> hi,
+                                         left |-> IF Legacy THEN 0 ELSE Cardinality(Ranks)]]
+         /\ ref' = IF Legacy \/ Mutant = "NoPin" THEN ref ELSE Pin(bs)
+         /\ jp' = [w \in Ranks |-> [jp[w] EXCEPT ![j] = "emitted"]]
+         /\ lastAction' = [name |-> "EmitStore", r |-> r, job |-> j, g |-> g, lo |-> lo, hi |-> hi]
+    /\ nextJob' = nextJob + 1
+
 \* A new store job: fresh id, pins every block of the table (a rank resumes from its own offset,
 \* which can lag, so it may read any of them).  At the cap the save is deferred: emitted[r] stays
 \* behind ncomp[r], so EmitStore is enabled again once a pin is released.
@@ -254,17 +267,7 @@ EmitStore(r) ==
     /\ EngineSynced
     /\ status[r] = "running" /\ ld[r].ph = "done"
     /\ emitted[r] < ncomp[r]
-    /\ nextJob <= MaxJobs
-    /\ CapOK
-    /\ LET j == nextJob IN
-         /\ jobs' = [jobs EXCEPT ![j] = [r |-> r, g |-> gen[r], blocks |-> table[r],
-                                         lo |-> emitted[r] + 1, hi |-> ncomp[r],
-                                         left |-> IF Legacy THEN 0 ELSE Cardinality(Ranks)]]
-         /\ ref' = IF Legacy \/ Mutant = "NoPin" THEN ref ELSE Pin(table[r])
-         /\ jp' = [w \in Ranks |-> [jp[w] EXCEPT ![j] = "emitted"]]
-         /\ lastAction' = [name |-> "EmitStore", r |-> r, job |-> j, g |-> gen[r],
-                           lo |-> emitted[r] + 1, hi |-> ncomp[r]]
-    /\ nextJob' = nextJob + 1
+    /\ OpenJob(r, gen[r], table[r], emitted[r] + 1, ncomp[r])
     /\ emitted' = [emitted EXCEPT ![r] = ncomp[r]]
     /\ UNCHANGED <<status, gen, table, ncomp, ld, fs, content, free, ws, rep, notice, buf, store, up,
                    faults>>
@@ -322,24 +325,31 @@ TableFrees(rs) == IF rs = {} THEN <<>>
 
 \* Consume the merged worker reports (completed_saves summed over ranks).  A job whose ranks_left
 \* reaches 0 is released: its pins drop tail first, every rank's copy moves to "released".
-Collect ==
-    /\ Reported # {} \/ LegacyDone # {}
-    /\ LET newLeft == [j \in JobIds |-> IF Legacy THEN 0 ELSE jobs[j].left - RepCount(j)]
-           done == {j \in Reported : Legacy \/ newLeft[j] <= 0}
+\* CollectTaken(tk): the scheduler consumes the reports tk[w][j] (those that reached it in this step's
+\* worker outputs).  The model's Collect takes every pending report; TraceRuntime takes the logged ones.
+CollectTaken(tk) ==
+    /\ LET cnt == [j \in JobIds |-> Sum([w \in Ranks |-> tk[w][j]], Ranks)]
+           got == {j \in JobIds : cnt[j] > 0}
+           newLeft == [j \in JobIds |-> IF Legacy THEN 0 ELSE jobs[j].left - cnt[j]]
+           done == {j \in got : Legacy \/ newLeft[j] <= 0}
            relCalls == IF Legacy \/ Mutant = "NoPin" THEN <<>> ELSE JobFrees(SortedSeq(done))
            rel == UnrefEach(relCalls \o TableFrees(LegacyDone), ref, free)
        \* a released job keeps only its owner and generation (its pins are gone)
        IN /\ jobs' = [j \in JobIds |-> IF j \in done THEN [NoJob EXCEPT !.r = jobs[j].r, !.g = jobs[j].g]
-                                       ELSE IF j \in Reported THEN [jobs[j] EXCEPT !.left = newLeft[j]]
+                                       ELSE IF j \in got THEN [jobs[j] EXCEPT !.left = newLeft[j]]
                                        ELSE jobs[j]]
           /\ jp' = [w \in Ranks |-> [j \in JobIds |-> IF j \in done THEN "released" ELSE jp[w][j]]]
           /\ ref' = rel[1]
           /\ free' = rel[2]
           /\ table' = [r \in Req |-> IF r \in LegacyDone THEN <<>> ELSE table[r]]
           /\ lastAction' = [name |-> "Collect", released |-> done, freed |-> LegacyDone]
-    /\ rep' = [w \in Ranks |-> [j \in JobIds |-> 0]]
+    /\ rep' = [w \in Ranks |-> [j \in JobIds |-> rep[w][j] - tk[w][j]]]
     /\ UNCHANGED <<status, gen, ncomp, emitted, ld, nextJob, fs, content, ws, notice, buf, store, up,
                    faults>>
+
+Collect ==
+    /\ Reported # {} \/ LegacyDone # {}
+    /\ CollectTaken(rep)
 
 -----------------------------------------------------------------------------
 (* Worker rank w *)
@@ -356,8 +366,9 @@ Register(s, j) ==
       [] g = s.g /\ s.phase = "open" -> [s EXCEPT !.live = @ \cup {j}]
       [] OTHER -> s                                              \* generation gone: the job is stale
 
-Receive(w) ==
-    \E j \in JobIds :
+\* Each worker action has a per-job (per-notice) form: the model quantifies over it; TraceRuntime names
+\* the job (notice) the log gives, so checking a long log does not quantify over every job id.
+ReceiveJob(w, j) ==
       /\ jp[w][j] = "emitted"
       /\ \A i \in JobIds : i < j => jp[w][i] # "emitted"
       /\ ws' = [ws EXCEPT ![w][jobs[j].r] = Register(@, j)]
@@ -365,6 +376,7 @@ Receive(w) ==
       /\ lastAction' = [name |-> "Receive", w |-> w, job |-> j, r |-> jobs[j].r, g |-> jobs[j].g]
       /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, fs, ref, content, free,
                      rep, notice, buf, store, up, faults>>
+Receive(w) == \E j \in JobIds : ReceiveJob(w, j)
 
 \* A preemption/finish notice.  It may arrive late (after the next generation's jobs), never before
 \* the jobs of its own generation (the metadata stream is ordered).
@@ -379,9 +391,9 @@ DropState(s, g, kind) ==
            [] kind = "preempt" \/ s.live = {} -> [s EXCEPT !.live = {}, !.phase = "closed"]
            [] OTHER -> [s EXCEPT !.phase = "closing"]
 
-DropGeneration(w) ==
-    \E nt \in notice[w] :
+DropNotice(w, nt) ==
       LET r == nt[1]  g == nt[2]  kind == nt[3] IN
+      /\ nt \in notice[w]
       /\ \A j \in JobIds : ~(jp[w][j] = "emitted" /\ jobs[j].r = r /\ jobs[j].g = g)
       /\ notice' = [notice EXCEPT ![w] = @ \ {nt}]
       /\ ws' = [ws EXCEPT ![w][r] = DropState(@, g, kind)]
@@ -389,30 +401,31 @@ DropGeneration(w) ==
       /\ lastAction' = [name |-> "DropGeneration", w |-> w, r |-> r, g |-> g, kind |-> kind]
       /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, ref, content, free, jp,
                      rep, buf, store, up, faults>>
+DropGeneration(w) == \E nt \in notice[w] : DropNotice(w, nt)
 
 Idle(w) == \A j \in JobIds : jp[w][j] \notin BusyPhases
 Live(w, j) == Legacy \/ j \in ws[w][jobs[j].r].live
 
 \* The store thread takes the oldest queued job: a stale job runs nothing, a pressure-skipped request's
 \* job does nothing, a live one reads its blocks (from the rank's own saved offset) into buf[w].
-DmaRead(w) ==
+DmaReadJob(w, j) ==
     /\ Idle(w)
-    /\ \E j \in JobIds :
-         /\ jp[w][j] = "queued"
-         /\ \A i \in JobIds : i < j => jp[w][i] # "queued"
-         /\ LET s == ws[w][jobs[j].r]
-                from == IF Legacy THEN jobs[j].lo ELSE s.off + 1
-                read == {<<c, content[jobs[j].blocks[c]]>> : c \in from..jobs[j].hi}
-                out == IF ~Live(w, j) THEN {"stale"}
-                       ELSE IF s.skip THEN {"skipped"}
-                       ELSE {"running"} \cup (IF Fault("dma") THEN {"failed"} ELSE {}) IN
-            \E o \in out :
-              /\ jp' = [jp EXCEPT ![w][j] = o]
-              /\ buf' = [buf EXCEPT ![w] = IF o = "running" THEN read ELSE {}]
-              /\ faults' = IF o = "failed" THEN faults + 1 ELSE faults
-              /\ lastAction' = [name |-> "DmaRead", w |-> w, job |-> j, outcome |-> o]
+    /\ jp[w][j] = "queued"
+    /\ \A i \in JobIds : i < j => jp[w][i] # "queued"
+    /\ LET s == ws[w][jobs[j].r]
+           from == IF Legacy THEN jobs[j].lo ELSE s.off + 1
+           read == {<<c, content[jobs[j].blocks[c]]>> : c \in from..jobs[j].hi}
+           out == IF ~Live(w, j) THEN {"stale"}
+                  ELSE IF s.skip THEN {"skipped"}
+                  ELSE {"running"} \cup (IF Fault("dma") THEN {"failed"} ELSE {}) IN
+       \E o \in out :
+         /\ jp' = [jp EXCEPT ![w][j] = o]
+         /\ buf' = [buf EXCEPT ![w] = IF o = "running" THEN read ELSE {}]
+         /\ faults' = IF o = "failed" THEN faults + 1 ELSE faults
+         /\ lastAction' = [name |-> "DmaRead", w |-> w, job |-> j, outcome |-> o]
     /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, fs, ref, content, free, ws,
                    rep, notice, store, up>>
+DmaRead(w) == \E j \in JobIds : DmaReadJob(w, j)
 
 PutKeys(r, rd) == [k \in Keys |-> IF k[1] = r /\ store[k] = NoContent /\ \E p \in rd : p[1] = k[2]
                                   THEN (CHOOSE p \in rd : p[1] = k[2])[2]
@@ -420,8 +433,7 @@ PutKeys(r, rd) == [k \in Keys |-> IF k[1] = r /\ store[k] = NoContent /\ \E p \i
 
 \* Put every read chunk (first writer wins).  ok moves the saved offset, pressure sets the skip flag,
 \* fail changes nothing; only a job still live in its generation may touch the request state.
-Put(w) ==
-    \E j \in JobIds :
+PutJob(w, j) ==
       /\ jp[w][j] = "running"
       /\ LET r == jobs[j].r
              s == ws[w][r]
@@ -439,6 +451,7 @@ Put(w) ==
       /\ buf' = [buf EXCEPT ![w] = {}]
       /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, fs, ref, content, free,
                      rep, notice, up>>
+Put(w) == \E j \in JobIds : PutJob(w, j)
 
 \* Every exit path reports the job exactly once (the one `finally`).
 ReportState(s, j) ==
@@ -448,8 +461,7 @@ ReportState(s, j) ==
     ELSE [s EXCEPT !.live = @ \ {j},
                    !.phase = IF @ = "closing" /\ s.live = {j} THEN "closed" ELSE @]
 
-Report(w) ==
-    \E j \in JobIds :
+ReportJob(w, j) ==
       /\ jp[w][j] \in {"stored", "failed", "stale", "skipped"}
       /\ LET r == jobs[j].r IN
          /\ rep' = [rep EXCEPT ![w][j] = @ + IF Mutant = "ReportTwice" /\ jp[w][j] = "failed" THEN 2 ELSE 1]
@@ -460,6 +472,7 @@ Report(w) ==
          /\ lastAction' = [name |-> "Report", w |-> w, job |-> j, from |-> jp[w][j]]
       /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, ref, content, free,
                      notice, buf, store, up, faults>>
+Report(w) == \E j \in JobIds : ReportJob(w, j)
 
 \* Load one sub-batch of request r's keys on rank w.  A key loads when the store has it; a batch may
 \* also fail in transfer (a fault).  Fixed: every key not loaded is reported (ld[r].bad).  Legacy:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,62 @@ def shared_store(mooncake: EmbeddedMooncake) -> Iterator[MooncakeStore]:
 @pytest.fixture
 def key_prefix() -> str:
     return f"test/{uuid.uuid4().hex[:12]}/"
+
+
+# ---------------------------------------------------------------- trace validation of every real run
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "runlog_unchecked(why): this test's harness log is not checked "
+                                       "against the model (say why: e.g. it feeds the ledger invalid input)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.stash[_CALL_FAILED] = rep.failed
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+_RUNLOG_COUNTS = pytest.StashKey[dict]()
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    c = config.stash.get(_RUNLOG_COUNTS, None)
+    if c:
+        terminalreporter.write_line(  # type: ignore[attr-defined]
+            f"[runlog] {c['accepted']} logs of real runs accepted by TLC ({c['events']} events; "
+            f"{c['at_rest']} also checked at rest)")
+
+
+@pytest.fixture(autouse=True)
+def runlog_checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every Harness of the test logs its run (connector `trace_path`); after the test, TLC checks each
+    log against tla/TraceRuntime.tla (conformance.runlog), with the end state at rest when the test's
+    check_at_rest() found nothing. A rejected log fails the test (as an error in teardown)."""
+    from tests.integration.harness import Harness
+    Harness.runlog_dir = str(tmp_path_factory.mktemp("runlog"))
+    Harness.opened = []
+    try:
+        yield
+    finally:
+        opened, Harness.opened, Harness.runlog_dir = Harness.opened, [], None
+    marker = request.node.get_closest_marker("runlog_unchecked")
+    if marker is not None or request.node.stash.get(_CALL_FAILED, True):
+        return
+    from conformance import runlog, tracecheck
+    for h in opened:
+        path = h.trace_path
+        if path is None or not os.path.exists(path):
+            continue
+        events = tracecheck.read_log(Path(path))
+        if not any(e["action"] == "EmitStore" for e in events):
+            continue  # nothing was saved: no job lifecycle to check
+        v = runlog.check_events(events, pin_cap=h.max_inflight_jobs, expect_rest=h.rested)
+        counts = request.config.stash.setdefault(_RUNLOG_COUNTS, {"accepted": 0, "events": 0, "at_rest": 0})
+        if v.accepted:
+            counts["accepted"] += 1
+            counts["events"] += v.events
+            counts["at_rest"] += h.rested
+        if not v.accepted:
+            pytest.fail(f"{v.line(os.path.basename(path))} [log kept: {path}]", pytrace=False)

@@ -137,6 +137,12 @@ class HarnessStallError(TimeoutError):
 
 
 class Harness:
+    # Trace validation (conformance.runlog): when `runlog_dir` is set (the integration conftest does, per
+    # test), every harness that is not given its own `trace_path` logs into a fresh file there, and
+    # registers in `opened`; the conftest checks each log with TLC after the test.
+    runlog_dir: str | None = None
+    opened: list[Harness] = []
+
     def __init__(self, store_config: StoreConfig, *, tp_size: int = 1, num_blocks: int = 32,
                  block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
                  policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
@@ -158,6 +164,11 @@ class Harness:
         model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
                                     num_kv_heads=num_kv_heads * tp_size, head_size=head_size)
         extra = {**_store_extra(store_config), **(extra or {})}
+        if "trace_path" not in extra and Harness.runlog_dir is not None:
+            extra["trace_path"] = os.path.join(Harness.runlog_dir, f"harness-{len(Harness.opened)}.ndjson")
+        self.trace_path: str | None = extra.get("trace_path")
+        self.max_inflight_jobs = int(extra.get("max_inflight_jobs", StoreConfig().max_inflight_jobs))
+        self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
         self.vllm_config = VllmConfig(
@@ -215,6 +226,7 @@ class Harness:
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
                               if emb is not None else store_config)
         self._closed = False
+        Harness.opened.append(self)
 
     def _build_workers(self, extra: dict[str, Any], tp_size: int, num_blocks: int, block_size: int,
                        num_kv_heads: int, head_size: int, device: str) -> None:
@@ -410,6 +422,7 @@ class Harness:
                 problems.append(f"rank {r} has pending jobs or loads")
             if ws.errors:  # type: ignore[union-attr]
                 problems.append(f"rank {r} handler errors: {ws.errors[:3]}")  # type: ignore[union-attr]
+        self.rested = not problems
         return problems
 
     def check_store(self) -> tuple[int, int]:

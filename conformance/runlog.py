@@ -1,0 +1,249 @@
+"""Trace validation of logs of real runs (the connector's `trace_path`) against the model, with TLC.
+
+A real run's log (vLLM's real Scheduler and BlockPool, the ranks, Mooncake; written through
+`connector.tracefile`, one file per process) is checked by `tla/TraceRuntime.tla`: every ledger event is
+the model's own action on the model's state, with the observed values compared after each step (see that
+module for what is and is not compared). `normalize` maps the log into the model's vocabulary:
+
+    runtime                                 TraceRuntime's event record
+    actor "w<k>"                            w = "w<k>"; Ranks = w0..w<n-1>, n = the EmitStore's ranks_left
+    req_id                                  r = req_id; the same id used again after its Finish is a new
+                                            model request "req_id~2", "~3", ... (the model never reuses a
+                                            finished request)
+    job id                                  job = id - (first EmitStore's id) + 1: ids must be consecutive
+    generation (0-based num_preemptions)    g = generation + 1 (the model counts admissions)
+    DropGeneration                          matched to the rank's oldest pending notice of (req_id, g, kind)
+    Collect completed {job: n}              reported <<job, n>>; ranks_left -> left; unknown -> a count
+    Put dest stored / failed (+pressure)    outcome ok / pressure / fail
+    worker HandleLoadErrors (take_errors)   blocks handed to the scheduler
+
+The model's constants come from the log: its requests, ranks, jobs, largest block id; `pin_cap` is the
+connector's `max_inflight_jobs` when known (BoundedPins), else the number of jobs.
+
+    python -m conformance.runlog LOG.ndjson [...] [--pin-cap N] [--no-rest]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conformance import tracecheck as tc
+
+SPEC = "TraceRuntime"
+_SCHED_ONLY = {"Admit", "Compute", "Lookup", "EmitLoad", "Evict", "StoreFail", "StoreRestart"}
+
+
+@dataclass
+class Normalized:
+    events: list[dict[str, Any]]       # TraceRuntime records
+    lines: list[int]                    # the log line (1-based) of each record
+    consts: dict[str, Any] = field(default_factory=dict)
+
+
+class RunLogNormalizer:
+    """Runtime events of a real run -> TraceRuntime records (module doc). Stateful, in log order."""
+
+    def __init__(self) -> None:
+        self.first_job: int | None = None
+        self.job_req: dict[int, tuple[str, str]] = {}   # model job -> (real req_id, model request)
+        self.lifetime: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.pending: dict[str, list[tuple[str, str, int, str]]] = {}  # rank -> [(req_id, r, g, kind)]
+        self.world: int | None = None
+        self.max_block = 1
+        self.max_gen = 1
+        self.reqs: set[str] = set()
+        self.ranks: set[str] = set()
+
+    # -- names
+    def _sched_req(self, req_id: str) -> str:
+        """The model request of the scheduler's current lifetime of req_id (a new one after Finish)."""
+        if req_id in self.finished:
+            self.finished.discard(req_id)
+            self.lifetime[req_id] = self.lifetime.get(req_id, 1) + 1
+        r = self._name(req_id, self.lifetime.setdefault(req_id, 1))
+        self.reqs.add(r)
+        return r
+
+    @staticmethod
+    def _name(req_id: str, lifetime: int) -> str:
+        return req_id if lifetime == 1 else f"{req_id}~{lifetime}"
+
+    def _gen(self, ev: dict[str, Any], key: str = "generation") -> int:
+        g = ev.get(key)
+        if g.__class__ is not int or g < 0:
+            raise tc.TraceCheckError(f"{ev['action']} of {ev.get('req_id')!r}: {key} {g!r} is not a "
+                                     "generation (a log of an older connector, or a notice nobody planned)")
+        self.max_gen = max(self.max_gen, g + 1)
+        return g + 1
+
+    def _job(self, ev: dict[str, Any]) -> int:
+        real = ev["job"]
+        if self.first_job is None or real.__class__ is not int or real < self.first_job:
+            raise tc.TraceCheckError(f"{ev['action']} on {ev.get('actor')}: job {real!r} was never emitted")
+        return real - self.first_job + 1
+
+    def _rank(self, actor: str) -> str:
+        if not (actor.startswith("w") and actor[1:].isdigit()):
+            raise tc.TraceCheckError(f"actor {actor!r} is neither 'sched' nor a rank 'w<k>'")
+        self.ranks.add(actor)
+        return actor
+
+    def _job_req(self, j: int, ev: dict[str, Any]) -> str:
+        if j not in self.job_req:
+            raise tc.TraceCheckError(f"{ev['action']} on {ev.get('actor')}: job {ev['job']} was never emitted")
+        real, r = self.job_req[j]
+        if "req_id" in ev and ev["req_id"] != real:
+            raise tc.TraceCheckError(f"{ev['action']}: job {ev['job']} belongs to {real!r}, not {ev['req_id']!r}")
+        return r
+
+    # -- events
+    def __call__(self, ev: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._map(ev["action"], ev.get("actor", ""), ev)
+        except KeyError as e:
+            raise tc.TraceCheckError(f"{ev.get('action')} event lacks the field {e}") from None
+
+    def _map(self, a: str, actor: str, ev: dict[str, Any]) -> dict[str, Any]:
+        if a == "EmitStore":
+            if self.first_job is None:
+                self.first_job = ev["job"]
+            if self.world is None:
+                self.world = ev["ranks_left"]
+            r = self._sched_req(ev["req_id"])
+            j = self._job(ev)
+            self.job_req[j] = (ev["req_id"], r)
+            self.max_block = max([self.max_block, *ev["blocks"]])
+            return {"action": a, "r": r, "g": self._gen(ev), "job": j, "blocks": list(ev["blocks"]),
+                    "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"],
+                    "pinned_blocks": ev["pinned_blocks"]}
+        if a in ("Preempt", "Finish"):
+            r = self._sched_req(ev["req_id"])
+            g, kind = self._gen(ev), "finish" if a == "Finish" else "preempt"
+            for w in self._all_ranks():
+                self.pending.setdefault(w, []).append((ev["req_id"], r, g, kind))
+            if a == "Finish":
+                self.finished.add(ev["req_id"])
+            return {"action": a, "r": r, "g": g}
+        if a == "Receive":
+            j = self._job(ev)
+            return {"action": a, "w": self._rank(actor), "job": j, "r": self._job_req(j, ev),
+                    "g": self._gen(ev), "live": [self._job({**ev, "job": x}) for x in ev["live"]],
+                    "stale": bool(ev["stale_on_arrival"])}
+        if a == "DropGeneration":
+            w = self._rank(actor)
+            g = self._gen(ev, "notice_generation")
+            kind = "finish" if ev["finished"] else "preempt"
+            queue = self.pending.get(w, [])
+            match = next((n for n in queue if n[0] == ev["req_id"] and n[2] == g and n[3] == kind), None)
+            if match is not None:
+                queue.remove(match)
+                r = match[1]
+            else:  # no such notice was sent: TLC rejects the step (DropNotice needs it)
+                r = self._name(ev["req_id"], self.lifetime.get(ev["req_id"], 1))
+                self.reqs.add(r)
+            return {"action": a, "w": w, "r": r, "g": g, "kind": kind, "dest": ev["dest"],
+                    "live": [self._job({**ev, "job": x}) for x in ev["live"]]}
+        if a in ("DmaRead", "Put", "Report"):
+            j = self._job(ev)
+            self._job_req(j, ev)
+            rec: dict[str, Any] = {"action": a, "w": self._rank(actor), "job": j}
+            if a == "DmaRead":
+                rec["outcome"] = ev["dest"]
+            elif a == "Put":
+                rec["outcome"] = "ok" if ev["dest"] == "stored" else ("pressure" if ev["pressure"] else "fail")
+                rec["live"] = bool(ev["live"])
+            else:
+                rec["from"] = ev["from"]
+                rec["live"] = [self._job({**ev, "job": x}) for x in ev["live"]]
+            return rec
+        if a == "Collect":
+            completed = sorted((int(k), v) for k, v in ev["completed"].items())
+            return {"action": a,
+                    "released": [self._job({**ev, "job": x}) for x in ev["released"]],
+                    "reported": [[self._job({**ev, "job": k}), n] for k, n in completed],
+                    "left": [[self._job({**ev, "job": int(k)}), n] for k, n in sorted(ev["ranks_left"].items())],
+                    "unknown": len(ev["unknown"]), "pinned_jobs": ev["pinned_jobs"],
+                    "pinned_blocks": ev["pinned_blocks"]}
+        if a == "Load":
+            return {"action": a, "w": self._rank(actor), "attempted": list(ev["attempted"]),
+                    "loaded": list(ev["loaded"]), "failed": list(ev["failed"])}
+        if a == "HandleLoadErrors" and actor != "sched":
+            return {"action": a, "w": self._rank(actor), "blocks": list(ev["blocks"])}
+        if a in _SCHED_ONLY or a == "HandleLoadErrors":
+            raise tc.TraceCheckError(f"{a}: an event of the conformance driver, not of a real run's log "
+                                     "(check it with conformance.kvtrace)")
+        raise tc.TraceCheckError(f"action {a!r} is not in the shared vocabulary")
+
+    def _all_ranks(self) -> list[str]:
+        if self.world is None:
+            raise tc.TraceCheckError("a notice before any EmitStore: the number of ranks is unknown "
+                                     "(a run that saved nothing has nothing to check)")
+        return [f"w{k}" for k in range(self.world)]
+
+    def constants(self, num_jobs: int, num_events: int, pin_cap: int | None) -> dict[str, Any]:
+        ranks = sorted(self.ranks | set(self._all_ranks()))
+        if len(ranks) != self.world:
+            raise tc.TraceCheckError(f"ranks {ranks} in the log, but EmitStore says {self.world} ranks_left")
+        max_jobs = max(num_jobs, 1)
+        return {"Req": sorted(self.reqs), "Ranks": ranks, "NoReq": "NoReq", "NumBlocks": self.max_block,
+                "NumChunks": 1, "MaxGen": self.max_gen, "MaxJobs": max_jobs,
+                "PinCap": pin_cap if pin_cap is not None else max_jobs, "MaxFaults": num_events + 1,
+                "FaultKinds": ["dma", "put", "pressure"], "SubBatch": 1, "PreemptNotices": True,
+                "LateNotices": True, "Legacy": False, "Mutant": "none"}
+
+
+def normalize(events: list[dict[str, Any]], pin_cap: int | None = None) -> Normalized:
+    norm = RunLogNormalizer()
+    out, lines = [], []
+    for n, ev in enumerate(events, 1):
+        out.append(norm(ev))
+        lines.append(n)
+    if norm.world is None:
+        raise tc.TraceCheckError("the log has no EmitStore: nothing to check")
+    jobs = sum(1 for e in out if e["action"] == "EmitStore")
+    return Normalized(out, lines, norm.constants(jobs, len(out), pin_cap))
+
+
+def trace_cfg(consts: dict[str, Any], expect_rest: bool) -> str:
+    lines = ["CONSTANTS"] + [f"    {k} = {tc.to_tla_const(v)}" for k, v in consts.items()]
+    lines += [f"    ExpectRest = {tc.to_tla_const(expect_rest)}",
+              "SPECIFICATION TraceSpec",
+              "INVARIANT TypeOK ReportedOnce BoundedPins DmaReadsPinned",
+              "PROPERTY NoStaleEffect LifecycleConforms",
+              "CONSTRAINT Furthest", ""]
+    return "\n".join(lines)
+
+
+def check_events(events: list[dict[str, Any]], *, pin_cap: int | None = None, expect_rest: bool = True,
+                 timeout: float = 600) -> tc.Verdict:
+    """TLC's verdict on a real run's log (events as the connector wrote them)."""
+    nz = normalize(events, pin_cap)
+    v = tc.check_events(nz.events, SPEC, f"{SPEC}.cfg", cfg_text=trace_cfg(nz.consts, expect_rest),
+                        timeout=timeout, xmx="2g", done_marker="matched")
+    v.seqs = nz.lines
+    v.seq_name = "line"
+    return v
+
+
+def check_log(path: Path, **kw: Any) -> tc.Verdict:
+    return check_events(tc.read_log(Path(path)), **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Check logs of real runs (connector trace_path) against "
+                                             "tla/KVLedger.tla's job lifecycle with TLC")
+    ap.add_argument("logs", nargs="+", type=Path)
+    ap.add_argument("--pin-cap", type=int, default=None, help="the connector's max_inflight_jobs")
+    ap.add_argument("--no-rest", action="store_true", help="the run did not drain: skip the end-state check")
+    a = ap.parse_args(argv)
+    bad = tc.check_many(a.logs, lambda log: check_log(log, pin_cap=a.pin_cap, expect_rest=not a.no_rest))
+    print(f"[runlog] {len(a.logs) - bad}/{len(a.logs)} logs of real runs accepted by TLC")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
