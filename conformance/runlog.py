@@ -7,11 +7,14 @@ module for what is and is not compared). `normalize` maps the log into the model
 
     runtime                                 TraceRuntime's event record
     actor "w<k>"                            w = "w<k>"; Ranks = w0..w<n-1>, n = the EmitStore's ranks_left
-    req_id                                  r = req_id; the same id used again after its Finish is a new
-                                            model request "req_id~2", "~3", ... (the model never reuses a
-                                            finished request)
+    req_id (one lifetime: admission to      r = a model request "q<k>", reused once a lifetime is over
+      Finish; an id can come back)          (finished, every notice dropped, every job released); the
+                                            model never reuses a finished request, so a reused slot's
+                                            generations continue above its last one (a fresh state, as
+                                            the runtime's). Keeps Req (and TLC's states) small: a log of
+                                            hundreds of requests needs about max_num_seqs slots
     job id                                  job = id - (first EmitStore's id) + 1: ids must be consecutive
-    generation (0-based num_preemptions)    g = generation + 1 (the model counts admissions)
+    generation (0-based num_preemptions)    g = slot base + generation + 1 (the model counts admissions)
     DropGeneration                          matched to the rank's oldest pending notice of (req_id, g, kind)
     Collect completed {job: n}              reported <<job, n>>; ranks_left -> left; unknown -> a count
     Put dest stored / failed (+pressure)    outcome ok / pressure / fail
@@ -36,6 +39,20 @@ SPEC = "TraceRuntime"
 _SCHED_ONLY = {"Admit", "Compute", "Lookup", "EmitLoad", "Evict", "StoreFail", "StoreRestart"}
 
 
+@dataclass(eq=False)
+class Lifetime:
+    """One lifetime of one req_id (admission .. Finish), mapped to a model request slot."""
+    req_id: str
+    slot: str
+    base: int  # model generation = base + runtime generation + 1
+    jobs: set[int] = field(default_factory=set)  # emitted, not yet released
+    notices: int = 0  # notices sent to ranks and not yet dropped
+    finished: bool = False
+
+    def over(self) -> bool:
+        return self.finished and not self.jobs and not self.notices
+
+
 @dataclass
 class Normalized:
     events: list[dict[str, Any]]       # TraceRuntime records
@@ -48,10 +65,11 @@ class RunLogNormalizer:
 
     def __init__(self) -> None:
         self.first_job: int | None = None
-        self.job_req: dict[int, tuple[str, str]] = {}   # model job -> (real req_id, model request)
-        self.lifetime: dict[str, int] = {}
-        self.finished: set[str] = set()
-        self.pending: dict[str, list[tuple[str, str, int, str]]] = {}  # rank -> [(req_id, r, g, kind)]
+        self.job_life: dict[int, Lifetime] = {}  # model job -> its request's lifetime
+        self.current: dict[str, Lifetime] = {}  # req_id -> its scheduler-side lifetime
+        self.slots: dict[str, Lifetime] = {}  # model request -> its latest lifetime
+        self.slot_gen: dict[str, int] = {}  # model request -> highest model generation used
+        self.pending: dict[str, list[tuple[Lifetime, int, str]]] = {}  # rank -> [(lifetime, gen, kind)]
         self.world: int | None = None
         self.max_block = 1
         self.max_gen = 1
@@ -59,26 +77,29 @@ class RunLogNormalizer:
         self.ranks: set[str] = set()
 
     # -- names
-    def _sched_req(self, req_id: str) -> str:
-        """The model request of the scheduler's current lifetime of req_id (a new one after Finish)."""
-        if req_id in self.finished:
-            self.finished.discard(req_id)
-            self.lifetime[req_id] = self.lifetime.get(req_id, 1) + 1
-        r = self._name(req_id, self.lifetime.setdefault(req_id, 1))
-        self.reqs.add(r)
-        return r
+    def _sched_life(self, req_id: str) -> Lifetime:
+        """The scheduler's current lifetime of req_id; a new one (in a free slot) after its Finish."""
+        life = self.current.get(req_id)
+        if life is None or life.finished:
+            slot = next((s for s, last in self.slots.items() if last.over()), f"q{len(self.slots) + 1}")
+            life = Lifetime(req_id, slot, self.slot_gen.get(slot, 0))
+            self.current[req_id] = self.slots[slot] = life
+            self.reqs.add(slot)
+        return life
 
     @staticmethod
-    def _name(req_id: str, lifetime: int) -> str:
-        return req_id if lifetime == 1 else f"{req_id}~{lifetime}"
-
-    def _gen(self, ev: dict[str, Any], key: str = "generation") -> int:
+    def _real_gen(ev: dict[str, Any], key: str) -> int:
         g = ev.get(key)
         if g.__class__ is not int or g < 0:
             raise tc.TraceCheckError(f"{ev['action']} of {ev.get('req_id')!r}: {key} {g!r} is not a "
                                      "generation (a log of an older connector, or a notice nobody planned)")
-        self.max_gen = max(self.max_gen, g + 1)
-        return g + 1
+        return g
+
+    def _gen(self, life: Lifetime, ev: dict[str, Any], key: str = "generation") -> int:
+        g = life.base + self._real_gen(ev, key) + 1
+        self.slot_gen[life.slot] = max(self.slot_gen.get(life.slot, 0), g)
+        self.max_gen = max(self.max_gen, g)
+        return g
 
     def _job(self, ev: dict[str, Any]) -> int:
         real = ev["job"]
@@ -92,13 +113,14 @@ class RunLogNormalizer:
         self.ranks.add(actor)
         return actor
 
-    def _job_req(self, j: int, ev: dict[str, Any]) -> str:
-        if j not in self.job_req:
+    def _job_life(self, j: int, ev: dict[str, Any]) -> Lifetime:
+        life = self.job_life.get(j)
+        if life is None:
             raise tc.TraceCheckError(f"{ev['action']} on {ev.get('actor')}: job {ev['job']} was never emitted")
-        real, r = self.job_req[j]
-        if "req_id" in ev and ev["req_id"] != real:
-            raise tc.TraceCheckError(f"{ev['action']}: job {ev['job']} belongs to {real!r}, not {ev['req_id']!r}")
-        return r
+        if "req_id" in ev and ev["req_id"] != life.req_id:
+            raise tc.TraceCheckError(f"{ev['action']}: job {ev['job']} belongs to {life.req_id!r}, "
+                                     f"not {ev['req_id']!r}")
+        return life
 
     # -- events
     def __call__(self, ev: dict[str, Any]) -> dict[str, Any]:
@@ -113,43 +135,48 @@ class RunLogNormalizer:
                 self.first_job = ev["job"]
             if self.world is None:
                 self.world = ev["ranks_left"]
-            r = self._sched_req(ev["req_id"])
+            life = self._sched_life(ev["req_id"])
             j = self._job(ev)
-            self.job_req[j] = (ev["req_id"], r)
+            self.job_life[j] = life
+            life.jobs.add(j)
             self.max_block = max([self.max_block, *ev["blocks"]])
-            return {"action": a, "r": r, "g": self._gen(ev), "job": j, "blocks": list(ev["blocks"]),
+            return {"action": a, "r": life.slot, "g": self._gen(life, ev), "job": j, "blocks": list(ev["blocks"]),
                     "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"],
                     "pinned_blocks": ev["pinned_blocks"]}
         if a in ("Preempt", "Finish"):
-            r = self._sched_req(ev["req_id"])
-            g, kind = self._gen(ev), "finish" if a == "Finish" else "preempt"
+            life = self._sched_life(ev["req_id"])
+            g, kind = self._gen(life, ev), "finish" if a == "Finish" else "preempt"
             for w in self._all_ranks():
-                self.pending.setdefault(w, []).append((ev["req_id"], r, g, kind))
+                self.pending.setdefault(w, []).append((life, g, kind))
+                life.notices += 1
             if a == "Finish":
-                self.finished.add(ev["req_id"])
-            return {"action": a, "r": r, "g": g}
+                life.finished = True
+            return {"action": a, "r": life.slot, "g": g}
         if a == "Receive":
             j = self._job(ev)
-            return {"action": a, "w": self._rank(actor), "job": j, "r": self._job_req(j, ev),
-                    "g": self._gen(ev), "live": [self._job({**ev, "job": x}) for x in ev["live"]],
+            life = self._job_life(j, ev)
+            return {"action": a, "w": self._rank(actor), "job": j, "r": life.slot,
+                    "g": self._gen(life, ev), "live": [self._job({**ev, "job": x}) for x in ev["live"]],
                     "stale": bool(ev["stale_on_arrival"])}
         if a == "DropGeneration":
             w = self._rank(actor)
-            g = self._gen(ev, "notice_generation")
             kind = "finish" if ev["finished"] else "preempt"
             queue = self.pending.get(w, [])
-            match = next((n for n in queue if n[0] == ev["req_id"] and n[2] == g and n[3] == kind), None)
+            real = self._real_gen(ev, "notice_generation")
+            match = next((n for n in queue if n[0].req_id == ev["req_id"] and n[2] == kind
+                          and n[1] == n[0].base + real + 1), None)
             if match is not None:
                 queue.remove(match)
-                r = match[1]
+                life, g = match[0], match[1]
+                life.notices -= 1
             else:  # no such notice was sent: TLC rejects the step (DropNotice needs it)
-                r = self._name(ev["req_id"], self.lifetime.get(ev["req_id"], 1))
-                self.reqs.add(r)
-            return {"action": a, "w": w, "r": r, "g": g, "kind": kind, "dest": ev["dest"],
+                life = self.current.get(ev["req_id"]) or self._sched_life(ev["req_id"])
+                g = self._gen(life, ev, "notice_generation")
+            return {"action": a, "w": w, "r": life.slot, "g": g, "kind": kind, "dest": ev["dest"],
                     "live": [self._job({**ev, "job": x}) for x in ev["live"]]}
         if a in ("DmaRead", "Put", "Report"):
             j = self._job(ev)
-            self._job_req(j, ev)
+            self._job_life(j, ev)
             rec: dict[str, Any] = {"action": a, "w": self._rank(actor), "job": j}
             if a == "DmaRead":
                 rec["outcome"] = ev["dest"]
@@ -162,6 +189,10 @@ class RunLogNormalizer:
             return rec
         if a == "Collect":
             completed = sorted((int(k), v) for k, v in ev["completed"].items())
+            for x in ev["released"]:
+                life = self.job_life.get(self._job({**ev, "job": x}))
+                if life is not None:
+                    life.jobs.discard(self._job({**ev, "job": x}))
             return {"action": a,
                     "released": [self._job({**ev, "job": x}) for x in ev["released"]],
                     "reported": [[self._job({**ev, "job": k}), n] for k, n in completed],
