@@ -56,7 +56,6 @@ class Lifetime:
 @dataclass
 class Normalized:
     events: list[dict[str, Any]]       # TraceRuntime records
-    lines: list[int]                    # the log line (1-based) of each record
     consts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,8 +100,9 @@ class RunLogNormalizer:
         self.max_gen = max(self.max_gen, g)
         return g
 
-    def _job(self, ev: dict[str, Any]) -> int:
-        real = ev["job"]
+    def _job(self, ev: dict[str, Any], real: Any = None) -> int:
+        """The model id of the event's job (or of `real`, a job id the event lists)."""
+        real = ev["job"] if real is None else real
         if self.first_job is None or real.__class__ is not int or real < self.first_job:
             raise tc.TraceCheckError(f"{ev['action']} on {ev.get('actor')}: job {real!r} was never emitted")
         return real - self.first_job + 1
@@ -156,7 +156,7 @@ class RunLogNormalizer:
             j = self._job(ev)
             life = self._job_life(j, ev)
             return {"action": a, "w": self._rank(actor), "job": j, "r": life.slot,
-                    "g": self._gen(life, ev), "live": [self._job({**ev, "job": x}) for x in ev["live"]],
+                    "g": self._gen(life, ev), "live": [self._job(ev, x) for x in ev["live"]],
                     "stale": bool(ev["stale_on_arrival"])}
         if a == "DropGeneration":
             w = self._rank(actor)
@@ -173,7 +173,7 @@ class RunLogNormalizer:
                 life = self.current.get(ev["req_id"]) or self._sched_life(ev["req_id"])
                 g = self._gen(life, ev, "notice_generation")
             return {"action": a, "w": w, "r": life.slot, "g": g, "kind": kind, "dest": ev["dest"],
-                    "live": [self._job({**ev, "job": x}) for x in ev["live"]]}
+                    "live": [self._job(ev, x) for x in ev["live"]]}
         if a in ("DmaRead", "Put", "Report"):
             j = self._job(ev)
             self._job_life(j, ev)
@@ -185,18 +185,17 @@ class RunLogNormalizer:
                 rec["live"] = bool(ev["live"])
             else:
                 rec["from"] = ev["from"]
-                rec["live"] = [self._job({**ev, "job": x}) for x in ev["live"]]
+                rec["live"] = [self._job(ev, x) for x in ev["live"]]
             return rec
         if a == "Collect":
             completed = sorted((int(k), v) for k, v in ev["completed"].items())
-            for x in ev["released"]:
-                life = self.job_life.get(self._job({**ev, "job": x}))
-                if life is not None:
-                    life.jobs.discard(self._job({**ev, "job": x}))
-            return {"action": a,
-                    "released": [self._job({**ev, "job": x}) for x in ev["released"]],
-                    "reported": [[self._job({**ev, "job": k}), n] for k, n in completed],
-                    "left": [[self._job({**ev, "job": int(k)}), n] for k, n in sorted(ev["ranks_left"].items())],
+            released = [self._job(ev, x) for x in ev["released"]]
+            for j in released:
+                if j in self.job_life:
+                    self.job_life[j].jobs.discard(j)
+            return {"action": a, "released": released,
+                    "reported": [[self._job(ev, k), n] for k, n in completed],
+                    "left": [[self._job(ev, int(k)), n] for k, n in sorted(ev["ranks_left"].items())],
                     "unknown": len(ev["unknown"]), "pinned_jobs": ev["pinned_jobs"],
                     "pinned_blocks": ev["pinned_blocks"]}
         if a == "Load":
@@ -229,14 +228,11 @@ class RunLogNormalizer:
 
 def normalize(events: list[dict[str, Any]], pin_cap: int | None = None) -> Normalized:
     norm = RunLogNormalizer()
-    out, lines = [], []
-    for n, ev in enumerate(events, 1):
-        out.append(norm(ev))
-        lines.append(n)
+    out = [norm(ev) for ev in events]  # one record per event: record k is line k of the log
     if norm.world is None:
         raise tc.TraceCheckError("the log has no EmitStore: nothing to check")
     jobs = sum(1 for e in out if e["action"] == "EmitStore")
-    return Normalized(out, lines, norm.constants(jobs, len(out), pin_cap))
+    return Normalized(out, norm.constants(jobs, len(out), pin_cap))
 
 
 def trace_cfg(consts: dict[str, Any], expect_rest: bool) -> str:
@@ -255,7 +251,7 @@ def check_events(events: list[dict[str, Any]], *, pin_cap: int | None = None, ex
     nz = normalize(events, pin_cap)
     v = tc.check_events(nz.events, SPEC, f"{SPEC}.cfg", cfg_text=trace_cfg(nz.consts, expect_rest),
                         timeout=timeout, xmx="2g", done_marker="matched")
-    v.seqs = nz.lines
+    v.seqs = list(range(1, len(nz.events) + 1))
     v.seq_name = "line"
     return v
 

@@ -167,7 +167,6 @@ class Harness:
         if "trace_path" not in extra and Harness.runlog_dir is not None:
             extra["trace_path"] = os.path.join(Harness.runlog_dir, f"harness-{len(Harness.opened)}.ndjson")
         self.trace_path: str | None = extra.get("trace_path")
-        self.max_inflight_jobs = int(extra.get("max_inflight_jobs", StoreConfig().max_inflight_jobs))
         self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
@@ -400,6 +399,11 @@ class Harness:
         raise TimeoutError(f"engine still busy after {self.stats.steps} steps: running="
                            f"{len(self.scheduler.running)} waiting={len(self.scheduler.waiting)} "
                            f"pins={self.scheduler_connector.scheduler_side.ledger.num_inflight_jobs}")  # type: ignore
+
+    @property
+    def max_inflight_jobs(self) -> int:
+        """The scheduler connector's pin cap on jobs (as its config validated it)."""
+        return self.scheduler_connector.store_config.max_inflight_jobs
 
     # ------------------------------------------------------------------ checks
     def check_at_rest(self) -> list[str]:
