@@ -40,7 +40,8 @@ from connector.metadata import KVLedgerConnectorMetadata
 from connector.scheduler import SchedulerSide
 from connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
 from connector.store import KVStore, MooncakeStore
-from connector.worker import KVLayoutError, WorkerSide
+from connector.kvlayout import LAYOUT_HNC_ORDER, KVLayoutError, plan_block_copies
+from connector.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,6 +60,7 @@ CONNECTOR_KEYS: dict[str, str] = {
     "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
     "trace_path": "append kvledger's NDJSON trace events (DESIGN §5 actions) to this file (default: off)",
     "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
+    "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
 }
 
 #: copy-on-write tail blocks outside the block table that a store job pins (none: only full table blocks)
@@ -88,6 +90,22 @@ def _release_embedded(engine_id: str) -> None:
             ent[0].stop()
 
 
+def _vllm_tp_rank() -> int | None:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+        return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else None
+    except Exception:  # no distributed state: an in-process driver
+        return None
+
+
+def _vllm_pp_rank() -> int | None:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+        return get_pp_group().rank_in_group if model_parallel_is_initialized() else None
+    except Exception:
+        return None
+
+
 def _extra_int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
     v = extra.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
@@ -95,15 +113,58 @@ def _extra_int(extra: dict[str, Any], key: str, default: int, minimum: int) -> i
     return v
 
 
-def key_layout(vllm_config: VllmConfig, tp_rank: int) -> KeyLayout:
-    """What a block's bytes depend on besides its tokens, derived from the config alone (the scheduler has
-    no tensors; the worker checks its tensors against it)."""
+def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
+    """The one attention spec this connector serves; anything else is refused at start-up (several KV
+    cache groups would need block ids per group; Mamba state has no per-block pages)."""
+    if kv_cache_config is None:
+        raise KVLayoutError("kv_cache_config is None: vLLM 0.32 passes the engine's KVCacheConfig to every "
+                            "connector; the connector needs its KV cache spec")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVLayoutError(f"{len(groups)} KV cache groups ("
+                            + "; ".join(f"{type(g.kv_cache_spec).__name__}: {g.layer_names[:2]}..." for g in groups)
+                            + "): the connector serves models with one KV cache group (no hybrid models)")
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    if specs is not None:
+        kinds = set(specs.values())
+        if len(kinds) != 1:
+            raise KVLayoutError(f"layers {sorted(specs)[:4]}...: {len(kinds)} different KV cache specs in "
+                                f"one group; the connector serves one spec for all layers")
+        spec = kinds.pop()
+    if not (hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and spec.has_layer_views):
+        raise KVLayoutError(f"layers {groups[0].layer_names[:4]}: {type(spec).__name__} has no per-layer "
+                            f"[B, H, N, C] pages; the connector serves attention KV caches only")
+    return spec
+
+
+def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """The `KVCacheLayout` the engine resolved (EngineCore does it before any connector exists)."""
+    name = vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise KVLayoutError("the KV cache layout is not resolved (cache_config.kv_cache_layout is None): "
+                            "vLLM's EngineCore resolves it before creating connectors; a driver that builds "
+                            "connectors itself must set it (see testbed.kvcache.build_kv_cache_config)")
+    if name not in LAYOUT_HNC_ORDER:
+        raise KVLayoutError(f"KV cache layout {name!r}: not one of {sorted(LAYOUT_HNC_ORDER)}")
+    return str(name)
+
+
+def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
+               pp_rank: int = 0) -> KeyLayout:
+    """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
+    from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype)
+    spec = kv_cache_spec(kv_cache_config)
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
+    extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
+             ("head_size_v", str(spec.head_size_v)), ("kv_quant", str(getattr(spec, "kv_quant_mode", ""))),
+             ("spec_dtype", str(spec.dtype)))
     return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-                     block_size=cc.block_size, dtype=dtype, kv_layout="NHD",
-                     num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
-                     head_size=mc.get_head_size())
+                     pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
+                     block_size=cc.block_size, dtype=dtype, kv_layout=resolved_layout(vllm_config, kv_cache_config),
+                     num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
+                     head_size=spec.head_size, extra=extra)
 
 
 class KVLedgerConnector(KVConnectorBase_V1):
@@ -126,8 +187,13 @@ class KVLedgerConnector(KVConnectorBase_V1):
         # every connector key is validated before anything is started or connected
         load_threads = _extra_int(extra, "load_threads", 1, 1)
         max_lookup_cache = _extra_int(extra, "max_lookup_cache", 4096, 1)
-        tp_rank = self._tp_rank(extra, pc.tensor_parallel_size) if role != KVConnectorRole.SCHEDULER else 0
+        if role == KVConnectorRole.SCHEDULER:
+            tp_rank = pp_rank = 0
+        else:
+            tp_rank = self._rank(extra, "tp_rank", pc.tensor_parallel_size, _vllm_tp_rank)
+            pp_rank = self._rank(extra, "pp_rank", pc.pipeline_parallel_size, _vllm_pp_rank)
         self._check_caps(self.store_config, vllm_config)
+        self.layout = key_layout(vllm_config, kv_cache_config, tp_rank, pp_rank)  # refuses what it cannot serve
         trace = None
         if extra.get("trace_path"):
             from connector.tracefile import open_trace
@@ -141,8 +207,9 @@ class KVLedgerConnector(KVConnectorBase_V1):
             if store is None:  # lookups only: this client contributes no memory
                 store = self._connect(cfg.replace(global_segment_size=0))
             self.store = store
-            builders = [KeyBuilder(key_layout(vllm_config, r), cfg.max_key_bytes)
-                        for r in range(pc.tensor_parallel_size)]
+            # a hit needs every shard of every stage
+            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), cfg.max_key_bytes)
+                        for p in range(pc.pipeline_parallel_size) for t in range(pc.tensor_parallel_size)]
             self.scheduler_side = SchedulerSide(
                 block_size=bs, world_size=pc.world_size, key_builders=builders, store=store,
                 max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
@@ -154,7 +221,6 @@ class KVLedgerConnector(KVConnectorBase_V1):
             if store is None:
                 store = self._connect(cfg)
             self.store = store
-            self.layout = key_layout(vllm_config, tp_rank)
             sc = vllm_config.scheduler_config
             self.worker_side = WorkerSide(
                 store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes), tp_rank=tp_rank, block_size=bs,
@@ -188,24 +254,26 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return MooncakeStore.connect(cfg, embedded=self._embedded)
 
     @staticmethod
-    def _tp_rank(extra: dict[str, Any], tp_size: int) -> int:
-        rank = None
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-            if model_parallel_is_initialized():
-                rank = get_tensor_model_parallel_rank()
-        except Exception:  # no distributed state: an in-process driver
-            rank = None
-        given = extra.get("tp_rank")
+    def _rank(extra: dict[str, Any], key: str, size: int, from_vllm: Any) -> int:
+        """This worker's rank in a parallel group: vLLM's, or `extra[key]` for in-process drivers that
+        build several ranks' connectors without a process group. With size > 1 and neither, refuse:
+        falling back to 0 would make this worker write rank 0's keys."""
+        rank = from_vllm()
+        given = extra.get(key)
         if given is not None:
-            if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < tp_size:
-                raise ConfigError("tp_rank", given, f"must be an int in 0..{tp_size - 1}",
-                                  "kv_connector_extra_config")
+            if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < size:
+                raise ConfigError(key, given, f"must be an int in 0..{size - 1}", "kv_connector_extra_config")
             if rank is not None and rank != given:
-                raise ConfigError("tp_rank", given, f"differs from vLLM's tensor-parallel rank {rank}",
+                raise ConfigError(key, given, f"differs from vLLM's rank {rank} in that group",
                                   "kv_connector_extra_config")
             rank = given
-        return rank or 0
+        if rank is None:
+            if size > 1:
+                raise ConfigError(key, None, f"this worker cannot learn its rank from vLLM (no process group "
+                                  f"set up) and the group has {size} ranks; refusing to guess rank 0, whose "
+                                  f"keys it would share", "kv_connector_extra_config")
+            rank = 0
+        return rank
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -252,14 +320,23 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the
+        keys promise, then read as a per-block copy plan (connector/kvlayout.py)."""
         lay = self.layout
+        spec = kv_cache_spec(self._kv_cache_config)
         for name, t in kv_caches.items():
-            if tuple(t.shape[3:]) != (lay.num_kv_heads, lay.head_size):
-                raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)}, the key layout promises "
-                                    f"(2, num_blocks, {lay.block_size}, {lay.num_kv_heads}, {lay.head_size})")
-        if len(kv_caches) != lay.num_layers:
-            raise KVLayoutError(f"{len(kv_caches)} KV cache tensors, the model has {lay.num_layers} layers")
-        self._worker().register_kv_caches(kv_caches)
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and (
+                    t.shape[1] != spec.num_heads or t.shape[3] * t.element_size() != spec.state_content_size_bytes):
+                raise KVLayoutError(
+                    f"layer {name!r}: shape {tuple(t.shape)} of {t.dtype} (layout {lay.kv_layout}), the KV cache "
+                    f"spec promises {spec.num_heads} head slots of {spec.state_content_size_bytes} content bytes")
+        plan = plan_block_copies(kv_caches, layout=lay.kv_layout, block_size=lay.block_size,
+                                 num_blocks=self._kv_cache_config.num_blocks)
+        want = len(self._kv_cache_config.kv_cache_groups[0].layer_names)
+        if len(plan.layers) != want:
+            raise KVLayoutError(f"{len(plan.layers)} distinct KV cache views ({list(plan.layers)[:4]}...), the KV "
+                                f"cache config has {want} layers (layout {lay.kv_layout})")
+        self._worker().register_kv_caches(plan)
 
     def _meta(self) -> KVLedgerConnectorMetadata:
         meta = self._get_connector_metadata()

@@ -4,12 +4,20 @@ A key must name the bytes exactly, or two writers that disagree on what a block 
 and one would load the other's KV (S1 NoPollution across deployments). So a key carries everything that
 changes the bytes of a block on this rank, plus the block's content hash:
 
-    kvl1/<model, readable>/<layout digest>/tp<rank>of<size>/<block hash hex>
-          |                 |                 |               `-- vLLM's chained block hash (prefix identity)
-          |                 |                 `-- tensor-parallel shard: each rank stores its own heads
+    kvl2/<model, readable>/<layout digest>/tp<r>of<n>-pp<p>of<m>/<block hash hex>
+          |                 |                 |                    `-- vLLM's chained block hash
+          |                 |                 `-- tensor-parallel shard (each rank stores its own heads)
+          |                 |                     and pipeline stage (each stage its own layers)
           |                 `-- sha256 over (model, block_size, dtype, kv_layout, num_layers,
-          |                     num_kv_heads, head_size, extra): different layouts never collide
+          |                     num_kv_heads, head_size, extra: the KV cache spec): different
+          |                     layouts never collide
           `-- for humans reading `batch_is_exist` logs; never relied on for uniqueness
+
+The object's byte order is the resolved `KVCacheLayout`'s own (connector/kvlayout.py), so the layout
+name is in the digest: engines with different physical layouts never share a key (they would read each
+other's bytes in the wrong order); engines that differ only in the attention backend's kernel block size
+share keys (a split block is stored in token order). `kvl1` keys (the pre-0.32 object format) are never
+read: a new version string, not a silent reinterpretation.
 
 Mooncake accepts long keys, but a deployment may cap them (`max_key_bytes`): `KeyTooLongError` is raised by
 `check_key`, and `split_by_length` lets the load path report oversized keys' blocks instead of crashing.
@@ -22,7 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-KEY_VERSION = "kvl1"
+KEY_VERSION = "kvl2"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -43,12 +51,14 @@ class KeyLayout:
     tp_rank: int
     tp_size: int
     block_size: int
-    dtype: str  # e.g. "torch.bfloat16"
-    kv_layout: str  # e.g. "NHD", "HND", "mla"
-    num_layers: int
-    num_kv_heads: int  # heads on this shard
+    dtype: str  # e.g. "torch.bfloat16", "fp8_e4m3"
+    kv_layout: str  # the resolved KVCacheLayout name, e.g. "LBNHC"
+    num_layers: int  # the model's layers (all stages)
+    num_kv_heads: int  # head slots on this shard
     head_size: int
-    extra: tuple[tuple[str, str], ...] = field(default=())  # anything else (kv quant scheme, cache group)
+    extra: tuple[tuple[str, str], ...] = field(default=())  # the rest of the spec (kind, content bytes, quant)
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +67,10 @@ class KeyLayout:
             raise ValueError(f"KeyLayout.tp_size={self.tp_size!r}: must be an int >= 1")
         if not (isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
             raise ValueError(f"KeyLayout.tp_rank={self.tp_rank!r}: must be in 0..tp_size-1 ({self.tp_size - 1})")
+        if not (isinstance(self.pp_size, int) and self.pp_size >= 1):
+            raise ValueError(f"KeyLayout.pp_size={self.pp_size!r}: must be an int >= 1")
+        if not (isinstance(self.pp_rank, int) and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(f"KeyLayout.pp_rank={self.pp_rank!r}: must be in 0..pp_size-1 ({self.pp_size - 1})")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -66,7 +80,7 @@ class KeyLayout:
                 raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
 
     def digest(self) -> str:
-        """16 hex chars of sha256 over a canonical encoding of every field except the shard."""
+        """16 hex chars of sha256 over a canonical encoding of every field except the shard and stage."""
         canon = json.dumps([self.model, self.block_size, self.dtype, self.kv_layout, self.num_layers,
                             self.num_kv_heads, self.head_size, sorted(self.extra)], separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
@@ -93,7 +107,8 @@ class KeyBuilder:
         self.layout = layout
         self.max_key_bytes = max_key_bytes
         readable = _UNSAFE.sub("_", layout.model)[:48]
-        self.prefix = f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}/"
+        self.prefix = (f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}"
+                       f"-pp{layout.pp_rank}of{layout.pp_size}/")
 
     def key(self, block_hash: bytes | int | str) -> str:
         """The key of one block. Not length-checked: call `check_key` or `split_by_length`."""

@@ -31,6 +31,7 @@ import torch
 
 from connector.config import StoreConfig
 from connector.keys import KeyBuilder
+from connector.kvlayout import BlockCopyPlan, KVLayoutError
 from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from connector.stats import StatsRecorder
 from connector.store import KVStore, StoreCode
@@ -43,10 +44,6 @@ logger = logging.getLogger(__name__)
 
 _STOP = object()
 MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
-
-
-class KVLayoutError(ValueError):
-    """The registered KV cache tensors do not have the layout the keys promise."""
 
 
 class WorkerSide:
@@ -72,7 +69,7 @@ class WorkerSide:
                                 trace=trace)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
-        self._chunks: list[tuple[int, int, int]] = []  # per (layer, k|v): (base ptr, block stride, bytes)
+        self._plan: BlockCopyPlan | None = None
         self._key_bytes = 0
         self._num_blocks = 0
         self._cuda = False
@@ -90,37 +87,17 @@ class WorkerSide:
         self.num_store_exceptions = 0
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Layer tensors shaped (2, num_blocks, block_size, ...): a block's K and V are contiguous slabs.
-        A key's object is the concatenation K(l0) V(l0) K(l1) V(l1) ... in layer-name order."""
-        if not kv_caches:
-            raise KVLayoutError("register_kv_caches: no KV cache tensors")
-        chunks: list[tuple[int, int, int]] = []
-        num_blocks = None
-        seen: set[int] = set()
-        for name in sorted(kv_caches):
-            t = kv_caches[name]
-            if t.dim() < 3 or t.shape[0] != 2 or t.shape[2] != self.block_size:
-                raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)}, expected (2, num_blocks, "
-                                    f"block_size={self.block_size}, ...)")
-            if not t[0, 0].is_contiguous():
-                raise KVLayoutError(f"layer {name!r}: a block is not contiguous (strides {t.stride()})")
-            if num_blocks is None:
-                num_blocks = t.shape[1]
-            elif t.shape[1] != num_blocks:
-                raise KVLayoutError(f"layer {name!r}: {t.shape[1]} blocks, other layers {num_blocks}")
-            esize = t.element_size()
-            nbytes = t[0, 0].numel() * esize
-            for kv in (0, 1):
-                chunks.append((t.data_ptr() + kv * t.stride(0) * esize, t.stride(1) * esize, nbytes))
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:  # layers may share one allocation: register it once
-                seen.add(storage.data_ptr())
-                self.store.register_buffer(storage.data_ptr(), storage.nbytes())
-            self._cuda = self._cuda or t.is_cuda
-        self._chunks = chunks
-        self._key_bytes = sum(c[2] for c in chunks)
-        self._num_blocks = int(num_blocks or 0)
+    def register_kv_caches(self, plan: BlockCopyPlan) -> None:
+        """The copy plan of vLLM's KV cache views (connector/kvlayout.py): a key's object is the plan's
+        segments of one block. Each backing allocation is registered with the store once."""
+        if self._plan is not None:
+            raise KVLayoutError("register_kv_caches called twice on one worker")
+        for ptr, nbytes in plan.storages:
+            self.store.register_buffer(ptr, nbytes)
+        self._plan = plan
+        self._key_bytes = plan.block_bytes
+        self._num_blocks = plan.num_blocks
+        self._cuda = plan.is_cuda
         self._start_threads()
 
     def _start_threads(self) -> None:
@@ -135,10 +112,10 @@ class WorkerSide:
             t.start()
 
     def _block_buffers(self, block_id: int) -> tuple[list[int], list[int]]:
-        if not 0 < block_id < self._num_blocks:
-            raise LedgerInputError("block_id", block_id, f"not in 1..{self._num_blocks - 1}")
-        return ([base + block_id * stride for base, stride, _ in self._chunks],
-                [n for _, _, n in self._chunks])
+        if self._plan is None or not 0 < block_id < self._num_blocks:
+            raise LedgerInputError("block_id", block_id, f"not in 1..{self._num_blocks - 1} (or no KV cache "
+                                   f"registered)")
+        return self._plan.buffers(block_id)
 
     # ------------------------------------------------------------------ per step (model runner thread)
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:

@@ -2,7 +2,8 @@
 
     Harness(store_config, tp_size=2, num_blocks=24) ──► vLLM Scheduler (real BlockPool, real preemption)
         │                                                 └─ KVLedgerConnector(SCHEDULER) via vLLM's factory
-        ├─ per rank r: KVLedgerConnector(WORKER, tp_rank=r) + real torch KV tensors (CPU, or CUDA)
+        ├─ per rank r: KVLedgerConnector(WORKER, tp_rank=r) + a KV cache from vLLM's own allocator
+        │              (testbed.kvcache: `kv_layout`, kernel block size, CPU or CUDA)
         └─ step(): schedule → per rank: bind meta, "forward", start_load_kv, wait_for_save, get_finished,
                    load errors, worker meta → vLLM's KVOutputAggregator → update_from_output
 
@@ -54,7 +55,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -62,7 +62,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from connector.config import StoreConfig  # noqa: E402
 from connector.connector import KVLedgerConnector  # noqa: E402
 from connector.keys import KeyBuilder  # noqa: E402
+from connector.kvlayout import plan_block_copies  # noqa: E402
 from connector.store import KVStore, MooncakeStore  # noqa: E402
+from testbed.kvcache import allocate, attention_specs, build_kv_cache_config, layer_names  # noqa: E402
 
 EOS = 2
 VOCAB = 1024
@@ -147,7 +149,8 @@ class Harness:
                  block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
                  policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
-                 max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0) -> None:
+                 max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
+                 kv_layout: str = "LBNHC", kernel_block_size: int | None = None) -> None:
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
         self.stall_timeout_s = stall_timeout_s
@@ -184,11 +187,13 @@ class Harness:
                                                 kv_load_failure_policy=policy),
             device_config=DeviceConfig("cpu"))
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                                 dtype=torch.float32)
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
+        self.layer_names = layer_names(num_layers)
+        self.kv_layout = kv_layout
+        self.kernel_block_sizes = [kernel_block_size] if kernel_block_size else None
+        self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                                      head_size=head_size, dtype=torch.float32)
+        # the engine's KVCacheConfig (layout recorded on cache_config first, as EngineCore does)
+        self.kv_cache_config = build_kv_cache_config(self.vllm_config, self._specs, num_blocks, kv_layout)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
         self.content = KVContent(num_kv_heads, head_size, device)
@@ -219,7 +224,8 @@ class Harness:
         self.stats = RunStats()
         self.key_builders = [w.worker_side.keys for w in self.workers]  # type: ignore[union-attr]
         self._checker: MooncakeStore | None = None
-        self._scratch: torch.Tensor | None = None
+        self._scratch: dict[str, torch.Tensor] | None = None
+        self._scratch_plan: Any = None
         emb = self.workers[0]._embedded if store_config.embedded else None
         # embedded default: the connectors started a private master; the checker joins it
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
@@ -235,8 +241,8 @@ class Harness:
                 self.vllm_config.kv_transfer_config, kv_connector_extra_config={**extra, "tp_rank": r})
             w = KVLedgerConnector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
             self.workers.append(w)
-            caches = {n: torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size,
-                                     dtype=torch.float32, device=device) for n in self.layer_names}
+            caches = allocate(self.kv_cache_config, self.kv_layout, device=device,
+                              kernel_block_sizes=self.kernel_block_sizes)
             w.register_kv_caches(caches)
             self.kv_caches.append(caches)
 
@@ -367,13 +373,32 @@ class Harness:
             yield table[b], off, p, n
             p += n
 
+    def _token_slices(self, t: torch.Tensor, block: int, off: int, n: int):
+        """Manager block `block`, tokens off..off+n of it, in a [B, H, N, C] view whose B may count
+        kernel blocks: yields (kernel block, first token, last token + 1, index into the n tokens)."""
+        nk = t.shape[2]
+        ratio = self.block_size // nk
+        q = off
+        while q < off + n:
+            kb, lo = divmod(q, nk)
+            hi = min(nk, lo + off + n - q)
+            yield block * ratio + kb, lo, hi, q - off
+            q += hi - lo
+
+    def _kv_of(self, t: torch.Tensor, kv: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of a view: full attention packs them in C, K first."""
+        d = t.shape[3] // 2
+        return t[..., kv * d:(kv + 1) * d]
+
     def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
         caches = self.kv_caches[rank]
         for li, name in enumerate(self.layer_names):
             t = caches[name]
             for block, off, p, n in self._ranges(table, lo, hi):
                 for kv in (0, 1):
-                    t[kv, block, off:off + n] = self.content.slots(hashes[p:p + n], li, kv, rank)
+                    want = self.content.slots(hashes[p:p + n], li, kv, rank)  # (n, H, D)
+                    for kb, a, b, i in self._token_slices(t, block, off, n):
+                        self._kv_of(t, kv)[kb, :, a:b] = want[i:i + b - a].transpose(0, 1)
 
     def _check_range(self, rid: str, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
         caches = self.kv_caches[rank]
@@ -382,10 +407,11 @@ class Harness:
             for block, off, p, n in self._ranges(table, lo, hi):
                 for kv in (0, 1):
                     want = self.content.slots(hashes[p:p + n], li, kv, rank)
-                    if not torch.equal(t[kv, block, off:off + n], want):
-                        self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} (block {block}) "
-                                            f"layer {li} {'KV'[kv]}: wrong KV before compute (S7)")
-                        return
+                    for kb, a, b, i in self._token_slices(t, block, off, n):
+                        if not torch.equal(self._kv_of(t, kv)[kb, :, a:b], want[i:i + b - a].transpose(0, 1)):
+                            self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} (block {block}) "
+                                                f"layer {li} {'KV'[kv]}: wrong KV before compute (S7)")
+                            return
 
     # ------------------------------------------------------------------ runs
     def run(self, max_steps: int = 20000, timeout_s: float = 240.0) -> RunStats:
@@ -430,18 +456,24 @@ class Harness:
         return problems
 
     def check_store(self) -> tuple[int, int]:
-        """S1 NoPollution over every full block of every request seen: (keys checked, polluted keys)."""
+        """S1 NoPollution over every full block of every request seen: (keys checked, polluted keys).
+        Each stored object is read into block 1 of a scratch KV cache that vLLM's allocator builds with
+        the same spec and layout, and compared through vLLM's view, token by token."""
         if self._checker is None:
             self._checker = MooncakeStore.connect(self._store_config.replace(global_segment_size=0))
         store = self._checker
-        span = self.content.span
-        L = len(self.layer_names)
-        if self._scratch is None:  # one registered buffer per harness (a re-registered address is -600)
-            self._scratch = torch.zeros(2 * L, self.block_size, span, dtype=torch.float32)
-            store.register_buffer(self._scratch.data_ptr(), self._scratch.numel() * 4)
-        scratch = self._scratch
-        chunk = self.block_size * span * 4
-        ptrs = [scratch.data_ptr() + i * chunk for i in range(2 * L)]
+        if self._scratch is None:  # one registered cache per harness (a re-registered address is -600)
+            vc = copy.copy(self.vllm_config)
+            vc.cache_config = copy.copy(vc.cache_config)
+            cfg = build_kv_cache_config(vc, self._specs, 2, self.kv_layout)
+            self._scratch = allocate(cfg, self.kv_layout, kernel_block_sizes=self.kernel_block_sizes)
+            self._scratch_plan = plan_block_copies(self._scratch, layout=self.kv_layout,
+                                                   block_size=self.block_size, num_blocks=2)
+            for ptr, nbytes in self._scratch_plan.storages:
+                store.register_buffer(ptr, nbytes)
+        scratch, plan = self._scratch, self._scratch_plan
+        ptrs, sizes = plan.buffers(1)
+        bs = self.block_size
         checked = polluted = 0
         seen: set[tuple[int, bytes]] = set()
         for rid, req in self.requests.items():
@@ -455,14 +487,19 @@ class Harness:
                     key = kb.key(bh)
                     if store.batch_is_exist([key])[0] != 1:
                         continue
-                    got = store.batch_get([key], [ptrs], [[chunk] * (2 * L)])[0]
+                    got = store.batch_get([key], [ptrs], [sizes])[0]
                     if got <= 0:
                         continue  # evicted between the two calls
                     checked += 1
-                    pos = hashes[bi * self.block_size:(bi + 1) * self.block_size]
-                    ok = all(torch.equal(scratch[2 * li + kv].view(self.block_size, -1),
-                                         self.content.slots(pos, li, kv, r).cpu().view(self.block_size, -1))
-                             for li in range(L) for kv in (0, 1))
+                    pos = hashes[bi * bs:(bi + 1) * bs]
+                    ok = True
+                    for li, name in enumerate(self.layer_names):
+                        t = scratch[name]
+                        for kv in (0, 1):
+                            want = self.content.slots(pos, li, kv, r).cpu()
+                            for kbk, a, b, i in self._token_slices(t, 1, 0, bs):
+                                ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b],
+                                                        want[i:i + b - a].transpose(0, 1))
                     polluted += 0 if ok else 1
         return checked, polluted
 

@@ -1,0 +1,67 @@
+"""KV caches as vLLM 0.32's engine builds them, for tests, benchmarks and drivers.
+
+The engine resolves one `KVCacheLayout`, records it on `cache_config`, turns the layers' specs into a
+`KVCacheConfig` (`get_kv_cache_groups`, `get_kv_cache_config_from_groups`), and each worker allocates it with
+`vllm.v1.worker.utils.allocate_kv_cache`, whose per-layer ``[B, H, N, C]`` views go unchanged to
+`register_kv_caches`. This module calls exactly those functions: nothing here shapes a KV tensor.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+#: every layout vLLM 0.32 defines
+LAYOUTS: tuple[str, ...] = tuple(lay.name for lay in KVCacheLayout)
+#: layouts whose blocks are dense pages: the only ones vLLM lets split into kernel blocks
+SPLITTABLE_LAYOUTS: tuple[str, ...] = ("LBHNC", "LBNHC")
+
+
+def layer_names(num_layers: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+
+
+def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head_size: int,
+                    dtype: torch.dtype = torch.float32, mla: bool = False,
+                    cache_dtype_str: str | None = None) -> dict[str, KVCacheSpec]:
+    """The per-layer specs a model's attention layers report (`get_kv_cache_spec`)."""
+    if mla:
+        spec: KVCacheSpec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
+                                             dtype=dtype, cache_dtype_str=cache_dtype_str)
+    else:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                                 dtype=dtype)
+    return {n: spec for n in layer_names(num_layers)}
+
+
+def build_kv_cache_config(vllm_config: Any, specs: Mapping[str, KVCacheSpec], num_blocks: int,
+                          layout: str) -> KVCacheConfig:
+    """The engine's per-worker path: record the resolved layout on `cache_config` (as
+    `resolve_kv_cache_layout` does), group the layers (`get_kv_cache_groups`) and build the config
+    (`get_kv_cache_config_from_groups`) with `num_gpu_blocks_override` = num_blocks, block 0 being
+    vLLM's null block. `get_kv_cache_configs` adds only an admission check that one max_model_len
+    request fits the pool, which tests that force preemption with tiny pools must skip."""
+    cc = vllm_config.cache_config
+    if cc.kv_cache_layout not in (None, layout):
+        raise ValueError(f"cache_config.kv_cache_layout={cc.kv_cache_layout!r}, asked for {layout!r}")
+    cc.kv_cache_layout = KVCacheLayout[layout].name
+    cc.num_gpu_blocks_override = num_blocks
+    groups = get_kv_cache_groups(vllm_config, dict(specs))
+    page = sum(s.page_size_bytes for s in specs.values())
+    cfg = get_kv_cache_config_from_groups(vllm_config, groups, page * (num_blocks + 1))
+    cfg.kv_cache_layout = cc.kv_cache_layout
+    if cfg.num_blocks != num_blocks:
+        raise ValueError(f"vLLM built {cfg.num_blocks} blocks, asked for {num_blocks}")
+    return cfg
+
+
+def allocate(kv_cache_config: KVCacheConfig, layout: str, *, device: str | torch.device = "cpu",
+             kernel_block_sizes: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's own allocation: one backing buffer, one [B, H, N, C] view per layer."""
+    return allocate_kv_cache(kv_cache_config, torch.device(device), KVCacheLayout[layout],
+                             list(kernel_block_sizes) if kernel_block_sizes is not None else None)
