@@ -4,8 +4,8 @@ Model action              -> real system
 Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of vLLM's Scheduler) on
                               vLLM's real BlockPool (allocation from the free queue head; each
                               free_blocks call prepends the blocks it frees, LIFO, a table tail first)
-                              and a real torch KV tensor: Compute writes chunk <<r, c>>'s code into the
-                              block's row
+                              and a KV cache from vLLM's allocator (one block = one row): Compute
+                              writes chunk <<r, c>>'s code into the block's row
 EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids)        (pins via BlockPool.touch)
 Collect                   -> aggregate(take_completed() of every rank) -> SchedulerLedger.collect
                              (completed in ascending job id order: the model frees released jobs so)
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.core.block_pool import BlockPool
 
 from conformance.replay import Refused
@@ -51,6 +52,7 @@ from kvledger.metadata import aggregate_into
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import Verdict, WorkerLedger
+from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
 CODE_NO_CONTENT = 0.0
@@ -162,8 +164,21 @@ class KVDriver:
         self.fault_kinds = set(consts.get("FaultKinds", ["evict", "fail", "put", "pressure", "dma", "load"]))
         self.trace = trace
         self.device = torch.device(device)
+        self._rows: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
+    def _kv_rows(self, num_blocks: int) -> torch.Tensor:
+        """The KV cache from vLLM's own allocator (testbed.kvcache), built once per pool size: one layer,
+        one head, one token per block, C = ROW float32 (K|V), so block b's page is row b."""
+        rows = self._rows.get(num_blocks)
+        if rows is None:
+            vc = VllmConfig(cache_config=CacheConfig(block_size=1), device_config=DeviceConfig("cpu"))
+            specs = attention_specs(1, block_size=1, num_kv_heads=1, head_size=ROW // 2)
+            cfg = build_kv_cache_config(vc, specs, num_blocks, "LBNHC")
+            (view,) = allocate(cfg, "LBNHC", device=self.device).values()
+            rows = self._rows[num_blocks] = view.view(num_blocks, ROW)
+        return rows
+
     def reset(self, init: dict[str, Any]) -> None:
         self.req = sorted(init["status"])
         self.ranks = sorted(init["ws"])
@@ -179,7 +194,8 @@ class KVDriver:
         else:
             self.backend.d.clear()
         self.pool = BlockPool(num_gpu_blocks=self.num_blocks + 1, enable_caching=False, hash_block_size=16)
-        self.kv = torch.zeros(self.num_blocks + 1, ROW, dtype=torch.float32, device=self.device)
+        self.kv = self._kv_rows(self.num_blocks + 1)
+        self.kv.zero_()
         # the ledger's cap is the model's PinCap (jobs; blocks: every job may pin the whole pool)
         tr = self.trace
         self.sched = SchedulerLedger(self.pool, world_size=len(self.ranks), max_inflight_jobs=self.pin_cap,

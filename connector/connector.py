@@ -12,11 +12,11 @@ The scheduler role delegates to `connector.scheduler.SchedulerSide`, the worker 
 the store client(s). Store configuration: `StoreConfig` (connector/config.py) from
 ``MOONCAKE_CONFIG_PATH`` and the extra config; the keys below (`CONNECTOR_KEYS`) are the connector's own.
 
-Embedded default: with no ``master_server_address`` the first connector of the process starts a private
-`mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`), shared by every connector of that
-process with the same engine id (reference counted) and stopped by the last one's `shutdown`. That covers
-one-process engines (uniproc executor: scheduler and worker in the EngineCore process). A multi-process
-deployment (tensor parallel workers in their own processes, several nodes) configures a master.
+Embedded default: with no ``master_server_address`` the first connector of the engine starts a private
+`mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`); the engine's other connectors, in
+this process (reference counted) or in its other processes (connector/rendezvous.py: one file per engine
+id), attach to it. The servers stop with the connector that started them (or die with its process). A
+multi-node engine configures a master.
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from connector.config import ConfigError, StoreConfig
+from connector import rendezvous
 from connector.embedded import EmbeddedMooncake
+from connector.rendezvous import AttachedMooncake
 from connector.keys import KeyBuilder, KeyLayout
 from connector.metadata import KVLedgerConnectorMetadata
 from connector.scheduler import SchedulerSide
@@ -70,11 +72,14 @@ _EMBEDDED_LOCK = threading.Lock()
 _EMBEDDED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake, refcount]
 
 
-def _acquire_embedded(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake:
+def _acquire_embedded(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | AttachedMooncake:
+    """This process's handle on the engine's embedded servers: shared by the connectors of this process
+    (reference counted), found across the engine's processes through connector/rendezvous.py."""
     with _EMBEDDED_LOCK:
         ent = _EMBEDDED.get(engine_id)
         if ent is None:
-            ent = _EMBEDDED[engine_id] = [EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms), 0]
+            handle = rendezvous.acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms))
+            ent = _EMBEDDED[engine_id] = [handle, 0]
         ent[1] += 1
         return ent[0]
 
@@ -87,6 +92,8 @@ def _release_embedded(engine_id: str) -> None:
         ent[1] -= 1
         if ent[1] <= 0:
             del _EMBEDDED[engine_id]
+            if isinstance(ent[0], EmbeddedMooncake):
+                rendezvous.release(engine_id)
             ent[0].stop()
 
 
@@ -176,7 +183,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS)
         self._engine_id = str(self._kv_transfer_config.engine_id)
-        self._embedded: EmbeddedMooncake | None = None
+        self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
         self._trace_file: Any = None  # connector.tracefile.SharedTrace when `trace_path` is set
         self.store: KVStore | None = None
@@ -249,6 +256,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
                               f"raise max_pinned_blocks or lower max_model_len", "kv_connector_extra_config")
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
+        if cfg.embedded and self._vllm_config.parallel_config.nnodes > 1:
+            raise ConfigError("master_server_address", None,
+                              f"required with nnodes={self._vllm_config.parallel_config.nnodes}: the embedded "
+                              f"default starts a master on 127.0.0.1 that other nodes cannot reach; run "
+                              f"mooncake_master and set master_server_address and metadata_server",
+                              "kv_connector_extra_config")
         if cfg.embedded:
             self._embedded = _acquire_embedded(self._engine_id, cfg.rpc_timeout_ms)
         return MooncakeStore.connect(cfg, embedded=self._embedded)

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--trace", default=None, help="log the run here and check the log with TLC")
+    ap.add_argument("--kv-layout", default="LBNHC", help="vLLM KVCacheLayout of the workers' KV caches")
     args = ap.parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     bad_outputs = 0
     # the longest request must fit the pin cap (checked at start-up): 24 blocks of 16 = 384 tokens >= 88 + 24
     with Harness(cfg, tp_size=args.tp, num_blocks=args.blocks, max_num_seqs=16, max_num_batched_tokens=256,
-                 policy="recompute", extra=extra, max_model_len=16 * cap_blocks) as h:
+                 policy="recompute", extra=extra, max_model_len=16 * cap_blocks, kv_layout=args.kv_layout) as h:
         ss = h.scheduler_connector.scheduler_side
         report: dict[str, object] = {}
         for pass_no in (1, 2):

@@ -36,6 +36,7 @@ from connector.config import StoreConfig
 
 if TYPE_CHECKING:
     from connector.embedded import EmbeddedMooncake
+    from connector.rendezvous import AttachedMooncake
 
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def _unique_rounds(keys: Sequence[str], send: list[int]) -> list[list[int]]:
 class MooncakeStore:
     """One Mooncake client. Thread-safe for concurrent batch calls (the client is; our state is a float)."""
 
-    def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | None = None) -> None:
+    def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | AttachedMooncake | None = None) -> None:
         self._raw = raw
         self.config = config
         self.embedded = embedded  # kept alive as long as the client; stopped by its owner
@@ -192,7 +193,7 @@ class MooncakeStore:
     # -- connection --------------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, config: StoreConfig, *, embedded: EmbeddedMooncake | None = None) -> MooncakeStore:
+    def connect(cls, config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None) -> MooncakeStore:
         """Join the store at `config`'s master, or at `embedded`'s when given (then `config` may be in
         embedded mode). Raises `StoreUnavailableError` when setup() fails (bad address, master down)."""
         if embedded is not None:

@@ -1,5 +1,5 @@
-"""MooncakeStore against a real mooncake_master on loopback: byte-exact zero-copy round trips with torch
-CPU tensors, Mooncake's semantics the connector relies on (first writer wins, per-key codes), and the
+"""MooncakeStore against a real mooncake_master on loopback: byte-exact zero-copy round trips of plain
+byte buffers (the store sees bytes; KV caches and their copy plans are tested in test_kv_layouts.py), Mooncake's semantics the connector relies on (first writer wins, per-key codes), and the
 wrapper's input checks (nothing bad reaches C++, every key gets a code)."""
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from connector.config import StoreConfig
 from connector.embedded import EmbeddedMooncake, free_port
 from connector.store import MooncakeStore, StoreCode, StoreError, StoreUnavailableError
 
-BLOCK_ELEMS = 4096  # 16 KiB of float32 per K or V chunk
+BLOCK_ELEMS = 4096  # 16 KiB of float32 per segment
 
 
-def kv_blocks(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches as two separate tensors (as in a real layer), deterministic content."""
+def two_buffers(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two payload buffers of n rows each (a key's object = two segments from two allocations, as a copy
+    plan over two layers gives), deterministic content. Plain bytes, not a KV cache."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, BLOCK_ELEMS, generator=g), torch.randn(n, BLOCK_ELEMS, generator=g))
 
 
 def chunks(k: torch.Tensor, v: torch.Tensor, i: int) -> tuple[list[int], list[int]]:
-    """Block i's object = K[i] ++ V[i]: two chunks from two tensors."""
+    """Key i's object = k[i] ++ v[i]: two segments from two buffers."""
     nb = k[i].nbytes
     return [k[i].data_ptr(), v[i].data_ptr()], [nb, nb]
 
@@ -39,7 +40,7 @@ def get_blocks(store: MooncakeStore, keys: list[str], k: torch.Tensor, v: torch.
 
 def test_put_get_round_trip_is_byte_exact_with_torch_tensors(store: MooncakeStore, key_prefix: str) -> None:
     n = 32
-    k, v = kv_blocks(n, seed=1)
+    k, v = two_buffers(n, seed=1)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for t in (k, v, dk, dv):
         store.register_buffer(t.data_ptr(), t.nbytes)
@@ -51,7 +52,7 @@ def test_put_get_round_trip_is_byte_exact_with_torch_tensors(store: MooncakeStor
 
 
 def test_get_with_a_different_chunk_split_of_the_same_total(shared_store: MooncakeStore, key_prefix: str) -> None:
-    k, v = kv_blocks(1, seed=2)
+    k, v = two_buffers(1, seed=2)
     key = f"{key_prefix}split"
     assert put_blocks(shared_store, [key], k, v) == [0]
     dst = torch.zeros(2 * BLOCK_ELEMS)
@@ -62,7 +63,7 @@ def test_get_with_a_different_chunk_split_of_the_same_total(shared_store: Moonca
 
 
 def test_put_is_first_writer_wins(shared_store: MooncakeStore, key_prefix: str) -> None:
-    a, _ = kv_blocks(1, seed=3)
+    a, _ = two_buffers(1, seed=3)
     b = a + 1.0
     key = f"{key_prefix}fww"
     ptr = lambda t: [[t.data_ptr()]]  # noqa: E731
@@ -74,7 +75,7 @@ def test_put_is_first_writer_wins(shared_store: MooncakeStore, key_prefix: str) 
 
 
 def test_per_key_codes_missing_too_small_too_large(shared_store: MooncakeStore, key_prefix: str) -> None:
-    k, v = kv_blocks(3, seed=4)
+    k, v = two_buffers(3, seed=4)
     keys = [f"{key_prefix}ok", f"{key_prefix}small", f"{key_prefix}large"]
     assert put_blocks(shared_store, keys, k, v) == [0, 0, 0]
     size = 2 * k[0].nbytes
@@ -92,7 +93,7 @@ def test_per_key_codes_missing_too_small_too_large(shared_store: MooncakeStore, 
 def test_a_key_repeated_in_one_batch_does_not_fail_its_good_occurrence(
         shared_store: MooncakeStore, key_prefix: str) -> None:
     # Raw Mooncake answers -800 for *every* occurrence when one occurrence of a key fails; we split rounds.
-    a, _ = kv_blocks(1, seed=5)
+    a, _ = two_buffers(1, seed=5)
     key = f"{key_prefix}dup"
     assert shared_store.batch_put([key], [[a.data_ptr()]], [[a.nbytes]]) == [0]
     d1, d2 = torch.zeros_like(a), torch.zeros_like(a)
@@ -102,7 +103,7 @@ def test_a_key_repeated_in_one_batch_does_not_fail_its_good_occurrence(
 
 
 def test_bad_inputs_never_reach_mooncake(shared_store: MooncakeStore, key_prefix: str) -> None:
-    a, _ = kv_blocks(1, seed=6)
+    a, _ = two_buffers(1, seed=6)
     good = f"{key_prefix}good"
     long_key = key_prefix + "x" * shared_store.max_key_bytes
     res = shared_store.batch_put([good, long_key, "", f"{key_prefix}null", f"{key_prefix}zero"],
@@ -122,7 +123,7 @@ def test_bad_inputs_never_reach_mooncake(shared_store: MooncakeStore, key_prefix
 
 
 def test_remove_respects_the_lease_unless_forced(shared_store: MooncakeStore, key_prefix: str) -> None:
-    a, _ = kv_blocks(1, seed=7)
+    a, _ = two_buffers(1, seed=7)
     key = f"{key_prefix}leased"
     assert shared_store.batch_put([key], [[a.data_ptr()]], [[a.nbytes]]) == [0]
     assert shared_store.batch_is_exist([key]) == [1]  # a lookup grants a lease (the load is coming)
@@ -135,7 +136,7 @@ def test_remove_respects_the_lease_unless_forced(shared_store: MooncakeStore, ke
 def test_two_threads_share_one_client(shared_store: MooncakeStore, key_prefix: str) -> None:
     """The connector's store and load threads use one client at once; both must see exact data."""
     n, rounds = 8, 10
-    k, v = kv_blocks(n, seed=8)
+    k, v = two_buffers(n, seed=8)
     errors: list[str] = []
 
     def worker(tag: str) -> None:
