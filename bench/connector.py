@@ -3,8 +3,10 @@
 Suite `store`: store throughput through `MooncakeStore` (our wrapper: input checks, per-key codes, health
 backoff, duplicate-key rounds) against the raw Mooncake batch calls it wraps
 (`batch_put_from_multi_buffers` / `batch_get_into_multi_buffers` on the same client) and a memcpy
-(torch ``copy_``) of the same bytes. Every KV block is one key made of two chunks (K and V from two
-tensors, as in a real layer). Per iteration the three paths run in a rotating order; puts use fresh keys
+(torch ``copy_``) of the same bytes. A plain byte-buffer benchmark of the store wrapper, not of a KV cache
+(`bench.datapath` measures the worker path on allocator-built KV caches): every key is 2 segments, slot i
+of two source byte buffers, read back into slot i of two destination byte buffers, so the wrapper sees
+multi-segment keys. Per iteration the three paths run in a rotating order; puts use fresh keys
 each iteration (removed untimed afterwards, since put is first-writer-wins); gets read keys stored once.
 Data is checked byte-exact once per path. Two placements, each on its own embedded master on 127.0.0.1:
 "local" (the client owns the segment; Mooncake moves the bytes in-process with its TCP-only memcpy path)
@@ -40,14 +42,14 @@ class BenchError(RuntimeError):
 @dataclass(frozen=True)
 class Shape:
     num_keys: int
-    block_bytes: int  # per key: K chunk + V chunk
+    block_bytes: int  # per key: 2 segments of block_bytes / 2
 
     @property
     def total(self) -> int:
         return self.num_keys * self.block_bytes
 
     def label(self) -> str:
-        return f"{self.num_keys} keys x {self.block_bytes >> 10} KiB (2 chunks) = {self.total >> 20} MiB"
+        return f"{self.num_keys} keys x {self.block_bytes >> 10} KiB (2 segs) = {self.total >> 20} MiB"
 
 
 SHAPES = (Shape(256, 256 << 10), Shape(64, 16 << 10))
@@ -60,17 +62,17 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     raw = store.raw
-    half = shape.block_bytes // 2
-    elems = half // 2  # float16
+    seg = shape.block_bytes // 2
     g = torch.Generator().manual_seed(shape.num_keys)
-    k = torch.randn(shape.num_keys, elems, generator=g).to(torch.float16)
-    v = torch.randn(shape.num_keys, elems, generator=g).to(torch.float16)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for t in (k, v, dk, dv):
+    # byte buffers [num_keys, seg]: key i = (src_a[i], src_b[i]); gets land in (dst_a[i], dst_b[i])
+    src_a, src_b = (torch.randint(0, 256, (shape.num_keys, seg), generator=g, dtype=torch.uint8) for _ in range(2))
+    dst_a, dst_b = torch.zeros_like(src_a), torch.zeros_like(src_b)
+    buffers = (src_a, src_b, dst_a, dst_b)
+    for t in buffers:
         store.register_buffer(t.data_ptr(), t.nbytes)
-    src_ptrs = [[k[i].data_ptr(), v[i].data_ptr()] for i in range(shape.num_keys)]
-    dst_ptrs = [[dk[i].data_ptr(), dv[i].data_ptr()] for i in range(shape.num_keys)]
-    sizes = [[half, half]] * shape.num_keys
+    src_ptrs = [[src_a[i].data_ptr(), src_b[i].data_ptr()] for i in range(shape.num_keys)]
+    dst_ptrs = [[dst_a[i].data_ptr(), dst_b[i].data_ptr()] for i in range(shape.num_keys)]
+    sizes = [[seg, seg]] * shape.num_keys
     run = uuid.uuid4().hex[:8]
 
     def fresh(tag: str, it: int) -> list[str]:
@@ -82,10 +84,10 @@ def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]
         raise BenchError("initial put failed (segment too small?)")
 
     def check(path: str) -> None:
-        if not (torch.equal(dk, k) and torch.equal(dv, v)):
+        if not (torch.equal(dst_a, src_a) and torch.equal(dst_b, src_b)):
             raise BenchError(f"{path}: data read back differs")
-        dk.zero_()
-        dv.zero_()
+        dst_a.zero_()
+        dst_b.zero_()
 
     put_fns: dict[str, Callable[[list[str]], list[int]]] = {
         "raw": lambda keys: list(raw.batch_put_from_multi_buffers(keys, src_ptrs, sizes)),
@@ -107,8 +109,8 @@ def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]
         for path in order:
             if path == "memcpy":
                 t0 = time.perf_counter()
-                dk.copy_(k)
-                dv.copy_(v)
+                dst_a.copy_(src_a)
+                dst_b.copy_(src_b)
                 times["put"]["memcpy"].append(time.perf_counter() - t0)
                 times["get"]["memcpy"].append(times["put"]["memcpy"][-1])
                 check("memcpy")
@@ -128,7 +130,7 @@ def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]
             if it == 0:
                 check(f"get via {path}")
     raw.batch_remove(get_keys, True)
-    for t in (k, v, dk, dv):
+    for t in buffers:
         raw.unregister_buffer(t.data_ptr())
         store.registered.pop(t.data_ptr(), None)
     out: dict[str, dict[str, float]] = {}
@@ -148,8 +150,8 @@ def store_suite(args: argparse.Namespace) -> int:
     div = 3 if args.quick else 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the memcpy baseline must not fight Mooncake's threads for 2 cores
-    print(f"[bench.connector] store throughput: MooncakeStore vs raw Mooncake batch calls vs torch copy_ "
-          f"(medians; per-iteration paired ratios; rotating order)", flush=True)
+    print(f"[bench.connector] store throughput on byte buffers (2 segments per key): MooncakeStore vs raw Mooncake "
+          f"batch calls vs torch copy_ (medians; per-iteration paired ratios; rotating order)", flush=True)
     rows = []
     try:
         for placement in ("local", "remote"):
