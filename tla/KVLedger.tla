@@ -327,25 +327,32 @@ TableFrees(rs) == IF rs = {} THEN <<>>
 \* reaches 0 is released: its pins drop tail first, every rank's copy moves to "released".
 \* CollectTaken(tk): the scheduler consumes the reports tk[w][j] (those that reached it in this step's
 \* worker outputs).  The model's Collect takes every pending report; TraceRuntime takes the logged ones.
-CollectTaken(tk) ==
-    /\ LET cnt == [j \in JobIds |-> Sum([w \in Ranks |-> tk[w][j]], Ranks)]
-           got == {j \in JobIds : cnt[j] > 0}
-           newLeft == [j \in JobIds |-> IF Legacy THEN 0 ELSE jobs[j].left - cnt[j]]
-           done == {j \in got : Legacy \/ newLeft[j] <= 0}
-           relCalls == IF Legacy \/ Mutant = "NoPin" THEN <<>> ELSE JobFrees(SortedSeq(done))
+CollectPlan(tk) ==
+    LET cnt == [j \in JobIds |-> Sum([w \in Ranks |-> tk[w][j]], Ranks)]
+        got == {j \in JobIds : cnt[j] > 0}
+        newLeft == [j \in JobIds |-> IF Legacy THEN 0 ELSE jobs[j].left - cnt[j]]
+    IN [got |-> got, newLeft |-> newLeft, done |-> {j \in got : Legacy \/ newLeft[j] <= 0}]
+
+CollectDo(tk, p) ==
+    /\ LET relCalls == IF Legacy \/ Mutant = "NoPin" THEN <<>> ELSE JobFrees(SortedSeq(p.done))
            rel == UnrefEach(relCalls \o TableFrees(LegacyDone), ref, free)
        \* a released job keeps only its owner and generation (its pins are gone)
-       IN /\ jobs' = [j \in JobIds |-> IF j \in done THEN [NoJob EXCEPT !.r = jobs[j].r, !.g = jobs[j].g]
-                                       ELSE IF j \in got THEN [jobs[j] EXCEPT !.left = newLeft[j]]
+       IN /\ jobs' = [j \in JobIds |-> IF j \in p.done THEN [NoJob EXCEPT !.r = jobs[j].r, !.g = jobs[j].g]
+                                       ELSE IF j \in p.got THEN [jobs[j] EXCEPT !.left = p.newLeft[j]]
                                        ELSE jobs[j]]
-          /\ jp' = [w \in Ranks |-> [j \in JobIds |-> IF j \in done THEN "released" ELSE jp[w][j]]]
+          /\ jp' = [w \in Ranks |-> [j \in JobIds |-> IF j \in p.done THEN "released" ELSE jp[w][j]]]
           /\ ref' = rel[1]
           /\ free' = rel[2]
           /\ table' = [r \in Req |-> IF r \in LegacyDone THEN <<>> ELSE table[r]]
-          /\ lastAction' = [name |-> "Collect", released |-> done, freed |-> LegacyDone]
+          /\ lastAction' = [name |-> "Collect", released |-> p.done, freed |-> LegacyDone]
     /\ rep' = [w \in Ranks |-> [j \in JobIds |-> rep[w][j] - tk[w][j]]]
     /\ UNCHANGED <<status, gen, ncomp, emitted, ld, nextJob, fs, content, ws, notice, buf, store, up,
                    faults>>
+
+\* The plan is bound once: TLC 2.15 re-evaluates an action's LET definitions for every j of the
+\* function constructors above (O(ranks^2 x jobs^2) per Collect); bound by \E it is computed once.
+\* (As an operator argument it would be re-evaluated under ENABLED, which caches nothing.)
+CollectTaken(tk) == \E p \in {CollectPlan(tk)} : CollectDo(tk, p)
 
 Collect ==
     /\ Reported # {} \/ LegacyDone # {}
