@@ -68,6 +68,7 @@ class BlockCopyPlan:
     storages: tuple[tuple[int, int], ...]  # distinct backing allocations: (data_ptr, nbytes)
     layers: tuple[str, ...]  # distinct layers in object order
     is_cuda: bool
+    segment_layers: tuple[str, ...] = ()  # the (first) layer of each segment, for error messages
 
     @property
     def block_bytes(self) -> int:
@@ -93,13 +94,13 @@ def _layer_runs(name: str, t: torch.Tensor, layout: str, block_size: int,
                             f"expected vLLM's per-layer [B, H, N, C] view (specs without layer views, e.g. "
                             f"Mamba state, are not supported)")
     B, H, N, C = (int(x) for x in t.shape)
-    if N < 1 or block_size % N:
-        raise KVLayoutError(f"layer {name!r}: {N} tokens per kernel block does not divide block_size="
-                            f"{block_size} (shape {tuple(t.shape)}, layout {layout})")
+    if N < 1 or block_size % N or B % (block_size // N):
+        # an attention view has N * ratio = block_size tokens and B = num_blocks * ratio kernel blocks;
+        # a state spec (Mamba: one state per block) fits neither
+        raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)} is not an attention view of block_size="
+                            f"{block_size} (N={N} tokens per kernel block must divide it and B must count "
+                            f"whole blocks; layout {layout}); state specs such as Mamba are not supported")
     ratio = block_size // N
-    if B % ratio:
-        raise KVLayoutError(f"layer {name!r}: {B} kernel blocks is not a multiple of the {ratio} kernel "
-                            f"blocks per block (shape {tuple(t.shape)}, layout {layout})")
     es = t.element_size()
     sB, sH, sN, sC = (int(s) * es for s in t.stride())
     # no two elements of the view share a byte (else two blocks could overlap): sort by stride, each
@@ -149,6 +150,7 @@ def plan_block_copies(kv_caches: Mapping[str, Any], *, layout: str, block_size: 
     seen_views: dict[tuple[Any, ...], str] = {}
     storages: dict[int, int] = {}
     segs: list[Segment] = []
+    seg_layers: list[str] = []
     layers: list[str] = []
     nb: int | None = None
     ratio0: int | None = None
@@ -179,6 +181,7 @@ def plan_block_copies(kv_caches: Mapping[str, Any], *, layout: str, block_size: 
                 segs[-1] = Segment(last.base, bstride, last.nbytes + n)
             else:
                 segs.append(Segment(base + off, bstride, n))
+                seg_layers.append(name)
         st = t.untyped_storage()
         storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
         cuda = cuda or t.is_cuda
@@ -190,7 +193,8 @@ def plan_block_copies(kv_caches: Mapping[str, Any], *, layout: str, block_size: 
         raise KVLayoutError(f"a block is {len(segs)} segments over {len(layers)} layers (layout {layout}); "
                             f"more than max_segments={max_segments}")
     plan = BlockCopyPlan(layout=layout, num_blocks=nb, kernel_ratio=ratio0, segments=tuple(segs),
-                         storages=tuple(sorted(storages.items())), layers=tuple(layers), is_cuda=cuda)
+                         storages=tuple(sorted(storages.items())), layers=tuple(layers), is_cuda=cuda,
+                         segment_layers=tuple(seg_layers))
     _check_disjoint(plan)
     return plan
 
@@ -200,11 +204,11 @@ def _check_disjoint(plan: BlockCopyPlan) -> None:
     pairwise disjoint (within one layer the stride check already guarantees it; this catches two
     distinct views over the same bytes)."""
     spans = []
-    for m in sorted({0, min(1, plan.num_blocks - 1), plan.num_blocks - 1}):
+    for m in sorted({0, min(1, plan.num_blocks - 1), plan.num_blocks // 2, plan.num_blocks - 1}):
         ptrs, sizes = plan.buffers(m)
-        spans += [(p, p + n, m) for p, n in zip(ptrs, sizes)]
+        spans += [(p, p + n, m, layer) for p, n, layer in zip(ptrs, sizes, plan.segment_layers)]
     spans.sort()
-    for (a0, a1, ma), (b0, b1, mb) in zip(spans, spans[1:]):
+    for (a0, a1, ma, la), (b0, b1, mb, lb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise KVLayoutError(f"layers alias the same bytes (blocks {ma} and {mb}, layout {plan.layout}): "
-                                f"two distinct views over one region cannot be stored as one block")
+            raise KVLayoutError(f"layers {la!r} and {lb!r} alias the same bytes (blocks {ma} and {mb}, layout "
+                                f"{plan.layout}): two distinct views over one region cannot be stored as one block")

@@ -1,12 +1,15 @@
 """The worker side on a real Mooncake master: load-error reporting (every exit path, every sub-batch, the
 two upstream vLLM 0.32.0 load-path failures), rotation, bounded queues, stale jobs.
 
-`WorkerSide` is driven directly with real CPU tensors as KV cache and the real store. Two test doubles,
-each named where used: `_GatedStore` (holds calls until released, to make a queue fill deterministically)
-and `connector.faults.FaultyStore` (injects codes / exceptions on chosen calls).
+`WorkerSide` is driven directly with the real store and a KV cache from vLLM's own allocator
+(testbed.kvcache, read through `plan_block_copies`); its keys come from the engine config
+(`connector.connector.key_layout`). Two test doubles, each named where used: `_GatedStore` (holds calls
+until released, to make a queue fill deterministically) and `connector.faults.FaultyStore` (injects codes /
+exceptions on chosen calls).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -14,28 +17,69 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.config import StoreConfig
+from connector.connector import key_layout
 from connector.faults import FaultPlan, FaultRule, FaultyStore
-from connector.keys import KeyBuilder, KeyLayout
+from connector.keys import KeyBuilder
+from connector.kvlayout import plan_block_copies
 from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from connector.store import MooncakeStore, StoreCode
 from connector.worker import WorkerSide
+from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
+from tests.integration.harness import write_model_dir
 
-BS, LAYERS, HEADS, HD, NBLOCKS = 16, 2, 2, 8, 16
+BS, LAYERS, HEADS, HD, NBLOCKS, TP = 16, 2, 2, 8, 16, 4
+LAYOUT = "LBNHC"
+Caches = dict[str, torch.Tensor]
 
 
 def _hash(i: int, salt: str) -> bytes:
     return hashlib.sha256(f"{salt}/{i}".encode()).digest()
 
 
-def _caches(fill: float = 0.0) -> dict[str, torch.Tensor]:
-    return {f"l{i}": torch.full((2, NBLOCKS, BS, HEADS, HD), fill) for i in range(LAYERS)}
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[VllmConfig, KVCacheConfig]:
+    """A tiny Llama engine config (no weights) at TP 4 and its KV cache config, as the engine builds them."""
+    model = write_model_dir(str(tmp_path_factory.mktemp("model")), num_layers=LAYERS, num_kv_heads=HEADS * TP,
+                            head_size=HD)
+    vc = VllmConfig(model_config=ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True,
+                                             dtype="float32", seed=0, max_model_len=256),
+                    cache_config=CacheConfig(block_size=BS), parallel_config=ParallelConfig(tensor_parallel_size=TP),
+                    device_config=DeviceConfig("cpu"))
+    specs = attention_specs(LAYERS, block_size=BS, num_kv_heads=HEADS, head_size=HD)
+    return vc, build_kv_cache_config(vc, specs, NBLOCKS, LAYOUT)
 
 
-def _worker(store, cfg: StoreConfig, tp_rank: int = 0, salt: str = "", **cfg_changes) -> WorkerSide:
-    layout = KeyLayout(model=f"test-{salt}", tp_rank=tp_rank, tp_size=4, block_size=BS, dtype="float32",
-                       kv_layout="NHD", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HD)
+def _caches(engine, fill: float = 0.0) -> Caches:
+    """vLLM's per-layer [B, H, N, C] views of one fresh allocation, every element `fill`."""
+    caches = allocate(engine[1], LAYOUT)
+    for t in caches.values():
+        t.fill_(fill)
+    return caches
+
+
+def _register(ws: WorkerSide, caches: Caches) -> None:
+    ws.register_kv_caches(plan_block_copies(caches, layout=LAYOUT, block_size=BS, num_blocks=NBLOCKS))
+
+
+def _value(layer: int, j: int) -> float:
+    """What block j of a save holds in every element of layer `layer` (layers differ: a swap is caught)."""
+    return float(1000 * (layer + 1) + j)
+
+
+def _holds(caches: Caches, block: int, j: int) -> bool:
+    """Block `block` holds save j's values in every layer, read through vLLM's views."""
+    return all(torch.equal(t[block], torch.full_like(t[block], _value(li, j)))
+               for li, t in enumerate(caches.values()))
+
+
+def _worker(engine, store, cfg: StoreConfig, tp_rank: int = 0, salt: str = "", **cfg_changes) -> WorkerSide:
+    vc, kv_cfg = engine
+    # the shared master holds every test's keys: the test's name keeps them apart
+    layout = dataclasses.replace(key_layout(vc, kv_cfg, tp_rank), model=f"test-{salt}")
     config = cfg.replace(**cfg_changes) if cfg_changes else cfg
     return WorkerSide(store=store, keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=tp_rank,
                       block_size=BS, config=config, max_requests=64)
@@ -53,8 +97,8 @@ def _save_blocks(ws: WorkerSide, caches, hashes: Sequence[bytes], block_ids: Seq
                  req_id: str = "writer") -> None:
     """Fill blocks with recognisable values and save them through a real store job."""
     for j, b in enumerate(block_ids):
-        for t in caches.values():
-            t[:, b] = float(1000 + j)
+        for li, t in enumerate(caches.values()):
+            t[b] = _value(li, j)
     meta = KVLedgerConnectorMetadata(step=job + 1, saves=[SaveSpec(req_id, job, 0, 0, len(hashes), tuple(block_ids),
                                                                    tuple(hashes))])
     ws.end_step(meta)
@@ -75,28 +119,29 @@ def cfg(store_config: StoreConfig) -> StoreConfig:
 
 
 @pytest.fixture
-def writer(store: MooncakeStore, cfg: StoreConfig, request) -> Iterator[tuple[WorkerSide, dict, str]]:
+def writer(engine, store: MooncakeStore, cfg: StoreConfig, request) -> Iterator[tuple[WorkerSide, Caches, str]]:
     salt = request.node.name
-    ws = _worker(store, cfg, salt=salt)
-    caches = _caches()
-    ws.register_kv_caches(caches)
+    ws = _worker(engine, store, cfg, salt=salt)
+    caches = _caches(engine)
+    _register(ws, caches)
     yield ws, caches, salt
     ws.shutdown()
 
 
-def test_save_then_load_roundtrip_is_byte_exact(writer, store, cfg):
+def test_save_then_load_roundtrip_is_byte_exact(engine, writer, store, cfg):
     ws, caches, salt = writer
     hashes = [_hash(i, salt) for i in range(4)]
     _save_blocks(ws, caches, hashes, [1, 2, 3, 4], job=0)
-    reader = _worker(store, cfg, salt=salt)
-    rc = _caches(-1.0)
-    reader.register_kv_caches(rc)
+    reader = _worker(engine, store, cfg, salt=salt)
+    rc = _caches(engine, -1.0)
+    _register(reader, rc)
     try:
         finished, errors = _load(reader, LoadSpec("r", (5, 6, 7, 8), tuple(hashes)), 1)
         assert finished == {"r"} and errors == set()
         for j, b in enumerate((5, 6, 7, 8)):
-            for t in rc.values():
-                assert torch.equal(t[:, b], torch.full_like(t[:, b], 1000 + j))
+            assert _holds(rc, b, j), f"block {b}"
+        # blocks outside the load are untouched
+        assert all(torch.equal(t[9], torch.full_like(t[9], -1.0)) for t in rc.values())
     finally:
         reader.shutdown()
 
@@ -110,22 +155,22 @@ def test_empty_key_list_load_is_finished_not_stuck(writer):
 
 
 @pytest.mark.parametrize("tp_rank", [1, 3])
-def test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block(store, cfg, tp_rank, request):
+def test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block(engine, store, cfg, tp_rank, request):
     """vLLM 0.32.0 stops at the first failed sub-batch: with rotation by tp_rank the request's *leading*
     blocks sit in a later sub-batch and stay neither loaded nor reported. Here the first get call fails
     (FaultyStore raises, a test double) and every block that is not loaded must be reported."""
     salt = request.node.name
-    w = _worker(store, cfg, tp_rank=tp_rank, salt=salt)
-    caches = _caches()
-    w.register_kv_caches(caches)
+    w = _worker(engine, store, cfg, tp_rank=tp_rank, salt=salt)
+    caches = _caches(engine)
+    _register(w, caches)
     hashes = [_hash(i, salt) for i in range(10)]
     blocks = tuple(range(1, 11))
     _save_blocks(w, caches, hashes, blocks, job=0)
     w.shutdown()
     faulty = FaultyStore(store, FaultPlan([FaultRule("get", "raise", calls=frozenset({0}))]))
-    reader = _worker(faulty, cfg, tp_rank=tp_rank, salt=salt, load_sub_batch_keys=3)
-    rc = _caches(-1.0)
-    reader.register_kv_caches(rc)
+    reader = _worker(engine, faulty, cfg, tp_rank=tp_rank, salt=salt, load_sub_batch_keys=3)
+    rc = _caches(engine, -1.0)
+    _register(reader, rc)
     try:
         _, errors = _load(reader, LoadSpec("r", blocks, tuple(hashes)), 1)
         # the first sub-batch in rotated order is blocks[rot:rot+3]; all others were loaded
@@ -133,38 +178,43 @@ def test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block(store,
         first = {blocks[(rot + k) % 10] for k in range(3)}
         assert errors == first
         assert blocks[0] not in first  # the leading block sits in the last sub-batch ...
-        for t in rc.values():  # ... and was loaded with its own KV
-            assert torch.equal(t[:, blocks[0]], torch.full_like(t[:, blocks[0]], 1000.0))
+        assert _holds(rc, blocks[0], 0)  # ... and was loaded with its own KV
+        for j, b in enumerate(blocks):  # every block is either loaded right or reported
+            assert (b in errors) != _holds(rc, b, j), f"block {b}"
         assert len(faulty.injected) == 1
     finally:
         reader.shutdown()
 
 
-def test_negative_codes_map_back_through_rotation(store, cfg, request):
+def test_negative_codes_map_back_through_rotation(engine, store, cfg, request):
     """tp_rank=1 rotates keys; a missing key's block (not its rotated position) is reported."""
     salt = request.node.name
-    w = _worker(store, cfg, tp_rank=1, salt=salt)
-    caches = _caches()
-    w.register_kv_caches(caches)
+    w = _worker(engine, store, cfg, tp_rank=1, salt=salt)
+    caches = _caches(engine)
+    _register(w, caches)
     hashes = [_hash(i, salt) for i in range(3)]
     _save_blocks(w, caches, hashes[:2], (1, 2), job=0)  # block 3's key is never stored: -704
     try:
         _, errors = _load(w, LoadSpec("r", (7, 8, 9), tuple(hashes)), 2)
         assert errors == {9}
+        assert _holds(caches, 7, 0) and _holds(caches, 8, 1)  # the keys that exist loaded, in order
     finally:
         w.shutdown()
 
 
-def test_oversized_keys_are_reported_not_sent(writer, store, cfg):
+def test_oversized_keys_are_reported_not_sent(engine, writer, store, cfg):
     ws, caches, salt = writer
     hashes = [_hash(i, salt) for i in range(2)]
     _save_blocks(ws, caches, hashes, (1, 2), job=0)
     long_hash = b"\x01" * 400  # 800 hex chars: longer than max_key_bytes
-    reader = _worker(store, cfg, salt=salt, max_key_bytes=256)
-    reader.register_kv_caches(_caches(-1.0))
+    reader = _worker(engine, store, cfg, salt=salt, max_key_bytes=256)
+    rc = _caches(engine, -1.0)
+    _register(reader, rc)
     try:
         _, errors = _load(reader, LoadSpec("r", (5, 6, 7), (hashes[0], long_hash, hashes[1])), 1)
         assert errors == {6}
+        assert _holds(rc, 5, 0) and _holds(rc, 7, 1)
+        assert all(torch.equal(t[6], torch.full_like(t[6], -1.0)) for t in rc.values())  # never written
         assert reader.stats.totals.data.get(f"fail_code.{int(StoreCode.KEY_TOO_LONG)}") == 1
     finally:
         reader.shutdown()
@@ -203,12 +253,12 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     assert store.batch_is_exist(ws.keys.keys(hashes)) == [0, 0]  # the stale job stored nothing
 
 
-def test_full_store_queue_reports_rejected_job_at_once(store, cfg, request):
+def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, request):
     """store_queue_size=1: while the store thread is held (GatedStore, a test double), the queue holds one
     job and the next is rejected: reported immediately (its pins can be released), nothing lost."""
     salt = request.node.name
-    ws = _worker(store, cfg, salt=salt, store_queue_size=1)
-    ws.register_kv_caches(_caches())
+    ws = _worker(engine, store, cfg, salt=salt, store_queue_size=1)
+    _register(ws, _caches(engine))
     gate = threading.Event()
     ws.store = _GatedStore(store, gate)
     try:
@@ -227,10 +277,10 @@ def test_full_store_queue_reports_rejected_job_at_once(store, cfg, request):
         ws.shutdown()
 
 
-def test_full_load_queue_reports_every_block(store, cfg, request):
+def test_full_load_queue_reports_every_block(engine, store, cfg, request):
     salt = request.node.name
-    ws = _worker(store, cfg, salt=salt, load_queue_size=1)
-    ws.register_kv_caches(_caches())
+    ws = _worker(engine, store, cfg, salt=salt, load_queue_size=1)
+    _register(ws, _caches(engine))
     gate = threading.Event()
     ws.store = _GatedStore(store, gate)
     try:
@@ -255,10 +305,10 @@ def test_worker_metadata_aggregates_and_pickles():
         KVLedgerWorkerMetadata({3: -1})
 
 
-def test_shutdown_drains_queued_jobs_and_reports_them(store, cfg, request):
+def test_shutdown_drains_queued_jobs_and_reports_them(engine, store, cfg, request):
     salt = request.node.name
-    ws = _worker(store, cfg, salt=salt)
-    ws.register_kv_caches(_caches())
+    ws = _worker(engine, store, cfg, salt=salt)
+    _register(ws, _caches(engine))
     for job in range(3):
         ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
             SaveSpec(f"r{job}", job, 0, 0, 1, (job + 1,), (_hash(job, salt),))]))

@@ -1,4 +1,4 @@
-"""Keys: different models, shards or layouts never collide; oversized keys are caught, not sent."""
+"""Keys: different models, shards, stages or layouts never collide; oversized keys are caught, not sent."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,21 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
+from connector.connector import key_layout
 from connector.keys import KeyBuilder, KeyLayout, KeyTooLongError
 from connector.store import MooncakeStore, StoreCode
+from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
+from tests.integration.harness import write_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = KeyLayout(model="meta-llama/Llama-3.1-8B", tp_rank=0, tp_size=2, block_size=16, dtype="torch.bfloat16",
-                 kv_layout="NHD", num_layers=32, num_kv_heads=4, head_size=128)
+                 kv_layout="LBNHC", num_layers=32, num_kv_heads=4, head_size=128)
 HASH = bytes.fromhex("00ff" * 16)
 
 
 def variants() -> list[KeyLayout]:
     changes: list[dict[str, object]] = [
         {}, {"model": "meta-llama/Llama-3.1-8B-Instruct"}, {"model": "meta_llama/Llama-3.1-8B"},
-        {"tp_rank": 1}, {"tp_size": 4}, {"tp_size": 4, "tp_rank": 1}, {"block_size": 32},
-        {"dtype": "torch.float16"}, {"kv_layout": "HND"}, {"num_layers": 31}, {"num_kv_heads": 8},
+        {"tp_rank": 1}, {"tp_size": 4}, {"tp_size": 4, "tp_rank": 1}, {"pp_size": 2}, {"pp_size": 2, "pp_rank": 1},
+        {"block_size": 32}, {"dtype": "torch.float16"}, {"kv_layout": "LHBNC"}, {"num_layers": 31}, {"num_kv_heads": 8},
         {"head_size": 64}, {"extra": (("kv_cache_dtype", "fp8"),)},
     ]
     return [dataclasses.replace(BASE, **c) for c in changes]  # type: ignore[arg-type]
@@ -42,21 +46,48 @@ def test_same_layout_same_key_and_different_hashes_differ() -> None:
     hashes: list[bytes | int | str] = [HASH, HASH[:-1] + b"\x00", 5, -5, "ab12"]
     assert len(set(kb.keys(hashes))) == len(hashes)
     assert kb.key(5) != kb.key(-5)
-    assert kb.key(HASH).startswith("kvl1/meta-llama_Llama-3.1-8B/") and "/tp0of2/" in kb.key(HASH)
+    assert kb.key(HASH).startswith(f"kvl2/meta-llama_Llama-3.1-8B/{BASE.digest()}/tp0of2-pp0of1/")
+
+
+def _spec_extra(workdir: str, **spec: object) -> tuple[tuple[str, str], ...]:
+    """`key_layout`'s spec extras for a tiny engine whose layers report `attention_specs(**spec)`."""
+    model = write_model_dir(workdir, num_layers=2, num_kv_heads=2, head_size=8)
+    vc = VllmConfig(model_config=ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True, dtype="float32",
+                                             seed=0, max_model_len=256),
+                    cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"))
+    cfg = build_kv_cache_config(vc, attention_specs(2, block_size=16, num_kv_heads=2, head_size=8, **spec), 4,
+                                "LBNHC")
+    return key_layout(vc, cfg, 0).extra
+
+
+def test_digest_changes_with_kv_layout_and_spec_extras(tmp_path: Path) -> None:
+    """Engines that differ only in the physical layout, or only in the KV cache spec beyond the named
+    fields (kind, content bytes, quantization, spec dtype), must not share keys."""
+    assert len({dataclasses.replace(BASE, kv_layout=lay).digest() for lay in LAYOUTS}) == len(LAYOUTS)
+    extras = [_spec_extra(str(tmp_path), **kw) for kw in ({}, {"mla": True}, {"dtype": torch.float16})]
+    assert len({dataclasses.replace(BASE, extra=e).digest() for e in extras}) == len(extras)
+    base = dataclasses.replace(BASE, extra=extras[0])
+    assert {k for k, _ in base.extra} >= {"spec", "content_bytes", "kv_quant", "spec_dtype"}
+    for i, (k, v) in enumerate(base.extra):
+        changed = base.extra[:i] + ((k, v + "x"),) + base.extra[i + 1:]
+        assert dataclasses.replace(base, extra=changed).digest() != base.digest(), k
+    assert dataclasses.replace(base, extra=tuple(reversed(base.extra))).digest() == base.digest()  # a set
+    # the shard and the stage are in the prefix, not the digest: every rank of one engine agrees on it
+    assert dataclasses.replace(base, tp_rank=1, pp_size=2, pp_rank=1).digest() == base.digest()
 
 
 def test_key_is_stable_across_processes() -> None:
     # keys must not depend on PYTHONHASHSEED: another process (another rank, a restart) must agree
     code = ("from connector.keys import KeyBuilder, KeyLayout;"
-            "print(KeyBuilder(KeyLayout('m', 0, 1, 16, 'torch.float16', 'NHD', 2, 2, 8)).key(b'ab'))")
+            "print(KeyBuilder(KeyLayout('m', 0, 1, 16, 'torch.float16', 'LBNHC', 2, 2, 8)).key(b'ab'))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}).stdout for seed in ("1", "2")}
-    assert len(outs) == 1 and outs.pop().strip().endswith("/tp0of1/6162")
+    assert len(outs) == 1 and outs.pop().strip().endswith("/tp0of1-pp0of1/6162")
 
 
 @pytest.mark.parametrize("field, value", [
-    ("model", ""), ("tp_rank", 2), ("tp_rank", -1), ("tp_size", 0), ("block_size", 0), ("num_layers", True),
-    ("dtype", ""), ("kv_layout", 3),
+    ("model", ""), ("tp_rank", 2), ("tp_rank", -1), ("tp_size", 0), ("pp_rank", 1), ("pp_rank", -1),
+    ("pp_size", 0), ("block_size", 0), ("num_layers", True), ("dtype", ""), ("kv_layout", 3),
 ])
 def test_bad_layout_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"KeyLayout.{field}="):
@@ -79,9 +110,10 @@ def test_oversized_keys_are_split_out_not_crashing() -> None:
 
 
 def test_layouts_never_collide_in_the_real_store(shared_store: MooncakeStore, key_prefix: str) -> None:
-    """Two models and two shards store the same block hash; each reads back its own bytes."""
-    layouts = [dataclasses.replace(BASE, model=key_prefix + m, tp_rank=r) for m, r in
-               itertools.product(("model-a", "model-b"), (0, 1))]
+    """Two models, two shards, two stages and two KV cache layouts store the same block hash; each reads
+    back its own bytes."""
+    layouts = [dataclasses.replace(BASE, model=key_prefix + m, tp_rank=r, pp_size=2, pp_rank=p, kv_layout=lay)
+               for m, r, p, lay in itertools.product(("model-a", "model-b"), (0, 1), (0, 1), ("LBNHC", "BHLNC"))]
     keys = [KeyBuilder(lo).key(HASH) for lo in layouts]
     src = torch.stack([torch.full((1024,), float(i)) for i in range(len(keys))])
     assert shared_store.batch_put(keys, [[src[i].data_ptr()] for i in range(len(keys))],
