@@ -111,11 +111,13 @@ class WorkerSide:
         for t in self._threads:
             t.start()
 
-    def _block_buffers(self, block_id: int) -> tuple[list[int], list[int]]:
-        if self._plan is None or not 0 < block_id < self._num_blocks:
-            raise LedgerInputError("block_id", block_id, f"not in 1..{self._num_blocks - 1} (or no KV cache "
-                                   f"registered)")
-        return self._plan.buffers(block_id)
+    def _block_buffers(self, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(ptrs, sizes) per block, for one store batch call; block 0 is vLLM's null block."""
+        for b in block_ids:
+            if self._plan is None or not 0 < b < self._num_blocks:
+                raise LedgerInputError("block_id", b, f"not in 1..{self._num_blocks - 1} (or no KV cache "
+                                       f"registered)")
+        return self._plan.batch_buffers(block_ids)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ per step (model runner thread)
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
@@ -214,11 +216,7 @@ class WorkerSide:
             if todo:
                 if event is not None:
                     event.synchronize()
-                ptrs, sizes = [], []
-                for j in todo:
-                    p, s = self._block_buffers(spec.block_ids[idx[j]])
-                    ptrs.append(p)
-                    sizes.append(s)
+                ptrs, sizes = self._block_buffers([spec.block_ids[idx[j]] for j in todo])
                 t0 = time.perf_counter()
                 codes = self._store_call("batch_put", len(todo), [keys[j] for j in todo], ptrs, sizes)
                 self.stats.add("put_s", time.perf_counter() - t0)
@@ -294,13 +292,12 @@ class WorkerSide:
             for lo in range(0, len(order), step):  # every sub-batch is tried and accounted
                 sub = order[lo:lo + step]
                 try:
-                    bufs = [self._block_buffers(spec.block_ids[i]) for i in sub]
+                    ptrs, sizes = self._block_buffers([spec.block_ids[i] for i in sub])
                 except LedgerInputError as e:  # a block id outside the cache: this sub-batch fails
                     self._note_error(f"load {spec.req_id}: {e}")
                     continue
                 t0 = time.perf_counter()
-                res = self._store_call("batch_get", len(sub), [keys[i] for i in sub],
-                                       [b[0] for b in bufs], [b[1] for b in bufs])
+                res = self._store_call("batch_get", len(sub), [keys[i] for i in sub], ptrs, sizes)
                 self.stats.add("get_s", time.perf_counter() - t0)
                 self.stats.add("gets")
                 self.stats.add("get_keys", len(sub))
