@@ -1,0 +1,80 @@
+"""The emulated model shared by the in-process harness and the engine's stand-in worker (`emu_worker`).
+
+No weights, no tokenizer: `write_model_dir` writes a tiny Llama `config.json` that vLLM's `ModelConfig`
+accepts. The "forward" is defined by `KVContent`: the KV that position p of a request must hold is a
+deterministic function of (token prefix up to p, layer, K|V, tensor-parallel rank), and the token sampled
+after a prefix is a function of that prefix. A reader can therefore check any KV it did not write (a
+prefix-cache hit, a block loaded from the store) and any output (`expected_output`) exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+EOS = 2
+VOCAB = 1024
+_MOD = (1 << 61) - 1
+
+
+def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int) -> str:
+    """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig."""
+    os.makedirs(path, exist_ok=True)
+    heads = num_kv_heads
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": heads * head_size, "intermediate_size": 2 * heads * head_size,
+        "num_attention_heads": heads, "num_key_value_heads": num_kv_heads, "head_dim": head_size,
+        "num_hidden_layers": num_layers, "max_position_embeddings": 4096, "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
+        "eos_token_id": EOS, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+class KVContent:
+    """KV of position p = base(prefix hash of tokens[0..p], layer, k|v, rank) + arange(heads*head_size).
+
+    Integers below 2**24 are exact in float32, so equality checks are exact while heads*head_size <= 16
+    (larger spans still compare deterministically, with a little less power to tell values apart).
+    Different prefixes give different bases (up to a 2**20 hash: collisions are astronomically unlikely
+    in a test run)."""
+
+    def __init__(self, num_kv_heads: int, head_size: int, device: str = "cpu") -> None:
+        self.h, self.d = num_kv_heads, head_size
+        self.ramp = torch.arange(num_kv_heads * head_size, dtype=torch.float32, device=device).view(
+            num_kv_heads, head_size)
+        self.span = num_kv_heads * head_size
+
+    @staticmethod
+    def prefix_hashes(tokens: list[int], upto: int, cache: list[int]) -> list[int]:
+        h = cache[-1] if cache else 7
+        for t in tokens[len(cache):upto]:
+            h = (h * 1_000_003 + t + 1) % _MOD
+            cache.append(h)
+        return cache
+
+    def bases(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
+        salt = layer * 0x9E3779B1 + kv * 0x7F4A7C15 + rank * 0x3C6EF372
+        vals = [((h ^ salt) * 0x2545F491) % (1 << 20) * self.span for h in hashes]
+        return torch.tensor(vals, dtype=torch.float32, device=self.ramp.device)
+
+    def slots(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
+        """(len(hashes), heads, head_size) KV for these positions."""
+        return self.bases(hashes, layer, kv, rank)[:, None, None] + self.ramp
+
+    @staticmethod
+    def token_after(h: int) -> int:
+        return 10 + (h * 0x5851F42D) % (VOCAB - 20)
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """The tokens the emulated model generates after `prompt` (greedy, EOS never sampled)."""
+    toks, cache = list(prompt), []
+    for _ in range(max_tokens):
+        KVContent.prefix_hashes(toks, len(toks), cache)
+        toks.append(KVContent.token_after(cache[-1]))
+    return toks[len(prompt):]

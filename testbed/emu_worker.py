@@ -1,0 +1,459 @@
+"""`EmuWorker`: a stand-in for the MODEL inside vLLM's real engine — not a stand-in for vLLM.
+
+    LLM(..., worker_cls="testbed.emu_worker.EmuWorker", skip_tokenizer_init=True, enforce_eager=True)
+
+Everything around the model is vLLM 0.32's own code, unchanged: `LLM` → `LLMEngine` → `EngineCore` (real
+`Scheduler`, `KVCacheManager`, `BlockPool`, the scheduler-side connector) → `UniProcExecutor` or
+`MultiprocExecutor` (worker processes, shared-memory queues, pickled `SchedulerOutput`s, vLLM's
+`KVOutputAggregator`) → this class, called through `WorkerWrapperBase` like any worker. vLLM's distributed
+set-up (gloo TP group), its layout resolution, its `KVCacheConfig`, its allocator (`allocate_kv_cache`), its
+connector factory (`ensure_kv_transfer_initialized`) and its connector call sequence
+(`KVConnectorModelRunnerMixin`, the `maybe_transfer_kv_layer` per-layer hooks) are used as they are.
+
+What is emulated is only the model's arithmetic (testbed/emu_model.py): the "attention" of layer l writes,
+for every scheduled position p, the KV that `KVContent` defines for (prefix of p, l, K|V, tp rank) into the
+request's blocks through vLLM's [B, H, N, C] views (K in C[:D], V in C[D:]); the sampled token is a
+function of the prefix. Before writing, each layer CHECKS every earlier position of the request that this
+worker did not write itself in the request's current lifetime (local prefix-cache hits, blocks loaded by
+the connector, blocks kept across a preemption): a mismatch is KV the model would have computed on
+(`wrong_kv`). Outputs are checkable with `emu_model.expected_output`.
+
+Per-request state follows `GPUModelRunner._update_states`: new requests, cached/resumed requests (block
+ids appended, or replaced on resumption), `num_computed_tokens`, output tokens trimmed to the scheduler's
+`num_output_tokens`, finished requests dropped (a finished id may come back as a new request in the same
+step). Tests read what a rank saw with `llm.collective_rpc("emu_stats")`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer import (
+    ensure_kv_transfer_initialized,
+    ensure_kv_transfer_shutdown,
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from testbed.emu_model import KVContent
+from testbed.kvcache import layer_names
+
+# under vLLM's logger namespace: vLLM configures handlers and level for "vllm" only
+logger = init_logger(f"vllm.{__name__}")
+
+#: KV cache bytes reported when the engine sets no `kv_cache_memory_bytes` (tests set
+#: `num_gpu_blocks_override`, which vLLM applies after this answer)
+DEFAULT_KV_CACHE_BYTES = 32 << 20
+#: wrong-KV messages kept per rank (the counter counts them all)
+MAX_MESSAGES = 10
+
+_R = TypeVar("_R")
+
+
+def _rpc(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """Counts calls per method: `emu_stats()["rpc_calls"]` shows what the engine asked of the worker."""
+    @functools.wraps(fn)
+    def wrapper(self: EmuWorker, *args: Any, **kwargs: Any) -> _R:
+        self.rpc_calls[fn.__name__] += 1
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class _StandInAttention:
+    """What a model's `Attention` layer leaves in `static_forward_context[layer_name]` for vLLM's
+    per-layer connector hooks (`maybe_transfer_kv_layer` reads `.kv_cache` through it)."""
+
+    def __init__(self, layer_name: str) -> None:
+        self.layer_name = layer_name
+        self.kv_cache = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class _AttnMetadata:
+    """Per-layer attention metadata of one step (the hooks only need it to be present)."""
+    layer_name: str
+    num_tokens: int
+
+
+@maybe_transfer_kv_layer
+def _attention(layer_name: str, worker: EmuWorker) -> None:
+    """One attention layer's forward, wrapped by vLLM's own decorator exactly as `Attention` ops are:
+    `wait_for_layer_load(layer_name)` before, `save_kv_layer(layer_name, kv_cache, attn_metadata)` after."""
+    worker._attend(layer_name)
+
+
+@dataclass
+class _ReqState:
+    """This worker's view of one request lifetime (GPUModelRunner's `CachedRequestState`, reduced)."""
+    tokens: list[int]  # prompt + sampled tokens, as the model runner keeps them
+    num_prompt_tokens: int
+    block_ids: list[int]  # KV cache group 0
+    num_computed_tokens: int
+    hashes: list[int] = field(default_factory=list)  # KVContent prefix hashes, a cache over `tokens`
+    # positions [0, valid_upto) of the current block table were written or checked in this lifetime
+    valid_upto: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """The positions one step reads (check) and writes, per request."""
+    req_ids: list[str]
+    check: dict[str, tuple[int, int]]
+    write: dict[str, tuple[int, int]]
+    num_tokens: int
+
+
+class EmuWorker(WorkerBase):
+    """vLLM worker class whose "model" is `testbed.emu_model` (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.rpc_calls: Counter[str] = Counter()
+        mc, pc = self.model_config, self.parallel_config
+        self.num_layers = mc.get_num_layers(pc)
+        self.num_kv_heads = mc.get_num_kv_heads(pc)  # per TP shard
+        self.head_size = mc.get_head_size()
+        self.kv_dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, mc)
+        self.layer_names = layer_names(self.num_layers)
+        self.content = KVContent(self.num_kv_heads, self.head_size)
+        self.tp_rank = 0
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_layout: str | None = None
+        self.requests: dict[str, _ReqState] = {}
+        self._plan: _StepPlan | None = None
+        self._pending: ModelRunnerOutput | None = None  # execute_model's output until sample_tokens
+        self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
+        self.counts: Counter[str] = Counter()
+        self.messages: list[str] = []
+
+    # ------------------------------------------------------------------ start-up (EngineCore's order)
+    @_rpc
+    def init_device(self) -> None:
+        from vllm.platforms import current_platform
+        from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+        self.device = torch.device("cpu")
+        if current_platform.is_cpu():
+            # the CPU communicator names its shared-memory group after this (as CPUWorker sets it)
+            im = self.distributed_init_method
+            os.environ["VLLM_DIST_IDENT"] = (os.path.basename(im.removeprefix("file://"))
+                                             if im.startswith("file://") else im.split(":")[-1])
+        # init_distributed_environment + ensure_model_parallel_initialized: the real TP group, from
+        # which the connector learns its rank
+        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                            self.local_rank, current_platform.dist_backend)
+        self.tp_rank = get_tp_group().rank_in_group
+
+    @_rpc
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        """No weights. The attention layers register in the forward context, as `Attention` does."""
+        sfc = self.compilation_config.static_forward_context
+        for name in self.layer_names:
+            sfc[name] = _StandInAttention(name)
+
+    @_rpc
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    @_rpc
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=self.num_kv_heads,
+                                 head_size=self.head_size, dtype=self.kv_dtype)
+        return {n: spec for n in self.layer_names}
+
+    @_rpc
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """The emulation writes through whatever view vLLM's allocator makes, so every layout is
+        supported; vLLM resolves one (`VLLM_KV_CACHE_LAYOUT` picks another). LBNHC first: the layout
+        this machine's CPU backend resolves by default."""
+        names = [lay.name for lay in KVCacheLayout]
+        return ["LBNHC"] + [n for n in names if n != "LBNHC"]
+
+    @_rpc
+    def set_kv_cache_layout(self, kv_cache_layout: str) -> None:
+        super().set_kv_cache_layout(kv_cache_layout)
+
+    @_rpc
+    def determine_available_memory(self) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        return int(explicit) if explicit is not None else DEFAULT_KV_CACHE_BYTES
+
+    @_rpc
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    @_rpc
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """As `Worker.initialize_from_config` + `GPUModelRunner.initialize_kv_cache`: the connector
+        first (it needs the KVCacheConfig), then vLLM's allocator, whose views go to the connector
+        unchanged."""
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        if kv_cache_config.kv_cache_layout is not None:
+            super().set_kv_cache_layout(kv_cache_config.kv_cache_layout)
+        self.cache_config.hash_block_size = kv_cache_config.hash_block_size
+        self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
+        ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+        layout = self.cache_config.get_resolved_kv_cache_layout()
+        self.kv_layout = layout.name
+        # kernel_block_sizes None: one kernel block per block (no attention backend asks for less)
+        self.kv_caches = allocate_kv_cache(kv_cache_config, self.device or torch.device("cpu"), layout, None)
+        missing = [n for n in self.layer_names if n not in self.kv_caches]
+        if missing:
+            raise RuntimeError(f"EmuWorker: vLLM's allocator made no view for layers {missing}")
+        sfc = self.compilation_config.static_forward_context
+        for name, view in self.kv_caches.items():
+            sfc[name].kv_cache = view  # as bind_kv_cache does for Attention layers
+        if has_kv_transfer_group():
+            get_kv_transfer_group().register_kv_caches(self.kv_caches)
+
+    @_rpc
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    @_rpc
+    def get_kv_connector_handshake_metadata(self) -> dict[tuple[int, int], Any] | None:
+        if not has_kv_transfer_group():
+            return None
+        md = get_kv_transfer_group().get_handshake_metadata()
+        return None if md is None else {(get_pp_group().rank_in_group, self.tp_rank): md}
+
+    # ------------------------------------------------------------------ steps
+    @_rpc
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """GPUModelRunner.execute_model's order: handle_preemptions, state update, then either the
+        no-forward connector round or the forward inside the connector's context. Returns None (the
+        engine then calls sample_tokens), or the no-forward output."""
+        if self._pending is not None:
+            raise RuntimeError("EmuWorker: execute_model called twice without sample_tokens")
+        so = scheduler_output
+        self.counts["steps"] += 1
+        if has_kv_transfer_group():
+            meta = so.kv_connector_metadata
+            if meta is None:
+                raise RuntimeError("EmuWorker: a connector is configured but the step carries no metadata")
+            get_kv_transfer_group().handle_preemptions(meta)
+        self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            self.counts["no_forward_steps"] += 1
+            if not has_kv_transfer_group():
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
+            self._note_connector_output(out.kv_connector_output)
+            return out
+        plan = self._plan_step(so)
+        attn_metadata = {n: _AttnMetadata(n, plan.num_tokens) for n in self.layer_names}
+        self._plan = plan
+        try:
+            with (set_forward_context(attn_metadata, self.vllm_config, num_tokens=plan.num_tokens, slot_mapping={}),
+                  KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_output):
+                for name in self.layer_names:
+                    _attention(name, self)
+        finally:
+            self._plan = None
+        self.counts["forward_steps"] += 1
+        self._note_connector_output(kv_output)
+        sampled: list[list[int]] = []
+        for rid in plan.req_ids:
+            st = self.requests[rid]
+            _, end = plan.write[rid]
+            st.valid_upto = end
+            self.counts["tokens_written"] += end - plan.write[rid][0]
+            # a token is sampled once the request's known tokens are all computed (not mid-prefill)
+            sampled.append([KVContent.token_after(st.hashes[end - 1])] if end >= len(st.tokens) else [])
+        self._pending = ModelRunnerOutput(req_ids=plan.req_ids,
+                                          req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
+                                          sampled_token_ids=sampled, kv_connector_output=kv_output)
+        return None
+
+    @_rpc
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        out, self._pending = self._pending, None
+        if out is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+            if toks:
+                self.requests[rid].tokens.extend(toks)
+                self.counts["sampled_tokens"] += len(toks)
+        return out
+
+    @_rpc
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return None  # no speculative decoding
+
+    @_rpc
+    def check_health(self) -> None:
+        return
+
+    @_rpc
+    def reset_mm_cache(self) -> None:
+        return
+
+    @_rpc
+    def reset_encoder_cache(self) -> None:
+        return
+
+    @_rpc
+    def shutdown(self) -> None:
+        logger.info("EmuWorker rank %d shutdown: wrong_kv=%d, calls %s", self.rank, self.counts["wrong_kv"],
+                    dict(self.rpc_calls))
+        t0 = time.monotonic()
+        if ensure_kv_transfer_shutdown is not None:  # None during interpreter shutdown (as Worker checks)
+            ensure_kv_transfer_shutdown()
+        logger.info("EmuWorker rank %d: connector shut down in %.2fs", self.rank, time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ named RPCs for tests
+    def emu_stats(self) -> dict[str, Any]:
+        """What this rank saw: its counters, wrong-KV messages, the view it registered, the RPCs vLLM
+        made, and the connector's worker-side whole-run counters (when it has them)."""
+        first = self.kv_caches.get(self.layer_names[0]) if self.layer_names else None
+        stats: dict[str, Any] = {
+            "rank": self.rank, "tp_rank": self.tp_rank, "pid": os.getpid(),
+            "wrong_kv": self.counts["wrong_kv"], "messages": list(self.messages),
+            "counts": dict(self.counts), "rpc_calls": dict(self.rpc_calls),
+            "live_requests": len(self.requests), "kv_layout": self.kv_layout,
+            "kv_view": None if first is None else {"shape": list(first.shape), "stride": list(first.stride()),
+                                                   "dtype": str(first.dtype)},
+            "connector": None,
+        }
+        if has_kv_transfer_group():
+            conn = get_kv_transfer_group()
+            ws = getattr(conn, "worker_side", None)
+            info: dict[str, Any] = {"class": type(conn).__name__}
+            if ws is not None:
+                for name in ("num_loads", "num_load_blocks_failed", "num_saves_run", "num_saves_stale",
+                             "num_saves_skipped", "num_saves_failed", "num_saves_rejected",
+                             "num_store_exceptions"):
+                    info[name] = getattr(ws, name, None)
+                info["loads_finished"] = getattr(getattr(ws, "loads", None), "num_loads_finished", None)
+                info["errors"] = list(getattr(ws, "errors", []))[:5]
+                info["pending_work"] = bool(ws.has_pending_work())
+            stats["connector"] = info
+        return stats
+
+    # ------------------------------------------------------------------ state (GPUModelRunner._update_states)
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:  # before new requests: an id can finish and return in one step
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids or ():
+            self.counts["preemptions"] += 1
+            st = self.requests.get(rid)
+            if st is not None:
+                st.valid_upto = 0  # its blocks went back to the pool
+        for nr in so.scheduled_new_reqs:
+            if nr.prompt_token_ids is None:
+                raise RuntimeError(f"EmuWorker: request {nr.req_id} has no prompt token ids (embeddings?)")
+            self.requests[nr.req_id] = _ReqState(tokens=list(nr.prompt_token_ids),
+                                                 num_prompt_tokens=len(nr.prompt_token_ids),
+                                                 block_ids=list(nr.block_ids[0]),
+                                                 num_computed_tokens=nr.num_computed_tokens)
+            self.counts["new_requests"] += 1
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            st = self.requests[rid]
+            st.num_computed_tokens = cr.num_computed_tokens[i]
+            num_out = cr.num_output_tokens[i]
+            if num_out < len(st.tokens) - st.num_prompt_tokens:
+                # the scheduler discarded outputs (e.g. a failed sync load): drop them here too
+                del st.tokens[st.num_prompt_tokens + num_out:]
+                del st.hashes[len(st.tokens):]
+            new_ids = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:
+                self.counts["resumptions"] += 1
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.valid_upto = 0
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+
+    def _plan_step(self, so: SchedulerOutput) -> _StepPlan:
+        req_ids = list(so.num_scheduled_tokens)
+        check: dict[str, tuple[int, int]] = {}
+        write: dict[str, tuple[int, int]] = {}
+        bs = self.cache_config.block_size
+        for rid in req_ids:
+            st = self.requests[rid]
+            start = st.num_computed_tokens
+            end = start + so.num_scheduled_tokens[rid]
+            if end > len(st.tokens):
+                raise RuntimeError(f"EmuWorker: {rid} scheduled up to position {end}, it has {len(st.tokens)} "
+                                   f"tokens")
+            if end > len(st.block_ids) * bs:
+                raise RuntimeError(f"EmuWorker: {rid} scheduled up to position {end}, its block table covers "
+                                   f"{len(st.block_ids) * bs}")
+            KVContent.prefix_hashes(st.tokens, end, st.hashes)
+            write[rid] = (start, end)
+            if st.valid_upto < start:
+                check[rid] = (st.valid_upto, start)
+        return _StepPlan(req_ids, check, write, sum(so.num_scheduled_tokens.values()))
+
+    # ------------------------------------------------------------------ the emulated attention
+    def _attend(self, layer_name: str) -> None:
+        """Layer `layer_name` of this step, in a real attention op's order: first the whole batch's new
+        K/V go into the cache (reshape_and_cache over the slot mapping), then attention reads the earlier
+        positions. Reading second matters: vLLM caches a block when it is allocated, so a request can hit
+        a prefix block that another request of the same batch writes in this very step."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("EmuWorker: attention outside a step")
+        li = self._layer_index[layer_name]
+        view = self.kv_caches[layer_name]
+        for rid in plan.req_ids:
+            lo, hi = plan.write[rid]
+            st = self.requests[rid]
+            kb, off = self._slots(view, st.block_ids, lo, hi)
+            for kv in (0, 1):
+                want = self.content.slots(st.hashes[lo:hi], li, kv, self.tp_rank).to(view.dtype)
+                view[kb, :, off, kv * self.head_size:(kv + 1) * self.head_size] = want
+        for rid, (lo, hi) in plan.check.items():
+            self._check(rid, view, li, lo, hi)
+
+    def _slots(self, view: torch.Tensor, block_ids: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index tensors (kernel block, token in kernel block) of positions lo..hi in a [B, H, N, C] view
+        whose B may count kernel blocks (B = num_blocks * block_size / N)."""
+        bs = self.cache_config.block_size
+        nk = view.shape[2]
+        pos = torch.arange(lo, hi)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        kb = table[pos // bs] * (bs // nk) + (pos % bs) // nk
+        return kb, pos % nk
+
+    def _check(self, rid: str, view: torch.Tensor, li: int, lo: int, hi: int) -> None:
+        st = self.requests[rid]
+        kb, off = self._slots(view, st.block_ids, lo, hi)
+        self.counts["tokens_checked"] += hi - lo if li == 0 else 0
+        for kv in (0, 1):
+            want = self.content.slots(st.hashes[lo:hi], li, kv, self.tp_rank).to(view.dtype)
+            got = view[kb, :, off, kv * self.head_size:(kv + 1) * self.head_size]  # (n, H, D)
+            bad = (got != want).flatten(1).any(1)
+            n_bad = int(bad.sum())
+            if n_bad:
+                self.counts["wrong_kv"] += n_bad
+                if len(self.messages) < MAX_MESSAGES:
+                    first = lo + int(bad.nonzero()[0, 0])
+                    self.messages.append(
+                        f"{rid} rank {self.tp_rank} layer {li} {'KV'[kv]}: {n_bad} of positions {lo}..{hi} hold "
+                        f"wrong KV (first {first}, block {st.block_ids[first // self.cache_config.block_size]})")
+
+    def _note_connector_output(self, kvo: KVConnectorOutput | None) -> None:
+        if kvo is None:
+            return
+        self.counts["finished_recving"] += len(kvo.finished_recving or ())
+        self.counts["invalid_blocks"] += len(kvo.invalid_block_ids or ())

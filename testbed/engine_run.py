@@ -1,0 +1,180 @@
+"""Run vLLM 0.32's real engine on CPU with `EmuWorker` (testbed/emu_worker.py) and print one JSON result.
+
+    python -m testbed.engine_run SPEC.json        (or the JSON itself as the argument)
+
+The spec (all keys but `workdir` and `prompts` optional):
+
+    workdir        where the tiny model dir is written (model path = part of the connector's keys)
+    prompts        list of token-id lists; `passes` times each (default 2), `max_tokens` each (default 8)
+    tp, mp         tensor_parallel_size (1); VLLM_ENABLE_V1_MULTIPROCESSING (0: EngineCore in this process)
+    backend        distributed_executor_backend: "uni" | "mp" (default: "uni" for tp 1, else "mp")
+    connector      null (no connector) or {"extra": kv_connector_extra_config, "policy": "recompute"|"fail",
+                   "role": "kv_both"}
+    num_blocks (num_gpu_blocks_override), block_size, max_model_len, max_num_seqs, max_num_batched_tokens
+    num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
+    worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
+    reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
+    settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
+    shutdown_timeout_s     passed to the engine client's shutdown (default: vLLM's)
+
+Result (last stdout line, prefixed `ENGINE_RUN_RESULT `): outputs and num_cached_tokens per pass, every rank's
+`emu_stats`, vLLM's prefix-cache counters, whether reset_prefix_cache() succeeded after the run (vLLM's own
+"every block is free" test: no leaked block), and with mp=0 the scheduler's block pool and connector pins.
+Environment defaults for a CPU-only machine are set here before vLLM is imported (see the module's
+`_ENV`); spawned worker processes find `testbed` and `connector` through PYTHONPATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+RESULT_PREFIX = "ENGINE_RUN_RESULT "
+WORKER_CLS = "testbed.emu_worker.EmuWorker"
+
+_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",  # else UnspecifiedPlatform on a machine without a GPU
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # TP>1 otherwise asserts on NUMA nodes
+    "VLLM_HOST_IP": "127.0.0.1",  # the executor's queues advertise loopback, not a LAN address
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def _setup_env(mp: int) -> None:
+    for k, v in _ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(mp)
+    paths = [PROJECT_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if PROJECT_ROOT not in sys.path:
+        sys.path.insert(0, PROJECT_ROOT)
+
+
+def _reset_prefix_cache(llm: Any, mp: int, timeout_s: float) -> dict[str, Any]:
+    """reset_prefix_cache() fails while any block is held (store jobs pin blocks until every rank has
+    reported them). mp=1: EngineCore's loop keeps stepping while the connector has pending push work;
+    mp=0: nothing steps unless we do."""
+    t0 = time.monotonic()
+    tries = 0
+    while True:
+        tries += 1
+        if llm.reset_prefix_cache():
+            return {"done": True, "tries": tries, "seconds": round(time.monotonic() - t0, 3)}
+        if time.monotonic() - t0 > timeout_s:
+            return {"done": False, "tries": tries, "seconds": round(time.monotonic() - t0, 3)}
+        if mp:
+            time.sleep(0.05)
+        else:
+            llm.llm_engine.step()
+            time.sleep(0.002)  # only the connector's threads can progress: let them
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    want = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:external_prefix_cache_hits", "vllm:num_preemptions")
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in want:
+            out[m.name.removeprefix("vllm:")] = out.get(m.name.removeprefix("vllm:"), 0) + float(m.value)
+    return out
+
+
+def _inproc_state(llm: Any) -> dict[str, Any] | None:
+    """mp=0 only: the EngineCore lives in this process; read its block pool and connector directly."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        return None
+    sched = core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    held = [b.block_id for b in pool.blocks[1:] if b.ref_cnt != 0]
+    state: dict[str, Any] = {"num_blocks": pool.num_gpu_blocks, "free_blocks": pool.get_num_free_blocks(),
+                             "held_blocks": held[:20]}
+    conn = sched.get_kv_connector()
+    ss = getattr(conn, "scheduler_side", None)
+    if ss is not None:
+        state["pinned_jobs"] = list(ss.ledger.inflight_jobs())[:20]
+        state["jobs_opened"] = ss.ledger.num_jobs_opened
+        state["jobs_released"] = ss.ledger.num_jobs_released
+        state["load_pins"] = ss.num_load_pins
+    return state
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    mp = int(spec.get("mp", 0))
+    _setup_env(mp)
+    t0 = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from testbed.emu_model import write_model_dir
+
+    tp = int(spec.get("tp", 1))
+    model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
+                                num_layers=int(spec.get("num_layers", 2)),
+                                num_kv_heads=int(spec.get("num_kv_heads", 2)),
+                                head_size=int(spec.get("head_size", 8)))
+    kvt = None
+    conn = spec.get("connector")
+    if conn is not None:
+        kvt = KVTransferConfig(kv_connector="KVLedgerConnector", kv_connector_module_path="connector.connector",
+                               kv_role=conn.get("role", "kv_both"),
+                               kv_load_failure_policy=conn.get("policy", "recompute"),
+                               kv_connector_extra_config=dict(conn.get("extra", {})))
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0,
+              worker_cls=spec.get("worker_cls", WORKER_CLS), enforce_eager=True, tensor_parallel_size=tp,
+              distributed_executor_backend=spec.get("backend") or ("uni" if tp == 1 else "mp"),
+              block_size=int(spec.get("block_size", 16)), enable_prefix_caching=True,
+              prefix_caching_hash_algo="sha256", num_gpu_blocks_override=int(spec.get("num_blocks", 64)),
+              max_model_len=int(spec.get("max_model_len", 256)), max_num_seqs=int(spec.get("max_num_seqs", 8)),
+              max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 128)),
+              kv_transfer_config=kvt, disable_log_stats=False)
+    result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "passes": []}
+    # vLLM's CPU platform turns async scheduling off (platforms/cpu.py); recorded, not chosen
+    result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    prompts: list[list[int]] = [list(map(int, p)) for p in spec["prompts"]]
+    max_tokens = int(spec.get("max_tokens", 8))
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
+    settle_s = float(spec.get("settle_timeout_s", 60))
+    for n in range(int(spec.get("passes", 2))):
+        entry: dict[str, Any] = {}
+        if n > 0 and spec.get("reset_between_passes", True):
+            entry["reset"] = _reset_prefix_cache(llm, mp, settle_s)
+        t1 = time.monotonic()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        entry["seconds"] = round(time.monotonic() - t1, 2)
+        entry["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+        entry["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
+        result["passes"].append(entry)
+    result["at_rest"] = _reset_prefix_cache(llm, mp, settle_s)  # vLLM's "no block held" test
+    result["workers"] = llm.collective_rpc("emu_stats")
+    result["metrics"] = _metrics(llm)
+    result["engine"] = _inproc_state(llm)
+    t2 = time.monotonic()
+    # workers shut their connectors down, then EngineCore its scheduler-side one (trace files closed);
+    # a timeout longer than vLLM's 5 s worker grace lets EngineCore get that far when workers hang
+    llm.llm_engine.engine_core.shutdown(**({"timeout": float(spec["shutdown_timeout_s"])}
+                                           if spec.get("shutdown_timeout_s") else {}))
+    result["shutdown_s"] = round(time.monotonic() - t2, 1)
+    result["total_s"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    text = Path(args[0]).read_text() if not args[0].lstrip().startswith("{") else args[0]
+    result = run(json.loads(text))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Engine fixtures: a Mooncake master on 127.0.0.1 (stopped by pid) and `run_engine`, which runs one vLLM
+engine (testbed/engine_run.py) in a subprocess with a hard timeout, so a hung engine fails its test instead
+of stalling CI.
+
+The subprocess gets its own session: on timeout the whole process group (the engine, its EngineCore and
+worker processes) is sent SIGTERM, then SIGKILL, by that group's id.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.embedded import EmbeddedMooncake
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULT_PREFIX = "ENGINE_RUN_RESULT "  # testbed.engine_run.RESULT_PREFIX (not imported: it would load vLLM here)
+
+#: the environment the reference run of vLLM's engine on a CPU-only machine needs
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[EmbeddedMooncake]:
+    """One master + metadata server for the module's engines (each test uses its own model dir, which
+    is part of every key, so tests never share keys)."""
+    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
+    try:
+        yield mc
+    finally:
+        mc.stop()
+    if mc.master_pid is not None or mc.metadata_pid is not None:
+        raise RuntimeError(f"mooncake servers still running: {mc.master_pid}, {mc.metadata_pid}")
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM to the engine's process group, SIGKILL to what is left after `grace_s` (vLLM's own
+    shutdown gives workers 5 s)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(proc.pid):
+                return
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """run_engine(spec, timeout_s=, name=, env=) -> the driver's result dict (+ "log", "stragglers"); the
+    spec and the engine's log are kept in a temp dir named after `name`; `env` adds environment variables."""
+    def run(spec: dict[str, Any], *, timeout_s: float, name: str = "engine",
+            env: dict[str, str] | None = None) -> dict[str, Any]:
+        where = tmp_path_factory.mktemp(name)
+        spec_path = where / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        log = where / "engine.log"
+        env = {**os.environ, **ENGINE_ENV, **(env or {}),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": str(spec.get("mp", 0))}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "testbed.engine_run", str(spec_path)], cwd=ROOT,
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                pytest.fail(f"{name}: engine still running after {timeout_s}s (killed); log {log}:\n{_tail(log)}",
+                            pytrace=False)
+            finally:
+                if proc.poll() is None:
+                    _kill_group(proc)
+        # processes of the engine still alive 3 s after the driver exited (the group outlives its leader)
+        deadline = time.monotonic() + 3.0
+        while (stragglers := _group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if stragglers:
+            _kill_group(proc)
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_PREFIX)]
+        if rc != 0 or not lines:
+            pytest.fail(f"{name}: engine exited {rc} without a result; log {log}:\n{_tail(log)}", pytrace=False)
+        result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX):])
+        result["log"] = str(log)
+        result["stragglers"] = stragglers
+        return result
+    return run
