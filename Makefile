@@ -35,7 +35,7 @@ bench: setup
 	$(PY) -m bench
 
 demo: setup
-	$(PY) -m connector.demo
+	$(PY) -m testbed.demo
 
 fuzz: setup
 	$(PY) -m pytest -q tests/conformance -k fuzz --hypothesis-profile=fuzz -s

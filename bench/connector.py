@@ -290,7 +290,7 @@ def overhead_suite(args: argparse.Namespace) -> int:
 
     from connector.config import StoreConfig
     from connector.embedded import EmbeddedMooncake
-    from tests.integration.harness import Harness, shared_prefix_prompts
+    from testbed.harness import Harness, shared_prefix_prompts
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     rounds = 2 if args.quick else 4

@@ -103,7 +103,7 @@ def _build_env(layout: str, workdir: str) -> _Env:
                              SchedulerConfig, VllmConfig)
 
     from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
-    from tests.integration.harness import write_model_dir
+    from testbed.harness import write_model_dir
 
     num_blocks = BATCH_BLOCKS + 1  # + vLLM's null block 0
     max_len = 4096

@@ -114,7 +114,7 @@ def real_run_stage(_argv: list[str]) -> int:
 
     log = ROOT / ".tlc-out" / "traces" / "demo-64.ndjson"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "connector.demo", "--requests", "64", "--blocks", "32", "--trace", str(log)]
+    cmd = [sys.executable, "-m", "testbed.demo", "--requests", "64", "--blocks", "32", "--trace", str(log)]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=1200)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ") or ln in ("OK", "FAILED")]

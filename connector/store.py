@@ -96,7 +96,7 @@ class StoreUnavailableError(StoreError):
 
 @runtime_checkable
 class KVStore(Protocol):
-    """What the connector needs from a store. `MooncakeStore` is the real one; `connector.faults.FaultyStore`
+    """What the connector needs from a store. `MooncakeStore` is the real one; `testbed.faults.FaultyStore`
     wraps any KVStore to inject faults. Every batch method returns one int per key."""
 
     def register_buffer(self, ptr: int, size: int) -> None: ...

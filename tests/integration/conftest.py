@@ -101,7 +101,7 @@ def runlog_checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     """Every Harness of the test logs its run (connector `trace_path`); after the test, TLC checks each
     log against tla/TraceRuntime.tla (conformance.runlog), with the end state at rest when the test's
     check_at_rest() found nothing. A rejected log fails the test (as an error in teardown)."""
-    from tests.integration.harness import Harness
+    from testbed.harness import Harness
     Harness.runlog_dir = str(tmp_path_factory.mktemp("runlog"))
     Harness.opened = []
     try:

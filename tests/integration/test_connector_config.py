@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.config import ConfigError, StoreConfig
 from connector.stats import MAX_CODES, KVLedgerPromMetrics, KVLedgerStats
-from tests.integration.harness import Harness
+from testbed.harness import Harness
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from connector.config import StoreConfig
-from tests.integration.harness import Harness, shared_prefix_prompts
+from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 40
 

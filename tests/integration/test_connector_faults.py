@@ -4,7 +4,7 @@ master killed and restarted. Under `recompute` affected requests recompute and f
 they finish with an error; never does a request compute on garbage (the harness checks the KV of every
 position it did not compute itself before each forward).
 
-Faults are injected with `connector.faults.FaultyStore` (a test double around the real store, seeded).
+Faults are injected with `testbed.faults.FaultyStore` (a test double around the real store, seeded).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from connector.config import StoreConfig
 from connector.embedded import EmbeddedMooncake
-from connector.faults import FaultPlan, FaultRule, FaultyStore
+from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from connector.store import StoreCode
-from tests.integration.harness import Harness, shared_prefix_prompts
+from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 24
 

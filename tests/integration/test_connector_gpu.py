@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from connector.config import StoreConfig
-from tests.integration.harness import Harness, shared_prefix_prompts
+from testbed.harness import Harness, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -4,7 +4,7 @@ two upstream vLLM 0.32.0 load-path failures), rotation, bounded queues, stale jo
 `WorkerSide` is driven directly with the real store and a KV cache from vLLM's own allocator
 (testbed.kvcache, read through `plan_block_copies`); its keys come from the engine config
 (`connector.connector.key_layout`). Two test doubles, each named where used: `_GatedStore` (holds calls
-until released, to make a queue fill deterministically) and `connector.faults.FaultyStore` (injects codes /
+until released, to make a queue fill deterministically) and `testbed.faults.FaultyStore` (injects codes /
 exceptions on chosen calls).
 """
 from __future__ import annotations
@@ -22,14 +22,14 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.config import StoreConfig
 from connector.connector import key_layout
-from connector.faults import FaultPlan, FaultRule, FaultyStore
+from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from connector.keys import KeyBuilder
 from connector.kvlayout import plan_block_copies
 from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from connector.store import MooncakeStore, StoreCode
 from connector.worker import WorkerSide
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
-from tests.integration.harness import write_model_dir
+from testbed.harness import write_model_dir
 
 BS, LAYERS, HEADS, HD, NBLOCKS, TP = 16, 2, 2, 8, 16, 4
 LAYOUT = "LBNHC"

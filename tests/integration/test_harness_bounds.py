@@ -8,7 +8,7 @@ import time
 import pytest
 
 from connector.config import StoreConfig
-from tests.integration.harness import Harness, HarnessStallError, shared_prefix_prompts
+from testbed.harness import Harness, HarnessStallError, shared_prefix_prompts
 
 
 class GatedGet:

@@ -15,7 +15,7 @@ from connector.connector import key_layout
 from connector.keys import KeyBuilder, KeyLayout, KeyTooLongError
 from connector.store import MooncakeStore, StoreCode
 from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
-from tests.integration.harness import write_model_dir
+from testbed.harness import write_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = KeyLayout(model="meta-llama/Llama-3.1-8B", tp_rank=0, tp_size=2, block_size=16, dtype="torch.bfloat16",

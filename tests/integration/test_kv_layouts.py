@@ -38,7 +38,7 @@ from testbed.kvcache import (
     build_kv_cache_config,
     layer_names,
 )
-from tests.integration.harness import Harness, _store_extra, shared_prefix_prompts, write_model_dir
+from testbed.harness import Harness, _store_extra, shared_prefix_prompts, write_model_dir
 
 _BLOCK_BITS = 5  # a byte's top 3 bits name its block (num_blocks <= 8), the low 5 bits its position
 

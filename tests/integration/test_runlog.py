@@ -11,7 +11,7 @@ import pytest
 
 from conformance import runlog, tracecheck
 from connector.config import StoreConfig
-from tests.integration.harness import Harness, shared_prefix_prompts
+from testbed.harness import Harness, shared_prefix_prompts
 
 
 @pytest.fixture(scope="module")

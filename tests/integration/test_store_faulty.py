@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.faults import FaultPlan, FaultRule, FaultyStore, InjectedFault
+from testbed.faults import FaultPlan, FaultRule, FaultyStore, InjectedFault
 from connector.store import KVStore, MooncakeStore, StoreCode
 
 
