@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue: KV caches on CUDA, shaped as vLLM's allocator shapes them).
+#   scripts/gpu-check.sh pack   here (needs .venv with vLLM): writes $GPU_CHECK_DIR (default .gpu-check/):
+#                               connector/kvlayout.py, the test, geometry.json recorded from vLLM (< 1 MiB)
+#   scripts/gpu-check.sh run    on the CUDA machine (torch + CUDA, pytest; no vLLM, no Mooncake, no network),
+#                               from the repository root; one verdict line at the end; < 10 minutes
+# The folder is git-ignored: hand it to the device runner as a carried path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${GPU_CHECK_DIR:-.gpu-check}
+case "${1:-}" in
+  pack)
+    rm -rf "$DIR"; mkdir -p "$DIR"
+    cp connector/kvlayout.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
+    .venv/bin/python -m scripts.gpu_check.record_geometry > "$DIR/geometry.json" 2>"$DIR/record.log"
+    bytes=$(du -sb "$DIR" | cut -f1)
+    [ "$bytes" -lt $((64 << 20)) ] || { echo "gpu-check: pack is $bytes bytes, over 64 MiB" >&2; exit 1; }
+    echo "gpu-check: packed $DIR ($bytes bytes, $(grep -o '"layout"' "$DIR/geometry.json" | wc -l) cases)"
+    ;;
+  run)
+    [ -f "$DIR/geometry.json" ] || { echo "GPU-CHECK FAIL: $DIR/geometry.json missing (run pack first)"; exit 2; }
+    PY=${PYTHON:-python3}
+    set +e
+    out=$(cd "$DIR" && timeout 540 "$PY" -m pytest -q -p no:cacheprovider test_gpu_kv.py 2>&1)
+    rc=$?
+    set -e
+    echo "$out" | tail -n 25
+    dev=$("$PY" -c "import torch,os; d=os.environ.get('GPU_CHECK_DEVICE','cuda'); print(torch.cuda.get_device_name(0) if d=='cuda' and torch.cuda.is_available() else d)" 2>/dev/null || echo "?")
+    summary=$(echo "$out" | grep -E '^[0-9]+ (passed|failed)|passed|failed' | tail -n 1)
+    if [ $rc -eq 0 ]; then echo "GPU-CHECK PASS on $dev: $summary"; else echo "GPU-CHECK FAIL (exit $rc) on $dev: $summary"; fi
+    exit $rc
+    ;;
+  *) echo "usage: scripts/gpu-check.sh pack|run" >&2; exit 2 ;;
+esac

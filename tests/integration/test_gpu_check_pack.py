@@ -1,0 +1,25 @@
+"""The prepared GPU check packs and passes here on CPU (GPU_CHECK_DEVICE=cpu): the folder it ships is
+self-contained (no vLLM, no project import beyond kvlayout.py) and its checks hold on CPU memory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_packs_under_64_mib_and_passes_on_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path / "pack"), "GPU_CHECK_DEVICE": "cpu",
+           "PYTHON": sys.executable}
+    subprocess.run(["scripts/gpu-check.sh", "pack"], cwd=ROOT, env=env, check=True, timeout=300)
+    shipped = sorted(p.name for p in (tmp_path / "pack").iterdir())
+    assert {"kvlayout.py", "test_gpu_kv.py", "geometry.json"} <= set(shipped)
+    assert sum(p.stat().st_size for p in (tmp_path / "pack").iterdir()) < 64 << 20
+    # the pack must not reach back into the project: run it from a copy's own folder with no PYTHONPATH
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["scripts/gpu-check.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=540)
+    last = res.stdout.strip().splitlines()[-1]
+    assert res.returncode == 0 and last.startswith("GPU-CHECK PASS on cpu"), res.stdout[-2000:]
