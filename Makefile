@@ -6,18 +6,23 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONDONTWRITEBYTECODE := 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup verify verify-deep test test-fast gen diagram bench demo fuzz clean
+.PHONY: setup verify verify-deep witness test test-fast gen diagram bench demo fuzz clean
 
 setup:
 	@scripts/setup.sh
 
 # The main job: TLC model check (fixed design passes, legacy design and mutants fail as expected),
-# then conformance (replay of TLC behaviours against the real connector, trace validation).
+# the witnesses (no invariant holds vacuously), then conformance (replay of TLC behaviours against the
+# real connector, trace validation).
 verify: setup
 	$(PY) -m conformance.verify
 
 verify-deep: setup
 	$(PY) -m conformance.model_check --deep
+
+# verify's witness stage alone: TLC must reach the hazard of every invariant in a CI config.
+witness: setup
+	$(PY) -m conformance.witness
 
 # The whole suite; the pure-core tests run a second time under python -O (safety checks must raise,
 # never assert).

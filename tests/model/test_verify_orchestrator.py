@@ -34,3 +34,12 @@ def test_crashing_stage_is_one_line_and_fails(monkeypatch, capsys):
 def test_model_check_is_the_first_stage():
     from conformance import model_check
     assert verify.STAGES[0][1] is model_check.main
+
+
+def test_witnesses_are_the_second_stage_and_skipped_with_the_model_check(monkeypatch, capsys):
+    from conformance import witness
+    assert verify.STAGES[1][1] is witness.main
+    ran = []
+    monkeypatch.setattr(verify, "STAGES", [(n, (lambda argv, n=n: ran.append(n) or 0)) for n, _ in verify.STAGES])
+    assert verify.main(["--skip-model-check"]) == 0
+    assert ran == [n for n, _ in verify.STAGES[2:]]
