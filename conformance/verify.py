@@ -13,9 +13,10 @@ Then conformance, on a real Mooncake master on 127.0.0.1
              simulated behaviours (coverage not measured) of tla/MC_conformance.cfg (1 rank, both
              requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, 2 blocks, faults)
   trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
-  real run   the demo (vLLM's real Scheduler, 2 ranks, embedded Mooncake, 64 requests twice) with the
-             connector's `trace_path` log checked by TLC against the job lifecycle
-             (tla/TraceRuntime.tla, conformance.runlog); `make test` checks every integration test's log
+  real run   the whole demo (vLLM's real Scheduler, 2 ranks, embedded Mooncake, 240 requests twice,
+             ~8,000 events) with the connector's `trace_path` log checked by TLC against the job
+             lifecycle (tla/TraceRuntime.tla, conformance.runlog), and a copy corrupted at one event
+             rejected at that event; `make test` checks every integration and engine test's log
   mutants    the runtime mutants' kill table (conformance.mutants)
 
 One summary line: behaviours replayed, edge coverage of the CI graph, logs validated, mutants killed.
@@ -112,19 +113,43 @@ def trace_stage(_argv: list[str]) -> int:
     return 0 if good == len(logs) else 1
 
 
+def _corrupt_copy(log: Path, out: Path) -> int:
+    """A copy of `log` with one Report in the middle claiming another outcome: the checker must reject
+    exactly that line. Returns its 1-based line number."""
+    lines = log.read_text().splitlines()
+    reports = [i for i, ln in enumerate(lines) if '"action":"Report"' in ln and '"from":"stored"' in ln]
+    if not reports:
+        raise RuntimeError(f"{log}: no Report of a stored job to corrupt")
+    i = reports[len(reports) // 2]
+    lines[i] = lines[i].replace('"from":"stored"', '"from":"failed"')
+    out.write_text("\n".join(lines) + "\n")
+    return i + 1
+
+
 def real_run_stage(_argv: list[str]) -> int:
+    """The whole demo (240 requests twice, 2 ranks, preemption storms, evictions) logs its run and checks
+    the log with TLC; then a copy corrupted at one event must be rejected at that event."""
     import subprocess
 
-    log = ROOT / ".tlc-out" / "traces" / "demo-64.ndjson"
+    log = ROOT / ".tlc-out" / "traces" / "demo.ndjson"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "testbed.demo", "--requests", "64", "--blocks", "32", "--trace", str(log)]
+    cmd = [sys.executable, "-m", "testbed.demo", "--trace", str(log)]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=1200)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ") or ln in ("OK", "FAILED")]
     print("\n".join(lines), flush=True)
     tv = next((ln.split("TLC:", 1)[1].strip() for ln in lines if "trace validation" in ln), "no verdict")
-    FIGURES["real run"] = f"demo log (64 requests x 2, tp=2) {tv}"
-    return 0 if proc.returncode == 0 and tv.startswith("ACCEPTED") else 1
+    ok = proc.returncode == 0 and tv.startswith("ACCEPTED")
+    bad = log.with_name("demo-corrupted.ndjson")
+    at = _corrupt_copy(log, bad) if log.exists() else -1
+    res = subprocess.run([sys.executable, "-m", "conformance.runlog", str(bad), "--pin-cap", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1200) if at > 0 else None
+    rej = next((ln for ln in (res.stdout if res else "").splitlines() if ln.startswith("REJECTED")), "")
+    caught = res is not None and res.returncode != 0 and f"(line {at} of the log)" in rej
+    print(f"  {'corrupted copy':<20} line {at} altered: {rej or 'NOT REJECTED'}", flush=True)
+    FIGURES["real run"] = (f"demo log (240 requests x 2, tp=2) {tv}; corrupted copy "
+                           f"{'rejected at the altered line' if caught else 'NOT rejected where altered'}")
+    return 0 if ok and caught else 1
 
 
 def mutants_stage(_argv: list[str]) -> int:
