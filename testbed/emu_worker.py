@@ -22,6 +22,10 @@ Per-request state follows `GPUModelRunner._update_states`: new requests, cached/
 ids appended, or replaced on resumption), `num_computed_tokens`, output tokens trimmed to the scheduler's
 `num_output_tokens`, finished requests dropped (a finished id may come back as a new request in the same
 step). Tests read what a rank saw with `llm.collective_rpc("emu_stats")`.
+
+`FaultyEmuWorker` is the same worker with the connector's worker-side store wrapped in `testbed.faults.
+FaultyStore` (a FAULT-INJECTION TEST DOUBLE around the real Mooncake store) per a plan in the environment
+(`EMU_FAULT_PLAN`, see the class).
 """
 from __future__ import annotations
 
@@ -212,6 +216,8 @@ class EmuWorker(WorkerBase):
         self.cache_config.hash_block_size = kv_cache_config.hash_block_size
         self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
         ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+        if has_kv_transfer_group():
+            self._connector_created(get_kv_transfer_group())
         layout = self.cache_config.get_resolved_kv_cache_layout()
         self.kv_layout = layout.name
         # kernel_block_sizes None: one kernel block per block (no attention backend asks for less)
@@ -224,6 +230,11 @@ class EmuWorker(WorkerBase):
             sfc[name].kv_cache = view  # as bind_kv_cache does for Attention layers
         if has_kv_transfer_group():
             get_kv_transfer_group().register_kv_caches(self.kv_caches)
+
+    def _connector_created(self, connector: Any) -> None:
+        """Called once the worker-side connector exists, before the KV caches are registered (subclasses
+        wrap its store here)."""
+        return
 
     @_rpc
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -346,6 +357,10 @@ class EmuWorker(WorkerBase):
                 info["loads_finished"] = getattr(getattr(ws, "loads", None), "num_loads_finished", None)
                 info["errors"] = list(getattr(ws, "errors", []))[:5]
                 info["pending_work"] = bool(ws.has_pending_work())
+                injected = getattr(ws.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
+                if injected is not None:
+                    info["faults_injected"] = injected
+            info["store"] = _store_info(conn)
             stats["connector"] = info
         return stats
 
@@ -457,3 +472,58 @@ class EmuWorker(WorkerBase):
             return
         self.counts["finished_recving"] += len(kvo.finished_recving or ())
         self.counts["invalid_blocks"] += len(kvo.invalid_block_ids or ())
+
+
+def _store_info(conn: Any) -> dict[str, Any]:
+    """Which Mooncake master this connector's store client joined, and how: the embedded servers' owner
+    (this process started them), attached (another process of the engine did), or configured."""
+    from connector.embedded import EmbeddedMooncake
+    from connector.rendezvous import AttachedMooncake
+    store = getattr(conn, "store", None)
+    cfg = getattr(store, "config", None)
+    emb = getattr(conn, "_embedded", None)
+    info: dict[str, Any] = {"master_server_address": getattr(cfg, "master_server_address", None),
+                            "metadata_server": getattr(cfg, "metadata_server", None), "embedded": None}
+    if isinstance(emb, EmbeddedMooncake):
+        info.update(embedded="owner", owner_pid=os.getpid(), master_pid=emb.master_pid,
+                    metadata_pid=emb.metadata_pid)
+    elif isinstance(emb, AttachedMooncake):
+        info.update(embedded="attached", owner_pid=emb.owner_pid)
+    return info
+
+
+#: environment variable holding FaultyEmuWorker's plan (JSON)
+FAULT_PLAN_ENV = "EMU_FAULT_PLAN"
+
+
+class FaultyEmuWorker(EmuWorker):
+    """EmuWorker whose connector reads and writes Mooncake through `testbed.faults.FaultyStore`: a
+    FAULT-INJECTION TEST DOUBLE. Every call the plan does not fault goes to the real store.
+
+    Plan (`EMU_FAULT_PLAN`, JSON; the engine's worker processes inherit the environment):
+
+        {"seed": 0, "ranks": [0],            # tp ranks that inject (default: all)
+         "rules": [{"op": "get", "action": "code", "code": -800, "calls": [0], "max_fires": 1}, ...]}
+
+    Rule fields are `testbed.faults.FaultRule`'s (`calls` and `keys` as lists)."""
+
+    def _connector_created(self, connector: Any) -> None:
+        import json
+
+        from testbed.faults import FaultPlan, FaultRule, FaultyStore
+        text = os.environ.get(FAULT_PLAN_ENV)
+        if not text:
+            raise RuntimeError(f"FaultyEmuWorker: {FAULT_PLAN_ENV} is not set")
+        plan = json.loads(text)
+        if self.tp_rank not in plan.get("ranks", [self.tp_rank]):
+            return
+        rules = []
+        for r in plan["rules"]:
+            r = dict(r)
+            for k in ("calls", "keys"):
+                if r.get(k) is not None:
+                    r[k] = frozenset(r[k])
+            rules.append(FaultRule(**r))
+        ws = connector.worker_side
+        ws.store = FaultyStore(ws.store, FaultPlan(rules, seed=int(plan.get("seed", 0))))
+        logger.warning("FaultyEmuWorker rank %d: fault injection on the connector's store: %s", self.tp_rank, rules)

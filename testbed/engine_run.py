@@ -16,10 +16,21 @@ The spec (all keys but `workdir` and `prompts` optional):
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
     shutdown_timeout_s     passed to the engine client's shutdown (default: vLLM's)
+    request_ids    "fixed": every pass adds its requests itself (`llm_engine.add_request`) as "req-<i>" and
+                   steps until they finish, so pass n reuses pass n-1's ids after they finished; sets
+                   VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (else vLLM appends 8 random characters to every
+                   id and the scheduler never sees an id twice). Default: `LLM.generate`'s own ids
+    barrier        {"dir": D, "passes": [n, ...]}: before pass n (after its reset) write D/before-pass-<n>
+                   and wait (at most "timeout_s", default 120) for D/go-pass-<n>: the test acts meanwhile
+                   (e.g. restarts the Mooncake master)
 
-Result (last stdout line, prefixed `ENGINE_RUN_RESULT `): outputs and num_cached_tokens per pass, every rank's
-`emu_stats`, vLLM's prefix-cache counters, whether reset_prefix_cache() succeeded after the run (vLLM's own
-"every block is free" test: no leaked block), and with mp=0 the scheduler's block pool and connector pins.
+Result (last stdout line, prefixed `ENGINE_RUN_RESULT `): outputs, finish reasons and num_cached_tokens per
+pass (and vLLM's counters after it), every rank's `emu_stats`, vLLM's prefix-cache counters, whether
+reset_prefix_cache() succeeded after the run (vLLM's own "every block is free" test: no leaked block), with
+mp=0 the scheduler's block pool and connector pins (also after shutdown: `engine_after_shutdown`), the
+Mooncake server processes the engine's own processes started (`engine_mooncake`, sampled after start-up and
+before shutdown), the embedded rendezvous files (`rendezvous`), and the engine's processes (this driver's
+session) with the loopback ports each is connected to (`session`, before shutdown).
 Environment defaults for a CPU-only machine are set here before vLLM is imported (see the module's
 `_ENV`); spawned worker processes find `testbed` and `connector` through PYTHONPATH.
 """
@@ -85,6 +96,52 @@ def _metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+def _rendezvous_files() -> list[dict[str, Any]]:
+    from connector import rendezvous
+    d = rendezvous.runtime_dir()
+    out = []
+    for name in sorted(os.listdir(d)):
+        if name.startswith("embedded-") and name.endswith(".json"):
+            try:
+                out.append({"name": name, **json.loads(Path(d, name).read_text())})
+            except (OSError, ValueError):
+                out.append({"name": name})
+    return out
+
+
+def _barrier(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
+    b = spec.get("barrier")
+    if not b or n not in b.get("passes", ()):
+        return None
+    d = Path(b["dir"])
+    t0 = time.monotonic()
+    (d / f"before-pass-{n}").write_text(str(os.getpid()))
+    go = d / f"go-pass-{n}"
+    deadline = t0 + float(b.get("timeout_s", 120))
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier before pass {n}: no {go} after {b.get('timeout_s', 120)}s")
+        time.sleep(0.05)
+    return {"waited_s": round(time.monotonic() - t0, 2), "note": go.read_text()}
+
+
+def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any) -> list[Any]:
+    """Adds "req-<i>" itself and steps until every one finished (the ids come back in the next pass)."""
+    engine = llm.llm_engine
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    missing = [r for r in ids if r not in done]
+    if missing:
+        raise RuntimeError(f"requests {missing} never finished")
+    return [done[r] for r in ids]
+
+
 def _inproc_state(llm: Any) -> dict[str, Any] | None:
     """mp=0 only: the EngineCore lives in this process; read its block pool and connector directly."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
@@ -108,11 +165,15 @@ def _inproc_state(llm: Any) -> dict[str, Any] | None:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     mp = int(spec.get("mp", 0))
     _setup_env(mp)
+    fixed_ids = spec.get("request_ids") == "fixed"
+    if fixed_ids:
+        os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
     t0 = time.monotonic()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     from testbed.emu_model import write_model_dir
+    from testbed.procs import mooncake_servers_started_by_session, session_processes
 
     tp = int(spec.get("tp", 1))
     model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
@@ -134,7 +195,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               max_model_len=int(spec.get("max_model_len", 256)), max_num_seqs=int(spec.get("max_num_seqs", 8)),
               max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 128)),
               kv_transfer_config=kvt, disable_log_stats=False)
-    result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "passes": []}
+    result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "passes": [], "driver_pid": os.getpid(),
+                              "engine_mooncake": {"startup": mooncake_servers_started_by_session(os.getsid(0))},
+                              "rendezvous": {"startup": _rendezvous_files()}}
     # vLLM's CPU platform turns async scheduling off (platforms/cpu.py); recorded, not chosen
     result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     prompts: list[list[int]] = [list(map(int, p)) for p in spec["prompts"]]
@@ -145,22 +208,34 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {}
         if n > 0 and spec.get("reset_between_passes", True):
             entry["reset"] = _reset_prefix_cache(llm, mp, settle_s)
+        if (waited := _barrier(spec, n)) is not None:
+            entry["barrier"] = waited
         t1 = time.monotonic()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        if fixed_ids:
+            outs = _generate_fixed_ids(llm, prompts, sp)
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         entry["seconds"] = round(time.monotonic() - t1, 2)
+        entry["request_ids"] = [o.request_id for o in outs]
         entry["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+        entry["finish_reasons"] = [str(o.outputs[0].finish_reason) for o in outs]
         entry["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
+        entry["metrics"] = _metrics(llm)
         result["passes"].append(entry)
     result["at_rest"] = _reset_prefix_cache(llm, mp, settle_s)  # vLLM's "no block held" test
     result["workers"] = llm.collective_rpc("emu_stats")
     result["metrics"] = _metrics(llm)
     result["engine"] = _inproc_state(llm)
+    result["engine_mooncake"]["end"] = mooncake_servers_started_by_session(os.getsid(0))
+    result["rendezvous"]["end"] = _rendezvous_files()
+    result["session"] = session_processes(os.getsid(0))  # the engine's processes and their connections
     t2 = time.monotonic()
     # workers shut their connectors down, then EngineCore its scheduler-side one (trace files closed);
     # a timeout longer than vLLM's 5 s worker grace lets EngineCore get that far when workers hang
     llm.llm_engine.engine_core.shutdown(**({"timeout": float(spec["shutdown_timeout_s"])}
                                            if spec.get("shutdown_timeout_s") else {}))
     result["shutdown_s"] = round(time.monotonic() - t2, 1)
+    result["engine_after_shutdown"] = _inproc_state(llm)  # mp=0: the scheduler-side ledger after shutdown
     result["total_s"] = round(time.monotonic() - t0, 1)
     return result
 

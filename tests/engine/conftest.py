@@ -3,7 +3,11 @@ engine (testbed/engine_run.py) in a subprocess with a hard timeout, so a hung en
 of stalling CI.
 
 The subprocess gets its own session: on timeout the whole process group (the engine, its EngineCore and
-worker processes) is sent SIGTERM, then SIGKILL, by that group's id.
+worker processes) is sent SIGTERM, then SIGKILL, by that group's id. After the driver exits, any process
+still in its session or group is a straggler (`result["stragglers"]`: pids and command lines).
+
+`on_barrier(n)`: for specs with a `barrier` (testbed/engine_run.py), called in the test's process while the
+engine waits before pass n (e.g. to restart the Mooncake master), then the engine is let go.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any
 import pytest
 
 from connector.embedded import EmbeddedMooncake
+from testbed.procs import session_members
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "ENGINE_RUN_RESULT "  # testbed.engine_run.RESULT_PREFIX (not imported: it would load vLLM here)
@@ -77,10 +82,12 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @pytest.fixture(scope="module")
 def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
-    """run_engine(spec, timeout_s=, name=, env=) -> the driver's result dict (+ "log", "stragglers"); the
-    spec and the engine's log are kept in a temp dir named after `name`; `env` adds environment variables."""
+    """run_engine(spec, timeout_s=, name=, env=, on_barrier=) -> the driver's result dict (+ "log",
+    "stragglers", "barriers"); the spec and the engine's log are kept in a temp dir named after `name`; `env`
+    adds environment variables."""
     def run(spec: dict[str, Any], *, timeout_s: float, name: str = "engine",
-            env: dict[str, str] | None = None) -> dict[str, Any]:
+            env: dict[str, str] | None = None,
+            on_barrier: Callable[[int], str | None] | None = None) -> dict[str, Any]:
         where = tmp_path_factory.mktemp(name)
         spec_path = where / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -91,20 +98,31 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[s
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "testbed.engine_run", str(spec_path)], cwd=ROOT,
                                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            barrier = spec.get("barrier")
+            pending = sorted(barrier.get("passes", ())) if barrier else []
+            barriers: dict[int, float] = {}
+            deadline = time.monotonic() + timeout_s
             try:
-                rc = proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                pytest.fail(f"{name}: engine still running after {timeout_s}s (killed); log {log}:\n{_tail(log)}",
-                            pytrace=False)
+                while (rc := proc.poll()) is None:
+                    if time.monotonic() > deadline:
+                        _kill_group(proc)
+                        pytest.fail(f"{name}: engine still running after {timeout_s}s (killed); log {log}:\n"
+                                    f"{_tail(log)}", pytrace=False)
+                    if pending and Path(barrier["dir"], f"before-pass-{pending[0]}").exists():
+                        n = pending.pop(0)
+                        t0 = time.monotonic()
+                        note = on_barrier(n) if on_barrier is not None else None
+                        barriers[n] = round(time.monotonic() - t0, 2)
+                        Path(barrier["dir"], f"go-pass-{n}").write_text(note or "")
+                    time.sleep(0.1)
             finally:
                 if proc.poll() is None:
                     _kill_group(proc)
-        # processes of the engine still alive 3 s after the driver exited (the group outlives its leader)
+        # processes of the engine still alive 3 s after the driver exited (its session and group outlive it)
         deadline = time.monotonic() + 3.0
-        while (stragglers := _group_alive(proc.pid)) and time.monotonic() < deadline:
+        while (stragglers := session_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if stragglers:
+        if stragglers or _group_alive(proc.pid):
             _kill_group(proc)
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_PREFIX)]
         if rc != 0 or not lines:
@@ -112,5 +130,6 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[s
         result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX):])
         result["log"] = str(log)
         result["stragglers"] = stragglers
+        result["barriers"] = barriers
         return result
     return run

@@ -1,0 +1,98 @@
+"""Processes on this host, read from /proc (Linux): what the engine tests use to say that a run left nothing
+behind and which Mooncake servers an engine's processes started."""
+from __future__ import annotations
+
+import os
+
+
+def proc_stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, process group, session) of a live process; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid, pgrp, sid = f.read().rsplit(")", 1)[1].split()[:4]
+    except (OSError, ValueError):
+        return None
+    return None if state == "Z" else (int(ppid), int(pgrp), int(sid))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def alive(pid: int) -> bool:
+    return proc_stat(pid) is not None
+
+
+def session_members(sid: int) -> list[str]:
+    """'pid: cmdline' of every live process whose session or process group is `sid`."""
+    return [f"{p}: {cmdline(p)[:160]}" for p in _pids()
+            if (st := proc_stat(p)) is not None and sid in (st[1], st[2])]
+
+
+def processes_matching(*needles: str) -> list[str]:
+    """'pid: cmdline' of every live process whose command line contains all `needles`."""
+    out = []
+    for p in _pids():
+        if proc_stat(p) is not None and (cmd := cmdline(p)) and all(n in cmd for n in needles):
+            out.append(f"{p}: {cmd[:160]}")
+    return out
+
+
+def mooncake_servers_started_by_session(sid: int) -> list[dict[str, object]]:
+    """Mooncake server processes (`mooncake_master`, the HTTP metadata server) whose parent is a process of
+    session `sid` (an engine's processes; the servers run in a session of their own)."""
+    stats = {p: st for p in _pids() if (st := proc_stat(p)) is not None}
+    ours = {p for p, st in stats.items() if st[2] == sid}
+    found: list[dict[str, object]] = []
+    for p, st in stats.items():
+        if st[0] in ours and ("mooncake_master" in (cmd := cmdline(p)) or "http_metadata_server" in cmd):
+            found.append({"pid": p, "ppid": st[0], "cmdline": cmd})
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+    except OSError:
+        pass
+    return out
+
+
+def loopback_peer_ports(pid: int) -> list[int]:
+    """Remote ports of the established IPv4 TCP connections process `pid` holds to 127.0.0.1 (sorted, with
+    repeats removed): e.g. whether a process is connected to a given Mooncake master."""
+    inodes = _socket_inodes(pid)
+    ports: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    for row in rows:
+        cols = row.split()
+        if len(cols) > 9 and cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
+            host, port = cols[2].split(":")
+            if host == "0100007F":
+                ports.add(int(port, 16))
+    return sorted(ports)
+
+
+def session_processes(sid: int) -> list[dict[str, object]]:
+    """pid, ppid, command line and loopback peer ports of every live process of session `sid`."""
+    return [{"pid": p, "ppid": st[0], "cmdline": cmdline(p)[:200], "peer_ports": loopback_peer_ports(p)}
+            for p in _pids() if (st := proc_stat(p)) is not None and st[2] == sid]
