@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Mooncake store settings plus the connector's bounds (all of them finite: see DESIGN §3.4).
+    """Mooncake store settings plus the connector's bounds (all of them finite: see the settings table in README.md).
 
     `master_server_address` None means *embedded mode*: the connector starts a private master and
     metadata server on 127.0.0.1 (connector/embedded.py) and fills both addresses in.

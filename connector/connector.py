@@ -60,7 +60,7 @@ CONNECTOR_KEYS: dict[str, str] = {
     "load_threads": "load threads per worker rank (int >= 1, default 1)",
     "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
     "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
-    "trace_path": "append kvledger's NDJSON trace events (DESIGN §5 actions) to this file (default: off)",
+    "trace_path": "append kvledger's NDJSON trace events (the actions of kvledger/trace.py) to this file (default: off)",
     "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
     "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
 }

@@ -6,7 +6,7 @@ Theory of operation
 No threads, no I/O, no vLLM import. The connector (``connector/``) does the I/O and calls these ledgers
 under its own locks; every state change is checked against the lifecycle machines of
 ``spec/machines.json`` (StoreJob, StoreRequest: :mod:`kvledger.machines`) and against the invariants of
-DESIGN §5, which raise :class:`LedgerInvariantError` (never ``assert``: the checks survive ``python -O``).
+spec/README.md, which raise :class:`LedgerInvariantError` (never ``assert``: the checks survive ``python -O``).
 
 Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
 

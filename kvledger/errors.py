@@ -1,14 +1,14 @@
 """Errors of the ledger core.
 
 Safety checks raise, they never ``assert`` (``python -O`` would strip an assert and bring the bug back).
-Every invariant error carries the id and name of DESIGN §5 (``S5``, ``ReportedOnce``), so a log line, a
+Every invariant error carries the id and name of spec/README.md (``S5``, ``ReportedOnce``), so a log line, a
 test and a TLC counterexample name the same rule.
 """
 from __future__ import annotations
 
 from typing import Any
 
-#: The safety invariants of DESIGN §5, by id. Lifecycle errors (a trigger that the machines of
+#: The safety invariants of spec/README.md, by id. Lifecycle errors (a trigger that the machines of
 #: ``spec/machines.json`` do not allow from the current state) use the machine name as the id.
 INVARIANTS: dict[str, str] = {
     "S1": "NoPollution",

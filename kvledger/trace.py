@@ -1,4 +1,5 @@
-"""Trace events: one NDJSON line per action of the shared vocabulary (DESIGN §5).
+"""Trace events: one NDJSON line per action of the shared vocabulary (the action names of
+tla/KVLedger.tla's lastAction and spec/machines.json's triggers).
 
 Off by default and free when off: every ledger holds ``trace: TraceSink | None`` and guards each emit with
 ``if self._trace is not None`` (one attribute test on the hot path; the event dict is never built).

@@ -1,7 +1,7 @@
 ---------------------------- MODULE KVLedger ----------------------------
 (***************************************************************************)
 (* The job lifecycle of asynchronous KV-cache saves and loads in vLLM      *)
-(* (DESIGN.md section 5): one scheduler, N worker ranks, a block pool, a   *)
+(* (spec/README.md): one scheduler, N worker ranks, a block pool, a      *)
 (* Mooncake-like store and the load path.                                  *)
 (*                                                                         *)
 (* Two designs share this module, chosen by the constant Legacy:           *)

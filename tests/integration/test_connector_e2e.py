@@ -129,7 +129,7 @@ def test_finished_request_frees_at_once_and_pins_keep_the_engine_stepping(store_
 
 
 def test_trace_path_writes_the_shared_vocabulary(store_config: StoreConfig, tmp_path):
-    """extra `trace_path`: the ledgers' NDJSON events (DESIGN §5 names) from a real run, both roles."""
+    """extra `trace_path`: the ledgers' NDJSON events (kvledger/trace.py names) from a real run, both roles."""
     import json
     trace = tmp_path / "trace.ndjson"
     prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=13)
