@@ -39,8 +39,10 @@ diagram: setup
 bench: setup
 	$(PY) -m bench
 
+# The main workload through vLLM's real engine (TP=2, EngineCore in its own process, embedded Mooncake);
+# the in-process harness demo over vLLM's Scheduler that `make verify` checks: python -m testbed.demo
 demo: setup
-	$(PY) -m testbed.demo
+	$(PY) -m testbed.engine_demo
 
 fuzz: setup
 	$(PY) -m pytest -q tests/conformance -k fuzz --hypothesis-profile=fuzz -s

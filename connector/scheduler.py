@@ -184,8 +184,10 @@ class SchedulerSide:
         meta.finished_req_ids = sorted(scheduler_output.finished_req_ids)
         meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
         trace = self.trace
+        # request_finished already forgot each of these when it finished; forgetting again here would
+        # wipe a NEW request that reuses the id and was admitted in this very step (its pending load,
+        # lookup and save tracker): the notice is per generation, the state is not ours to drop
         for req_id in meta.finished_req_ids:
-            self._forget(req_id)
             if req_id in self._finished_gen:
                 meta.drop_generations[req_id] = self._finished_gen[req_id]
             if trace is not None:  # the notice every rank gets (a DropGeneration each)

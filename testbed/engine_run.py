@@ -9,7 +9,9 @@ The spec (all keys but `workdir` and `prompts` optional):
     tp, mp         tensor_parallel_size (1); VLLM_ENABLE_V1_MULTIPROCESSING (0: EngineCore in this process)
     backend        distributed_executor_backend: "uni" | "mp" (default: "uni" for tp 1, else "mp")
     connector      null (no connector) or {"extra": kv_connector_extra_config, "policy": "recompute"|"fail",
-                   "role": "kv_both"}
+                   "role": "kv_both", "name": kv_connector (default "KVLedgerConnector"), "module_path":
+                   kv_connector_module_path (default "connector.connector"; null: a connector vLLM registers
+                   itself, e.g. "MooncakeStoreConnector")}
     num_blocks (num_gpu_blocks_override), block_size, max_model_len, max_num_seqs, max_num_batched_tokens
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
@@ -20,6 +22,12 @@ The spec (all keys but `workdir` and `prompts` optional):
                    steps until they finish, so pass n reuses pass n-1's ids after they finished; sets
                    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (else vLLM appends 8 random characters to every
                    id and the scheduler never sees an id twice). Default: `LLM.generate`'s own ids
+    progress       with request_ids "fixed": print `ENGINE_RUN_PROGRESS pass <n>: <done>/<total> requests` to
+                   stdout (flushed) whenever a request finishes
+    step_times     with request_ids "fixed": record every engine step's wall time (`llm_engine.step()`, the
+                   whole EngineCore step when mp=0) per pass: `steps`, `step_s` {"sum", "median", "mean", "p90"}
+    stall_timeout_s  with request_ids "fixed": raise when no request finished for this long (mp=0: the
+                   message lists the scheduler's requests and their states)
     barrier        {"dir": D, "passes": [n, ...]}: before pass n (after its reset) write D/before-pass-<n>
                    and wait (at most "timeout_s", default 120) for D/go-pass-<n>: the test acts meanwhile
                    (e.g. restarts the Mooncake master)
@@ -125,17 +133,38 @@ def _barrier(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
     return {"waited_s": round(time.monotonic() - t0, 2), "note": go.read_text()}
 
 
-def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any) -> list[Any]:
-    """Adds "req-<i>" itself and steps until every one finished (the ids come back in the next pass)."""
+PROGRESS_PREFIX = "ENGINE_RUN_PROGRESS "
+
+
+def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any, *, pass_no: int = 0,
+                        progress: bool = False, step_times: list[float] | None = None,
+                        stall_timeout_s: float | None = None) -> list[Any]:
+    """Adds "req-<i>" itself and steps until every one finished (the ids come back in the next pass).
+    `progress`: a progress line per finished request; `step_times`: every step's wall time appended."""
     engine = llm.llm_engine
     ids = [f"req-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     done: dict[str, Any] = {}
+    last = time.monotonic()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        if stall_timeout_s and time.monotonic() - last > stall_timeout_s:
+            core = getattr(engine.engine_core, "engine_core", None)
+            states = None if core is None else {
+                rid: (r.status.name, r.num_computed_tokens, r.num_tokens)
+                for rid, r in list(core.scheduler.requests.items())[:12]}
+            raise RuntimeError(f"pass {pass_no + 1}: no request finished for {stall_timeout_s}s "
+                               f"({len(done)}/{len(ids)} done); scheduler's requests (mp=0 only): {states}")
+        t = time.perf_counter()
+        outs = engine.step()
+        if step_times is not None:
+            step_times.append(time.perf_counter() - t)
+        for out in outs:
             if out.finished:
                 done[out.request_id] = out
+                last = time.monotonic()
+                if progress:
+                    print(f"{PROGRESS_PREFIX}pass {pass_no}: {len(done)}/{len(ids)} requests", flush=True)
     missing = [r for r in ids if r not in done]
     if missing:
         raise RuntimeError(f"requests {missing} never finished")
@@ -183,7 +212,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kvt = None
     conn = spec.get("connector")
     if conn is not None:
-        kvt = KVTransferConfig(kv_connector="KVLedgerConnector", kv_connector_module_path="connector.connector",
+        kvt = KVTransferConfig(kv_connector=conn.get("name", "KVLedgerConnector"),
+                               kv_connector_module_path=conn.get("module_path", "connector.connector"),
                                kv_role=conn.get("role", "kv_both"),
                                kv_load_failure_policy=conn.get("policy", "recompute"),
                                kv_connector_extra_config=dict(conn.get("extra", {})))
@@ -212,7 +242,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             entry["barrier"] = waited
         t1 = time.monotonic()
         if fixed_ids:
-            outs = _generate_fixed_ids(llm, prompts, sp)
+            steps: list[float] | None = [] if spec.get("step_times") else None
+            outs = _generate_fixed_ids(llm, prompts, sp, pass_no=n, progress=bool(spec.get("progress")),
+                                       step_times=steps, stall_timeout_s=spec.get("stall_timeout_s"))
+            if steps:
+                ordered = sorted(steps)
+                entry["steps"] = len(steps)
+                entry["step_s"] = {"sum": sum(steps), "mean": sum(steps) / len(steps),
+                                   "median": ordered[len(ordered) // 2],
+                                   "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
         else:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         entry["seconds"] = round(time.monotonic() - t1, 2)
@@ -241,6 +279,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, to stderr
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print(__doc__, file=sys.stderr)

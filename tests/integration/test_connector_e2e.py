@@ -232,3 +232,26 @@ def test_kv_role_selects_saves_and_loads(store_config: StoreConfig, tmp_path, kv
         assert (ss.ledger.num_jobs_opened > 0) is saves
         assert (ss.num_loads > 0) is loads
         _check(h, prompts, max_tokens=8)
+
+
+def test_req_id_reused_the_step_after_it_finished_still_loads(store_config: StoreConfig):
+    """A request finishes in step k; the same req_id comes back before step k+1 with a store hit. vLLM
+    reports the old finish in step k+1's `finished_req_ids`, in the same step that admits the new request
+    and emits its load: the finish notice must not wipe the new generation's pending load (it did: the
+    request then waited for remote KV forever, holding its load pins)."""
+    saved = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=11)[0]
+    other = shared_prefix_prompts(1, num_prefixes=1, prefix_len=40, suffix_len=8, seed=12)[0]
+    with Harness(store_config, tp_size=2, num_blocks=32, stall_timeout_s=20) as h:
+        ss = h.scheduler_connector.scheduler_side
+        h.add_request("s", saved, 4)
+        h.run()
+        assert h.scheduler.reset_prefix_cache()  # from now on a hit on `saved` can only be a store hit
+        h.add_request("a", other, 4)
+        while "a" not in h.stats.finished:
+            assert h.step()
+        loads_before = ss.num_loads
+        h.add_request("a", saved, 4)  # the same id, before the step that reports the old one finished
+        h.run()
+        assert ss.num_loads == loads_before + 1
+        assert h.stats.outputs["a"][-4:] == h.expected_output(saved, 4)
+        assert h.garbage == [] and h.check_at_rest() == []
