@@ -143,9 +143,9 @@ def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]
 
 
 def store_suite(args: argparse.Namespace) -> int:
-    from connector.config import StoreConfig
-    from connector.embedded import EmbeddedMooncake
-    from connector.store import MooncakeStore
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store import MooncakeStore
 
     div = 3 if args.quick else 1
     threads = torch.get_num_threads()
@@ -288,8 +288,8 @@ def overhead_suite(args: argparse.Namespace) -> int:
     time is excluded from both figures. Rounds alternate kv_both / kv_consumer on the same prompts."""
     import logging
 
-    from connector.config import StoreConfig
-    from connector.embedded import EmbeddedMooncake
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.embedded import EmbeddedMooncake
     from testbed.harness import Harness, shared_prefix_prompts
 
     logging.getLogger("vllm").setLevel(logging.ERROR)

@@ -118,7 +118,7 @@ def _build_env(layout: str, workdir: str) -> _Env:
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=1),
         kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
-                                            kv_connector_module_path="connector.connector", kv_role="kv_both",
+                                            kv_connector_module_path="kvledger_connector.connector", kv_role="kv_both",
                                             kv_connector_extra_config={"tp_rank": 0}),
         device_config=DeviceConfig("cpu"))
     vc.cache_config.num_gpu_blocks = num_blocks
@@ -167,7 +167,7 @@ class _Ours(_Path):
     def __init__(self, env: _Env, store: Any, run: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from connector.connector import KVLedgerConnector
+        from kvledger_connector.connector import KVLedgerConnector
 
         self.conn = KVLedgerConnector(env.vllm_config, KVConnectorRole.WORKER, env.kv_cache_config, store=store)
         self.conn.register_kv_caches(env.caches)
@@ -185,14 +185,14 @@ class _Ours(_Path):
     def _drop(self, req_id: str) -> None:
         """DropGeneration (finished) through the worker's step hook, and take the reports: keeps the ledger
         bounded over many jobs."""
-        from connector.metadata import KVLedgerConnectorMetadata
+        from kvledger_connector.metadata import KVLedgerConnectorMetadata
 
         self.step += 1
         self.ws.start_step(KVLedgerConnectorMetadata(step=self.step, finished_req_ids=[req_id]))
         self.ws.build_worker_meta()
 
     def put_call(self, tag: str) -> tuple[list[str], Callable[[], None]]:
-        from connector.metadata import SaveSpec
+        from kvledger_connector.metadata import SaveSpec
 
         hashes = tuple(_hashes(f"{self.run}/ours/{tag}", len(self.block_ids)))
         self.job += 1
@@ -209,7 +209,7 @@ class _Ours(_Path):
             raise BenchError(f"ours: save failed: {self.ws.errors[-1:]}")
 
     def get_call(self) -> Callable[[], None]:
-        from connector.metadata import LoadSpec
+        from kvledger_connector.metadata import LoadSpec
 
         spec = LoadSpec(req_id="ours-load", block_ids=self.block_ids, block_hashes=self._get_hashes)
         return lambda: self.ws._handle_load(spec)
@@ -400,8 +400,8 @@ def _check_cache(env: _Env, ref: dict[str, torch.Tensor], path: str) -> None:
 
 
 def _layout_run(mc: Any, layout: str, iters: int, workdir: str) -> dict[str, Any]:
-    from connector.config import StoreConfig
-    from connector.store import MooncakeStore
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.store import MooncakeStore
 
     env = _build_env(layout, workdir)
     store = MooncakeStore.connect(StoreConfig(global_segment_size=SEGMENT_BYTES, local_buffer_size=4 << 20),
@@ -479,7 +479,7 @@ def _cell(x: float | None, width: int, flag: str = "") -> str:
 
 
 def datapath_suite(args: argparse.Namespace) -> int:
-    from connector.embedded import EmbeddedMooncake
+    from kvledger_connector.embedded import EmbeddedMooncake
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     iters = 5 if args.quick else ITERS

@@ -6,12 +6,12 @@ between them: pass 1 saves, pass 2 loads from the store) and the same stand-in m
 (`LLM` -> in-process EngineCore -> uni executor, TP=1, CPU) three ways in one run:
 
   none      no kv_transfer_config
-  ours      KVLedgerConnector (connector.connector) on the bench's Mooncake master
+  ours      KVLedgerConnector (kvledger_connector.connector) on the bench's Mooncake master
   upstream  vLLM 0.32's own MooncakeStoreConnector, configured as its docs say (MOONCAKE_CONFIG_PATH file
             with metadata_server, master_server_address, protocol "tcp", device_name "",
             global_segment_size, local_buffer_size) on the same master
 
-Both connectors use one EmbeddedMooncake (connector.embedded) that the bench starts on 127.0.0.1. Each
+Both connectors use one EmbeddedMooncake (kvledger_connector.embedded) that the bench starts on 127.0.0.1. Each
 engine runs in its own subprocess (testbed/engine_run.py with `request_ids: "fixed"` and `step_times`):
 every `llm_engine.step()` is timed (with mp=0 that is the whole EngineCore step: schedule, the connector's
 scheduler hooks, the worker's execute_model with the connector's worker hooks, output processing). The
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, n = (1, 16) if args.quick else (2, 32)
     prompts = _prompts(n)
 
-    from connector.embedded import EmbeddedMooncake
+    from kvledger_connector.embedded import EmbeddedMooncake
     mc = EmbeddedMooncake(rpc_timeout_ms=5000)
     work = Path(tempfile.mkdtemp(prefix="kvledger-bench-engine-"))
     cfg = work / "mooncake.json"  # upstream's MooncakeStoreConfig.from_file

@@ -49,9 +49,9 @@ FIGURES: dict[str, str] = {}
 
 def _mooncake():
     from conformance.kvdriver import MooncakeBackend
-    from connector.config import StoreConfig
-    from connector.embedded import EmbeddedMooncake
-    from connector.store import MooncakeStore
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store import MooncakeStore
 
     mc = EmbeddedMooncake(rpc_timeout_ms=2000)
     try:

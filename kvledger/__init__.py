@@ -3,7 +3,7 @@
 Theory of operation
 ===================
 
-No threads, no I/O, no vLLM import. The connector (``connector/``) does the I/O and calls these ledgers
+No threads, no I/O, no vLLM import. The connector (``kvledger_connector/``) does the I/O and calls these ledgers
 under its own locks; every state change is checked against the lifecycle machines of
 ``spec/machines.json`` (StoreJob, StoreRequest: :mod:`kvledger.machines`) and against the invariants of
 spec/README.md, which raise :class:`LedgerInvariantError` (never ``assert``: the checks survive ``python -O``).

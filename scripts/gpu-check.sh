@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue: KV caches on CUDA, shaped as vLLM's allocator shapes them).
 #   scripts/gpu-check.sh pack   here (needs .venv with vLLM): writes $GPU_CHECK_DIR (default .gpu-check/):
-#                               connector/kvlayout.py, the test, geometry.json recorded from vLLM (< 1 MiB)
+#                               kvledger_connector/kvlayout.py, the test, geometry.json recorded from vLLM (< 1 MiB)
 #   scripts/gpu-check.sh run    on the CUDA machine (torch + CUDA, pytest; no vLLM, no Mooncake, no network),
 #                               from the repository root; one verdict line at the end; < 10 minutes
 # The folder is git-ignored: hand it to the device runner as a carried path.
@@ -11,7 +11,7 @@ DIR=${GPU_CHECK_DIR:-.gpu-check}
 case "${1:-}" in
   pack)
     rm -rf "$DIR"; mkdir -p "$DIR"
-    cp connector/kvlayout.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
+    cp kvledger_connector/kvlayout.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
     .venv/bin/python -m scripts.gpu_check.record_geometry > "$DIR/geometry.json" 2>"$DIR/record.log"
     bytes=$(du -sb "$DIR" | cut -f1)
     [ "$bytes" -lt $((64 << 20)) ] || { echo "gpu-check: pack is $bytes bytes, over 64 MiB" >&2; exit 1; }

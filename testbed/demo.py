@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from connector.config import StoreConfig
+    from kvledger_connector.config import StoreConfig
     from testbed.faults import FaultPlan, FaultRule, FaultyStore
     from testbed.harness import Harness, shared_prefix_prompts
 

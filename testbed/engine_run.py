@@ -10,7 +10,7 @@ The spec (all keys but `workdir` and `prompts` optional):
     backend        distributed_executor_backend: "uni" | "mp" (default: "uni" for tp 1, else "mp")
     connector      null (no connector) or {"extra": kv_connector_extra_config, "policy": "recompute"|"fail",
                    "role": "kv_both", "name": kv_connector (default "KVLedgerConnector"), "module_path":
-                   kv_connector_module_path (default "connector.connector"; null: a connector vLLM registers
+                   kv_connector_module_path (default "kvledger_connector.connector"; null: a connector vLLM registers
                    itself, e.g. "MooncakeStoreConnector")}
     num_blocks (num_gpu_blocks_override), block_size, max_model_len, max_num_seqs, max_num_batched_tokens
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
@@ -213,7 +213,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     conn = spec.get("connector")
     if conn is not None:
         kvt = KVTransferConfig(kv_connector=conn.get("name", "KVLedgerConnector"),
-                               kv_connector_module_path=conn.get("module_path", "connector.connector"),
+                               kv_connector_module_path=conn.get("module_path", "kvledger_connector.connector"),
                                kv_role=conn.get("role", "kv_both"),
                                kv_load_failure_policy=conn.get("policy", "recompute"),
                                kv_connector_extra_config=dict(conn.get("extra", {})))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from connector.store import KVStore, StoreCode
+from kvledger_connector.store import KVStore, StoreCode
 
 Op = Literal["exist", "put", "get"]
 Action = Literal["code", "raise", "evict"]

@@ -58,11 +58,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from connector.config import StoreConfig  # noqa: E402
-from connector.connector import KVLedgerConnector  # noqa: E402
-from connector.keys import KeyBuilder  # noqa: E402
-from connector.kvlayout import plan_block_copies  # noqa: E402
-from connector.store import KVStore, MooncakeStore  # noqa: E402
+from kvledger_connector.config import StoreConfig  # noqa: E402
+from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
+from kvledger_connector.keys import KeyBuilder  # noqa: E402
+from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
+from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
 from testbed.emu_model import EOS, VOCAB, KVContent, expected_output, write_model_dir  # noqa: E402
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config, layer_names  # noqa: E402
 
@@ -127,7 +127,7 @@ class Harness:
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
             parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
-                                                kv_connector_module_path="connector.connector",
+                                                kv_connector_module_path="kvledger_connector.connector",
                                                 kv_role=kv_role, kv_connector_extra_config=extra,
                                                 kv_load_failure_policy=policy),
             device_config=DeviceConfig("cpu"))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kvlayout  # noqa: E402  (connector/kvlayout.py, copied by the pack)
+import kvlayout  # noqa: E402  (kvledger_connector/kvlayout.py, copied by the pack)
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 CASES = json.loads((Path(__file__).parent / "geometry.json").read_text())

@@ -8,9 +8,9 @@ import pytest
 @pytest.fixture(scope="session")
 def mooncake_backend():
     from conformance.kvdriver import MooncakeBackend
-    from connector.config import StoreConfig
-    from connector.embedded import EmbeddedMooncake
-    from connector.store import MooncakeStore
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store import MooncakeStore
 
     mc = EmbeddedMooncake(rpc_timeout_ms=2000)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from connector.embedded import EmbeddedMooncake
+from kvledger_connector.embedded import EmbeddedMooncake
 from testbed.procs import session_members
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from conformance import runlog, tracecheck
-from connector.embedded import EmbeddedMooncake, port_accepts
+from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
 from testbed.emu_model import VOCAB, expected_output
 from testbed.procs import alive, processes_matching
 

@@ -22,9 +22,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from connector.config import StoreConfig  # noqa: E402
-from connector.embedded import EmbeddedMooncake  # noqa: E402
-from connector.store import MooncakeStore  # noqa: E402
+from kvledger_connector.config import StoreConfig  # noqa: E402
+from kvledger_connector.embedded import EmbeddedMooncake  # noqa: E402
+from kvledger_connector.store import MooncakeStore  # noqa: E402
 
 TEST_SEGMENT = 128 << 20
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import ENV_CONFIG_PATH, KEY_DOCS, ConfigError, StoreConfig, parse_size
+from kvledger_connector.config import ENV_CONFIG_PATH, KEY_DOCS, ConfigError, StoreConfig, parse_size
 
 
 def write(tmp_path: Path, data: object) -> dict[str, str]:

@@ -8,8 +8,8 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.config import ConfigError, StoreConfig
-from connector.stats import MAX_CODES, KVLedgerPromMetrics, KVLedgerStats
+from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.stats import MAX_CODES, KVLedgerPromMetrics, KVLedgerStats
 from testbed.harness import Harness
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import StoreConfig
+from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 40

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.config import StoreConfig
+from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,

@@ -3,7 +3,7 @@ two upstream vLLM 0.32.0 load-path failures), rotation, bounded queues, stale jo
 
 `WorkerSide` is driven directly with the real store and a KV cache from vLLM's own allocator
 (testbed.kvcache, read through `plan_block_copies`); its keys come from the engine config
-(`connector.connector.key_layout`). Two test doubles, each named where used: `_GatedStore` (holds calls
+(`kvledger_connector.connector.key_layout`). Two test doubles, each named where used: `_GatedStore` (holds calls
 until released, to make a queue fill deterministically) and `testbed.faults.FaultyStore` (injects codes /
 exceptions on chosen calls).
 """
@@ -20,14 +20,14 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from connector.config import StoreConfig
-from connector.connector import key_layout
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.connector import key_layout
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
-from connector.keys import KeyBuilder
-from connector.kvlayout import plan_block_copies
-from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
-from connector.store import MooncakeStore, StoreCode
-from connector.worker import WorkerSide
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.kvlayout import plan_block_copies
+from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.worker import WorkerSide
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from connector.config import StoreConfig
+from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, HarnessStallError, shared_prefix_prompts
 
 
@@ -74,7 +74,7 @@ class _SlowCloseRaw:
 
 
 def test_store_close_is_bounded_and_says_so(caplog):
-    from connector.store import MooncakeStore
+    from kvledger_connector.store import MooncakeStore
 
     cfg = StoreConfig(master_server_address="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata")
     store = MooncakeStore(_SlowCloseRaw(5.0), cfg)
@@ -95,7 +95,7 @@ def test_servers_die_with_a_killed_owner(tmp_path):
     import subprocess
     import sys
 
-    code = ("from connector.embedded import EmbeddedMooncake\n"
+    code = ("from kvledger_connector.embedded import EmbeddedMooncake\n"
             "import time\n"
             "mc = EmbeddedMooncake()\n"
             "print(mc.master_pid, mc.metadata_pid, flush=True)\n"

@@ -26,10 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from connector.config import ConfigError, StoreConfig
-from connector.connector import KVLedgerConnector, key_layout, kv_cache_spec, resolved_layout
-from connector.keys import KeyBuilder
-from connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
+from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.connector import KVLedgerConnector, key_layout, kv_cache_spec, resolved_layout
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
 from testbed.kvcache import (
     LAYOUTS,
     SPLITTABLE_LAYOUTS,
@@ -265,7 +265,7 @@ def _engine(workdir: str, *, layout: str = "LBNHC", tp: int = 1, pp: int = 1,
                     scheduler_config=SchedulerConfig(max_model_len=256, is_encoder_decoder=False),
                     parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                     kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
-                                                        kv_connector_module_path="connector.connector",
+                                                        kv_connector_module_path="kvledger_connector.connector",
                                                         kv_role="kv_both", kv_connector_extra_config=extra or {}),
                     device_config=DeviceConfig("cpu"))
     specs = attention_specs(2, block_size=16, num_kv_heads=2, head_size=8)

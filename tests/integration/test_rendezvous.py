@@ -1,4 +1,4 @@
-"""The embedded default across an engine's processes (connector/rendezvous.py): processes of one engine
+"""The embedded default across an engine's processes (kvledger_connector/rendezvous.py): processes of one engine
 share one private master; another engine gets its own; the owner's exit, clean or SIGKILL, leaves no
 server and no rendezvous file behind. Each "process of the engine" is a real subprocess."""
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from connector.embedded import port_accepts
+from kvledger_connector.embedded import port_accepts
 
 ROOT = Path(__file__).resolve().parents[2]
 # one process of an engine: acquire the engine's servers, say what it got, release on "release\n"
 CHILD = """
 import json, sys
-from connector.connector import _acquire_embedded, _release_embedded
-from connector.embedded import EmbeddedMooncake
+from kvledger_connector.connector import _acquire_embedded, _release_embedded
+from kvledger_connector.embedded import EmbeddedMooncake
 h = _acquire_embedded(sys.argv[1], 2000)
 print(json.dumps({"master": h.master_address, "metadata": h.metadata_server,
                   "owner": isinstance(h, EmbeddedMooncake),
@@ -111,7 +111,7 @@ def test_a_killed_owner_leaves_no_server_and_the_next_engine_sweeps_its_file(env
 
 
 def test_a_runtime_dir_of_another_owner_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from connector import rendezvous
+    from kvledger_connector import rendezvous
     target = tmp_path / "not-a-dir"
     target.write_text("x")
     monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(target))

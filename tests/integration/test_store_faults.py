@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.config import StoreConfig
-from connector.embedded import EmbeddedMooncake
-from connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
 
 RPC_TIMEOUT_MS = 1000
 BACKOFF_MS = 5000  # long enough that the calls right after a failure fall inside it

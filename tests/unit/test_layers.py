@@ -1,8 +1,8 @@
 """The packages form layers, each importing only those below it:
 
-    kvledger  <  connector  <  testbed  <  conformance, bench, tests
+    kvledger  <  kvledger_connector  <  testbed  <  conformance, bench, tests
 
-`connector/` is what vLLM loads: no driver, test double or checker may ship in it, and nothing imports
+`kvledger_connector/` is what vLLM loads: no driver, test double or checker may ship in it, and nothing imports
 upward (a layer above is run as a program, e.g. the demo runs `python -m conformance.runlog`)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ABOVE = {
-    "kvledger": {"connector", "testbed", "conformance", "bench", "tests", "spec"},
-    "connector": {"testbed", "conformance", "bench", "tests"},
+    "kvledger": {"kvledger_connector", "testbed", "conformance", "bench", "tests", "spec"},
+    "kvledger_connector": {"connector", "testbed", "conformance", "bench", "tests"},
     "testbed": {"conformance", "bench", "tests"},
 }
 
@@ -35,5 +35,12 @@ def test_no_package_imports_a_layer_above_it() -> None:
 
 
 def test_connector_ships_no_driver_or_test_double() -> None:
-    names = {p.stem for p in (ROOT / "connector").glob("*.py")}
+    names = {p.stem for p in (ROOT / "kvledger_connector").glob("*.py")}
     assert not names & {"faults", "demo", "harness", "emu_worker"}, names
+
+
+def test_old_module_path_is_only_a_shim() -> None:
+    # `connector.connector` (the module path configs used before the rename) re-exports, nothing more.
+    shim = ROOT / "connector"
+    assert sorted(p.name for p in shim.glob("*.py")) == ["__init__.py", "connector.py"]
+    assert [m for _, m in _imports(shim / "connector.py")] == ["kvledger_connector.connector"]

@@ -13,7 +13,7 @@ changes the bytes of a block on this rank, plus the block's content hash:
           |                     layouts never collide
           `-- for humans reading `batch_is_exist` logs; never relied on for uniqueness
 
-The object's byte order is the resolved `KVCacheLayout`'s own (connector/kvlayout.py), so the layout
+The object's byte order is the resolved `KVCacheLayout`'s own (kvledger_connector/kvlayout.py), so the layout
 name is in the digest: engines with different physical layouts never share a key (they would read each
 other's bytes in the wrong order); engines that differ only in the attention backend's kernel block size
 share keys (a split block is stored in token order). `kvl1` keys (the pre-0.32 object format) are never

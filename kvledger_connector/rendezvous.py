@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connector.embedded import EmbeddedMooncake, port_accepts
+from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
 

@@ -25,10 +25,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from connector.keys import KeyBuilder
-from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
-from connector.stats import StatsRecorder
-from connector.store import KVStore
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.stats import StatsRecorder
+from kvledger_connector.store import KVStore
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink

@@ -56,7 +56,7 @@ class StoreConfig:
     """Mooncake store settings plus the connector's bounds (all of them finite: see the settings table in README.md).
 
     `master_server_address` None means *embedded mode*: the connector starts a private master and
-    metadata server on 127.0.0.1 (connector/embedded.py) and fills both addresses in.
+    metadata server on 127.0.0.1 (kvledger_connector/embedded.py) and fills both addresses in.
     """
 
     master_server_address: str | None = None  # "host:port" of mooncake_master; None -> embedded

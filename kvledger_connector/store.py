@@ -16,7 +16,7 @@ Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_mu
 object is the concatenation of its chunks (e.g. one chunk per layer's K and V), and a get must ask for
 exactly the object's total size (larger: -800, smaller: -600).
 
-Network note: the servers we start (connector/embedded.py) bind 127.0.0.1 only; this client's
+Network note: the servers we start (kvledger_connector/embedded.py) bind 127.0.0.1 only; this client's
 transfer-engine ports bind all interfaces by Mooncake's design (INADDR_ANY is hard-coded there), so
 `MC_TCP_BIND_ADDRESS` only sets the address we advertise.
 """
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-from connector.config import StoreConfig
+from kvledger_connector.config import StoreConfig
 
 if TYPE_CHECKING:
-    from connector.embedded import EmbeddedMooncake
-    from connector.rendezvous import AttachedMooncake
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.rendezvous import AttachedMooncake
 
 
 logger = logging.getLogger(__name__)

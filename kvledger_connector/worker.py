@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from connector.config import StoreConfig
-from connector.keys import KeyBuilder
-from connector.kvlayout import BlockCopyPlan, KVLayoutError
-from connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
-from connector.stats import StatsRecorder
-from connector.store import KVStore, StoreCode
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
+from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.stats import StatsRecorder
+from kvledger_connector.store import KVStore, StoreCode
 from kvledger.errors import LedgerError, LedgerInputError
 from kvledger.load import LoadLedger, rotation
 from kvledger.trace import TraceSink
@@ -88,7 +88,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan) -> None:
-        """The copy plan of vLLM's KV cache views (connector/kvlayout.py): a key's object is the plan's
+        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py): a key's object is the plan's
         segments of one block. Each backing allocation is registered with the store once."""
         if self._plan is not None:
             raise KVLayoutError("register_kv_caches called twice on one worker")
