@@ -6,7 +6,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONDONTWRITEBYTECODE := 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup verify verify-deep witness test test-fast gen diagram bench demo fuzz clean
+.PHONY: setup verify verify-deep witness test test-vllm033 test-fast gen diagram bench demo fuzz clean
 
 setup:
 	@scripts/setup.sh
@@ -25,10 +25,21 @@ witness: setup
 	$(PY) -m conformance.witness
 
 # The whole suite; the pure-core tests run a second time under python -O (safety checks must raise,
-# never assert).
+# never assert); then the vLLM-facing suites again on vLLM 0.33.0 (test-vllm033).
 test: setup
 	$(PY) -m pytest -q tests
 	$(PY) -O -m pytest -q -p no:cacheprovider tests/unit
+	$(TEST033)
+
+# vLLM 0.33.0 (.venv033, layered on .venv by setup): the suites of vLLM's connector API, Scheduler/BlockPool,
+# KV cache planning and allocation, the harness and the real engine. The fault/bounds/replay suites run on 0.32 only.
+TEST033 = KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python -m pytest -q -p no:cacheprovider \
+	tests/integration/test_vllm_versions.py tests/unit/test_scheduler.py tests/unit/test_refcount_property.py \
+	tests/integration/test_connector_e2e.py tests/integration/test_connector_worker.py \
+	tests/integration/test_kv_layouts.py tests/integration/test_keys.py tests/integration/test_connector_config.py \
+	tests/engine
+test-vllm033: setup
+	$(TEST033)
 
 gen: setup
 	$(PY) -m spec.gen

@@ -10,7 +10,7 @@ picks an action from the *universe* (every distinct action input the graph ever 
   * the graph has no such edge: the system must refuse it (`Refused`), and its abstract state must
     be unchanged.
 
-After every step `driver.check_invariants()` checks S1..S8 on the implementation itself (not on
+After every step `driver.check_invariants()` checks S1..S9 on the implementation itself (not on
 the model). Hypothesis shrinks a failure to the shortest program it can and prints it as a list of
 `state.step(...)` calls; the same list can be replayed by calling the methods in order.
 

@@ -7,19 +7,30 @@ Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of v
                               and a KV cache from vLLM's allocator (one block = one row): Compute
                               writes chunk <<r, c>>'s code into the block's row
 EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids)        (pins via BlockPool.touch)
-Collect                   -> aggregate(take_completed() of every rank) -> SchedulerLedger.collect
+Collect                   -> KVLedgerWorkerMetadata(WorkerSteps.take_reports()) of every rank, merged with
+                             its aggregate (as vLLM's executor) -> SchedulerLedger.collect
                              (completed in ascending job id order: the model frees released jobs so)
-Receive(w)                -> WorkerLedger.register(req_id, job, generation)   (oldest emitted job)
-DropGeneration(w, r, g)   -> WorkerLedger.drop_generation(req_id, finished=, generation=g)
-DmaRead(w)                -> WorkerLedger.begin(job) then a real tensor copy of the pinned blocks'
+Receive .. HandleLoadErrors on a rank: the connector's own step functions (kvledger_connector/jobs.py,
+                             WorkerSteps: the code the connector's store and load threads run) over a
+                             DriverStore (the backend behind the connector's store calls; faults injected
+                             there). Per action:
+Receive(w)                -> WorkerSteps.receive: WorkerLedger.register(req_id, job, generation)
+DropGeneration(w, r, g)   -> WorkerSteps.drop_generation(req_id, finished=, generation=g)
+DmaRead(w)                -> WorkerSteps.begin_save (WorkerLedger.begin) then a real tensor copy of the pinned blocks'
                              rows from the rank's saved offset; outcome "failed" = injected handler error
-Put(w)                    -> a real Mooncake batch_put of the staged rows (first writer wins), then
-                             record_saved / record_failed; "fail" and "pressure" are injected store codes
-                             (-800 / -200) instead of the call; while the store is down every put fails
-Report(w)                 -> WorkerLedger.finish(job)
-Lookup/EmitLoad/Load/HandleLoadErrors -> Mooncake batch_is_exist / BlockPool allocation + LoadLedger.begin_load
-                             / real batch_get into the block rows + LoadLedger.record_results (a
-                             transfer failure "xfail" is an injected -800) / take_errors
+Put(w)                    -> WorkerSteps.put (batch_is_exist, then a real Mooncake batch_put of the staged
+                             rows not yet stored: first writer wins) and WorkerSteps.record_put
+                             (kvledger.codes -> record_saved / record_failed); "fail" and "pressure" are
+                             store codes (-800 / -200) injected as the answers of these calls; while the
+                             store is down every call answers -900
+Report(w)                 -> WorkerSteps.report_save: WorkerLedger.finish(job)
+Lookup/EmitLoad            -> Mooncake batch_is_exist / BlockPool allocation + SchedulerLedger.pin_load
+                             (logs EmitLoad) + WorkerSteps.begin_load
+CollectLoad(r)            -> SchedulerLedger.collect_loads({r: every rank}) (vLLM's finished_recving)
+Load(w, r)                -> WorkerSteps.load_batch: a real batch_get into the block rows, classified by
+                             kvledger.codes (a transfer failure "xfail" is an injected -800), then
+                             WorkerSteps.finish_load when no key is pending
+HandleLoadErrors          -> WorkerSteps.take_load_errors of every rank
 Evict(k)                  -> Mooncake remove(key, force=True)
 StoreFail / StoreRestart  -> the store marked down (an injected fault: every call fails with -900) /
                              every key of this behaviour removed, store up again
@@ -34,6 +45,7 @@ Abstract state compared after every step (field: model -> impl):
                                      offset (in chunks), pressure skip, phase
   buf store                          the staged DMA rows, decoded; the Mooncake keys, read back
   ld                                 per request: load phase, keys, blocks reported invalid
+  lpins                              SchedulerLedger's load pins: {req: destination blocks} while pinned
 """
 from __future__ import annotations
 
@@ -48,10 +60,11 @@ from vllm.v1.core.block_pool import BlockPool
 from conformance.replay import Refused
 from kvledger.errors import LedgerError, LedgerInvariantError
 from kvledger.load import LoadLedger
-from kvledger.metadata import aggregate_into
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
-from kvledger.worker import Verdict, WorkerLedger
+from kvledger.worker import WorkerLedger
+from kvledger_connector.jobs import WorkerSteps, no_lock
+from kvledger_connector.metadata import KVLedgerWorkerMetadata
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
@@ -136,6 +149,48 @@ class MooncakeBackend:
         pass
 
 
+class DriverStore:
+    """The store the connector's step functions (kvledger_connector/jobs.py) call in the driver: the batch
+    calls of the connector's KVStore over the driver's backend. A buffer "pointer" is a handle of a row
+    registered in `rows` (a KV cache row, or a staged row of a DMA read), so CPU and CUDA rows alike work.
+    The model's faults are injected here: `down` (every call -900), `fault` (every code of the next
+    exist/put calls), `xfail` (keys whose get fails in transfer)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.rows: dict[int, torch.Tensor] = {}
+        self.down = False
+        self.fault: int | None = None
+        self.xfail: set[str] = set()
+
+    def _fails(self, n: int) -> list[int] | None:
+        if self.down:
+            return [STORE_DOWN] * n
+        if self.fault is not None:
+            return [self.fault] * n
+        return None
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self._fails(len(keys)) or [1 if self.backend.exists(k) else 0 for k in keys]
+
+    def batch_put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        return self._fails(len(keys)) or [self.backend.put(k, self.rows[p[0]]) for k, p in zip(keys, ptrs)]
+
+    def batch_get(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        if self.down:
+            return [STORE_DOWN] * len(keys)
+        return [XFER_FAIL if k in self.xfail else self.backend.get(k, self.rows[p[0]])
+                for k, p in zip(keys, ptrs)]
+
+
+ROW_BYTES = ROW * 4
+STAGED = 1 << 20  # handle of staged chunk c: STAGED + c (block ids are below)
+
+
+def _buffers(ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    return [[i] for i in ids], [[ROW_BYTES]] * len(ids)
+
+
 _behaviour_ids = itertools.count()
 
 
@@ -205,6 +260,13 @@ class KVDriver:
                         for i, w in enumerate(self.ranks)}
         self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req), trace=tr)
                       for i, w in enumerate(self.ranks)}
+        # the connector's own per-job steps, one per rank, over this driver's store
+        self.store = DriverStore(self.backend)
+        self.store.rows = {b: self.kv[b] for b in range(1, self.num_blocks + 1)}
+        self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
+                                     buffers=_buffers, tp_rank=i, block_size=1, key_bytes=ROW_BYTES,
+                                     lock=no_lock())
+                      for i, w in enumerate(self.ranks)}
         self.status = {r: "waiting" for r in self.req}
         self.gen = {r: 0 for r in self.req}
         self.table: dict[str, list[Any]] = {r: [] for r in self.req}
@@ -234,7 +296,7 @@ class KVDriver:
 
     @staticmethod
     def _ld_idle() -> dict[str, Any]:
-        return {"ph": "idle", "n": 0, "bad": set(), "load_ids": {}, "blocks": []}
+        return {"ph": "idle", "n": 0, "bad": set(), "load_ids": {}, "blocks": [], "pin": False}
 
     def close(self) -> None:
         pass
@@ -344,10 +406,14 @@ class KVDriver:
 
     def do_Finish(self, a: dict[str, Any]) -> None:
         r = a["r"]
-        self._running_done(r)
-        if self.ncomp[r] != self.num_chunks or (self.emitted[r] != self.ncomp[r]
-                                                  and self.sched.next_job_id <= self.max_jobs):
-            raise Refused(f"{r} has work left")
+        ld = self.ld[r]
+        if self.status[r] == "running" and (ld["ph"] == "loading" or ld["ph"] == "loaded" and ld["pin"]):
+            self._engine_synced()  # an abort during the async load: the load's pins keep its blocks
+        else:
+            self._running_done(r)
+            if self.ncomp[r] != self.num_chunks or (self.emitted[r] != self.ncomp[r]
+                                                    and self.sched.next_job_id <= self.max_jobs):
+                raise Refused(f"{r} has work left")
         self._free_table(r)
         self.status[r] = "finished"
         for w in self.ranks:
@@ -355,9 +421,11 @@ class KVDriver:
         self._emit("sched", "Finish", req_id=r, generation=self.gen[r])
 
     def do_Collect(self, a: dict[str, Any]) -> None:
-        merged: dict[int, int] = {}
-        for wl in self.workers.values():
-            aggregate_into(merged, wl.take_completed())
+        # each rank's worker metadata, merged as vLLM's executor does (KVLedgerWorkerMetadata.aggregate)
+        meta = KVLedgerWorkerMetadata()
+        for w in self.ranks:
+            meta.aggregate(KVLedgerWorkerMetadata(self.steps[w].take_reports()))
+        merged = meta.completed_saves
         if not merged:
             raise Refused("no report to collect")
         self.uncollected.clear()
@@ -371,7 +439,7 @@ class KVDriver:
             raise Refused(f"{w} has no emitted job")
         j = self.inbox[w].pop(0)
         r, g, *_ = self.jobs[j]
-        self.workers[w].register(r, j, generation=g)
+        self.steps[w].receive(r, j, g)
         self.queue[w].append(j)
 
     def do_DropGeneration(self, a: dict[str, Any]) -> None:
@@ -380,7 +448,7 @@ class KVDriver:
         if nt not in self.notice[w] or any(self.jobs[j][:2] == (r, g) for j in self.inbox[w]):
             raise Refused(f"no deliverable notice {nt} for {w}")
         self.notice[w].discard(nt)
-        self.workers[w].drop_generation(r, finished=(kind == "finish"), generation=g)
+        self.steps[w].drop_generation(r, finished=(kind == "finish"), generation=g)
 
     def do_DmaRead(self, a: dict[str, Any]) -> None:
         w = a["w"]
@@ -401,13 +469,12 @@ class KVDriver:
                 self.queue[w].insert(0, j)
                 self.busy[w] = None
                 raise
-            wl.record_failed(j)
+            self.steps[w].fail_save(j)
             return
-        v = wl.begin(j)
-        if v is Verdict.RUN:
-            r, g, ids, lo, hi = self.jobs[j]
-            start = wl.saved_offset(j) + 1
-            rows = {c: self.kv[ids[c - 1]] for c in range(start, hi + 1)}
+        r, g, ids, lo, hi = self.jobs[j]
+        plan = self.steps[w].begin_save(j, hi)  # a chunk is a block: positions 0.. are chunks 1..
+        if plan.run:
+            rows = {p + 1: self.kv[ids[p]] for p in plan.positions}
             if self.device.type == "cuda":  # as the connector: async device->host copies, then an event
                 staged = {c: row.to("cpu", non_blocking=True) for c, row in rows.items()}
                 done = torch.cuda.Event()
@@ -427,7 +494,6 @@ class KVDriver:
         w, outcome = a["w"], a["outcome"]
         j = self._busy(w, "running")
         r, g, ids, lo, hi = self.jobs[j]
-        wl = self.workers[w]
         if outcome == "ok" and not self.up:
             raise Refused("the store is down: a put cannot succeed")
         if outcome == "pressure" and not self.up:
@@ -435,21 +501,23 @@ class KVDriver:
         if outcome != "ok" and self.up:
             self._fault("put" if outcome == "fail" else "pressure")
         staged, self.buf[w] = self.buf[w], {}
-        if outcome == "ok" and self.up:
-            codes = [self.backend.put(self.skey(r, c), row) for c, row in sorted(staged.items())]
-        elif outcome == "pressure":
-            codes = [NO_SPACE]
-        else:
-            codes = [STORE_DOWN if not self.up else XFER_FAIL]
-        if all(c >= 0 for c in codes):
-            wl.record_saved(j, hi)
-        else:
-            wl.record_failed(j, pressure=NO_SPACE in codes)
+        chunks = sorted(staged)
+        for c in chunks:
+            self.store.rows[STAGED + c] = staged[c]
+        # the injected outcome: the store answers every exist/put of this job with the code
+        self.store.fault = None if outcome == "ok" else NO_SPACE if outcome == "pressure" else XFER_FAIL
+        try:
+            codes = self.steps[w].put([self.skey(r, c) for c in chunks], [STAGED + c for c in chunks])
+        finally:
+            self.store.fault = None
+            for c in chunks:
+                del self.store.rows[STAGED + c]
+        self.steps[w].record_put(j, codes, len(chunks), hi)
 
     def do_Report(self, a: dict[str, Any]) -> None:
         w = a["w"]
         j = self._busy(w, "stored", "failed", "stale", "skipped")
-        self.workers[w].finish(j)
+        self.steps[w].report_save(j)
         self.busy[w] = None
         self.uncollected.add((w, j))
 
@@ -466,6 +534,7 @@ class KVDriver:
             raise Refused("already down")
         self._fault("fail")
         self.up = False
+        self.store.down = True
         self._emit("store", "StoreFail")
 
     def do_StoreRestart(self, a: dict[str, Any]) -> None:
@@ -474,7 +543,7 @@ class KVDriver:
         for r in self.req:
             for c in range(1, self.num_chunks + 1):
                 self.backend.remove(self.skey(r, c))
-        self.up = True
+        self.up, self.store.down = True, False
         self._emit("store", "StoreRestart")
 
     def do_Lookup(self, a: dict[str, Any]) -> None:
@@ -499,10 +568,11 @@ class KVDriver:
             raise Refused("not enough free blocks")
         self.table[r] = self.pool.get_new_blocks(ld["n"])
         ids = [b.block_id for b in self.table[r]]
-        ld["load_ids"] = {w: self.loads[w].begin_load(r, ids) for w in self.ranks}
+        self.sched.pin_load(r, ids)  # EmitLoad: the ledger pins the destination blocks and logs the event
+        ld["blocks"], ld["pin"] = ids, True
+        ld["load_ids"] = {w: self.steps[w].begin_load(r, ids) for w in self.ranks}
         ld["done"] = {w: 0 for w in self.ranks}
         ld["ph"] = "loading"
-        self._emit("sched", "EmitLoad", req_id=r, blocks=ids)
 
     def do_Load(self, a: dict[str, Any]) -> None:
         w, r = a["w"], a["r"]
@@ -514,34 +584,43 @@ class KVDriver:
         model_failed = set(a.get("failed", []))
         if self.up and any(i in model_failed and self.backend.exists(self.skey(r, i)) for i in batch):
             self._fault("load")  # a transfer failure of a key the store has
-        ids, codes = [], []
-        for i in batch:
-            blk = self.table[r][i - 1].block_id
-            ids.append(blk)
-            key = self.skey(r, i)
-            if not self.up:
-                codes.append(STORE_DOWN)
-            elif i in model_failed and self.backend.exists(key):
-                codes.append(XFER_FAIL)  # injected transfer failure (the model's xfail)
-            else:
-                codes.append(self.backend.get(key, self.kv[blk]))
-        failed = self.loads[w].record_results(ld["load_ids"][w], ids, codes)
-        ld["bad"] |= {batch[ids.index(b)] for b in failed}
+        ids = [ld["blocks"][i - 1] for i in batch]  # the load's destination (its request may be gone)
+        keys = [self.skey(r, i) for i in batch]
+        # injected transfer failure (the model's xfail) of a key the store has
+        self.store.xfail = {k for i, k in zip(batch, keys) if i in model_failed and self.backend.exists(k)}
+        steps = self.steps[w]
+        try:
+            failed = steps.load_batch(ld["load_ids"][w], keys, ids)
+        finally:
+            self.store.xfail = set()
+        ld["bad"] |= {batch[ids.index(b)] for b, _code in failed}
         ld["done"][w] = batch[-1]
-        if not self.loads[w].pending(ld["load_ids"][w]):
-            self.loads[w].finish_load(ld["load_ids"][w])
+        if not steps.pending(ld["load_ids"][w]):
+            steps.finish_load(ld["load_ids"][w], "not attempted")
+            steps.take_finished_loads()  # the driver's engine reads the load's end from ld, not this set
         if all(ld["done"][v] >= ld["n"] for v in self.ranks):
             ld["ph"] = "loaded"
+
+    def do_CollectLoad(self, a: dict[str, Any]) -> None:
+        """vLLM's finished_recving: every rank finished r's load; the ledger drops the load's pins."""
+        r = a["r"]
+        ld = self.ld[r]
+        if ld["ph"] != "loaded" or not ld["pin"]:
+            raise Refused(f"{r}: no finished load holding pins")
+        self.sched.collect_loads({r: len(self.ranks)})
+        ld["pin"] = False
+        if self.status[r] == "finished":  # aborted during the load: its bookkeeping ends here
+            self.ld[r] = {**self._ld_idle(), "ph": "done"}
 
     def do_HandleLoadErrors(self, a: dict[str, Any]) -> None:
         r = a["r"]
         ld = self.ld[r]
         self._engine_synced()
-        if ld["ph"] != "loaded":
-            raise Refused(f"{r}: no finished load")
+        if self.status[r] != "running" or ld["ph"] != "loaded" or ld["pin"]:
+            raise Refused(f"{r}: no finished and collected load")
         errors: set[int] = set()
         for w in self.ranks:
-            errors |= self.loads[w].take_errors()
+            errors |= self.steps[w].take_load_errors()
         ids = [b.block_id for b in self.table[r]]
         bad_chunks = {ids.index(b) + 1 for b in errors if b in ids}
         keep = min(bad_chunks) - 1 if bad_chunks else ld["n"]
@@ -593,6 +672,9 @@ class KVDriver:
             "buf": {w: sorted([c, self.decode(row)] for c, row in b.items()) for w, b in self.buf.items()},
             "store": store, "up": self.up,
             "ld": {r: {"ph": v["ph"], "n": v["n"], "bad": sorted(v["bad"])} for r, v in self.ld.items()},
+            # load pins as the scheduler ledger holds them (EmitLoad .. CollectLoad)
+            "lpins": {r: (self.sched.load_pinned_block_ids(r) if r in self.sched.pinned_loads() else [])
+                      for r in self.req},
         }
 
     def _closing(self, wl: WorkerLedger, r: str) -> Any:
@@ -629,6 +711,7 @@ class KVDriver:
             "buf": {w: sorted([p[0], list(p[1])] for p in b) for w, b in s["buf"].items()},
             "store": {k: list(v) for k, v in s["store"].items()}, "up": s["up"],
             "ld": {r: {"ph": v["ph"], "n": v["n"], "bad": sorted(v["bad"])} for r, v in s["ld"].items()},
+            "lpins": {r: (_seq(v["dst"]) if v["pin"] else []) for r, v in s["ld"].items()},
         }
 
     # ------------------------------------------------------------------ fuzz hooks
@@ -677,14 +760,22 @@ class KVDriver:
                     if got != [r, i]:
                         raise LedgerInvariantError.of("S7", f"{r} counts chunk {i} computed, block holds {got}")
             ld = self.ld[r]
+            if ld["ph"] == "loading" and any(ld["done"][w] < ld["n"] for w in self.ranks):
+                # S9: a rank still writes into these blocks: the load must hold its pin on them
+                held = self.sched.load_pinned_block_ids(r) if r in self.sched.pinned_loads() else []
+                others = {x.block_id for q, t in self.table.items() if q != r for x in t}
+                free = {x.block_id for x in self.pool.free_block_queue.get_all_free_blocks()}
+                if held != ld["blocks"] or free & set(held) or others & set(ld["blocks"]):
+                    raise LedgerInvariantError.of("S9", f"{r}'s load writes {ld['blocks']}; pinned {held}")
             if ld["ph"] == "loaded":
                 for i in range(1, ld["n"] + 1):
-                    got = self.decode(self.kv[self.table[r][i - 1].block_id])
+                    got = self.decode(self.kv[ld["blocks"][i - 1]])
                     if got != [r, i] and i not in ld["bad"]:
                         raise LedgerInvariantError.of("S8", f"{r} key {i} not loaded ({got}) and not reported")
         for b in range(1, self.num_blocks + 1):
             holders = sum(b in [x.block_id for x in t] for t in self.table.values())
             holders += sum(b in blocks for blocks, _ in obs["pins"].values())
+            holders += sum(b in blocks for blocks in obs["lpins"].values())
             if obs["ref"][b - 1] != holders:
                 raise LedgerInvariantError.of("S3", f"block {b}: ref {obs['ref'][b - 1]} != {holders} holders")
         if len(obs["pins"]) > self.pin_cap:

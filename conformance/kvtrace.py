@@ -1,9 +1,9 @@
 """Trace validation of kvledger's NDJSON logs against tla/KVLedger.tla (via tla/TraceKVLedger.tla).
 
 A log is what the runtime writes through `kvledger.trace` (schema in that module): the ledgers' own
-events (EmitStore, Collect, Receive, DropGeneration, DmaRead, Put, Report, Load, HandleLoadErrors)
-plus, in a log of the conformance driver, what vLLM's Scheduler and the store did (Admit, Compute,
-Preempt, Finish, Lookup, EmitLoad, HandleLoadErrors, Evict, StoreFail, StoreRestart).
+events (EmitStore, Collect, EmitLoad, CollectLoad, Receive, DropGeneration, DmaRead, Put, Report, Load,
+HandleLoadErrors) plus, in a log of the conformance driver, what vLLM's Scheduler and the store did
+(Admit, Compute, Preempt, Finish, Lookup, HandleLoadErrors, Evict, StoreFail, StoreRestart).
 `normalize` turns each event into the model's vocabulary:
 
     runtime                                   model (TraceKVLedger's event record)
@@ -17,6 +17,8 @@ Preempt, Finish, Lookup, EmitLoad, HandleLoadErrors, Evict, StoreFail, StoreRest
     Collect completed {job: n}                reported <<job, n>>...; ranks_left -> left
     DropGeneration finished true / false      kind finish / preempt
     worker HandleLoadErrors (take_errors)     dropped: the failed blocks are in each Load event
+    CollectLoad completed {req_id: n}         r (one request per event: the driver collects one load at a
+                                              time), blocks = the released load's pinned blocks
 
 The model constants come from a TLC config (default `tla/MC_conformance_sim.cfg`); requests, ranks and
 the other model values become strings in the generated trace config.
@@ -57,6 +59,7 @@ class Normalizer:
         self.reqs = sorted(consts["Req"])
         self.req_map: dict[str, str] = {}
         self.job_map: dict[Any, int] = {}
+        self.load_blocks: dict[str, list[int]] = {}  # req_id -> blocks of its pinned load (EmitLoad)
 
     def r(self, req_id: Any) -> str:
         if req_id not in self.req_map:
@@ -96,7 +99,14 @@ class Normalizer:
         if a == "Lookup":
             return {"action": a, "r": self.r(ev["req_id"]), "hits": ev["hits"]}
         if a == "EmitLoad":
+            self.load_blocks[ev["req_id"]] = list(ev["blocks"])
             return {"action": a, "r": self.r(ev["req_id"]), "blocks": list(ev["blocks"])}
+        if a == "CollectLoad":
+            if len(ev["completed"]) != 1 or list(ev["completed"]) != list(ev["released"]):
+                raise tc.TraceCheckError(f"event seq {ev.get('seq')}: CollectLoad must release exactly "
+                                         f"the one load it reports (got {ev['completed']}, {ev['released']})")
+            (req_id,) = ev["completed"]
+            return {"action": a, "r": self.r(req_id), "blocks": self.load_blocks.pop(req_id, [])}
         if a == "HandleLoadErrors":
             if actor != "sched":
                 return None  # a rank's take_errors: its failed blocks are checked in its Load event

@@ -46,7 +46,7 @@ class Check:
 
 
 CI: list[Check] = [
-    Check("MC_safety", "fixed", 0, None, "S1-S8 + lifecycle, 2 req x 2 ranks, 1 block, store faults"),
+    Check("MC_safety", "fixed", 0, None, "S1-S9 + lifecycle, 2 req x 2 ranks, 1 block, store faults"),
     Check("MC_lag", "fixed", 0, None, "lagging rank offsets, late notices, pin cap 2 of 3 blocks (ABA)"),
     Check("MC_nonotice", "fixed", 0, None, "reset_prefix_cache path: no preemption notices, 2 blocks"),
     Check("MC_live", "fixed", 0, None, "PinsReleased NoLeakAtRest LoadsFinish Progress, 2 req"),
@@ -61,6 +61,8 @@ CI: list[Check] = [
           deadlock=False),
     Check("MC_live_nofair", "mutant", 13, "temporal", "no fairness: PinsReleased must fail", deadlock=False),
     Check("MC_mutant_NoCap", "mutant", 12, "BoundedPins", "EmitStore ignores the pin cap", deadlock=False),
+    Check("MC_mutant_LoadPinFirstRank", "mutant", 12, "LoadsPinned",
+          "load pins dropped at the first rank's report (abort mid-load)", deadlock=False),
 ]
 
 DEEP: list[Check] = [
@@ -180,7 +182,7 @@ def run_check(c: Check, *, xmx: str = "1g", timeout: float = 600.0) -> Row:
         return Row(c, None, str(e))
 
 
-HEADER = f"{'config':<24} {'design':<7} {'result':<6} {'distinct':>9} {'depth':>5} {'sec':>6}  " \
+HEADER = f"{'config':<26} {'design':<7} {'result':<6} {'distinct':>9} {'depth':>5} {'sec':>6}  " \
          f"{'expected':<27} {'got':<27} guards"
 
 
@@ -190,7 +192,7 @@ def row_line(r: Row) -> str:
     distinct = f"{res.distinct:,}" if res and res.distinct is not None else "-"
     depth = str(res.depth) if res and res.depth is not None else "-"
     secs = f"{res.seconds:.1f}" if res else "-"
-    return (f"{r.check.cfg:<24} {r.check.design:<7} {verdict:<6} {distinct:>9} {depth:>5} {secs:>6}  "
+    return (f"{r.check.cfg:<26} {r.check.design:<7} {verdict:<6} {distinct:>9} {depth:>5} {secs:>6}  "
             f"{r.check.expected:<27} {r.got:<27} {r.check.guards}")
 
 

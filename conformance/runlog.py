@@ -19,6 +19,9 @@ module for what is and is not compared). `normalize` maps the log into the model
     Collect completed {job: n}              reported <<job, n>>; ranks_left -> left; unknown -> a count
     Put dest stored / failed (+pressure)    outcome ok / pressure / fail
     worker HandleLoadErrors (take_errors)   blocks handed to the scheduler
+    EmitLoad / CollectLoad (load pins)      lp = the k-th pinned load of the log; a CollectLoad's
+                                            {req_id: n} applies to that req_id's oldest pinned load; a
+                                            rank's Load event names the load it wrote (S9: still pinned)
 
 The model's constants come from the log: its requests, ranks, jobs, largest block id; `pin_cap` is the
 connector's `max_inflight_jobs` when known (BoundedPins), else the number of jobs.
@@ -36,7 +39,7 @@ from typing import Any
 from conformance import tracecheck as tc
 
 SPEC = "TraceRuntime"
-_SCHED_ONLY = {"Admit", "Compute", "Lookup", "EmitLoad", "Evict", "StoreFail", "StoreRestart"}
+_SCHED_ONLY = {"Admit", "Compute", "Lookup", "Evict", "StoreFail", "StoreRestart"}
 
 
 @dataclass(eq=False)
@@ -74,6 +77,9 @@ class RunLogNormalizer:
         self.max_gen = 1
         self.reqs: set[str] = set()
         self.ranks: set[str] = set()
+        # load pins: EmitLoad numbers each pinned load 1, 2, ..; req_id -> its pinned loads, oldest first
+        self.num_loads = 0
+        self.load_fifo: dict[str, list[int]] = {}
 
     # -- names
     def _sched_life(self, req_id: str) -> Lifetime:
@@ -143,6 +149,26 @@ class RunLogNormalizer:
             return {"action": a, "r": life.slot, "g": self._gen(life, ev), "job": j, "blocks": list(ev["blocks"]),
                     "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"],
                     "pinned_blocks": ev["pinned_blocks"]}
+        if a == "EmitLoad":
+            if self.world is None:
+                self.world = ev["ranks_left"]
+            self.num_loads += 1
+            self.load_fifo.setdefault(ev["req_id"], []).append(self.num_loads)
+            self.max_block = max([self.max_block, *ev["blocks"]])
+            return {"action": a, "lp": self.num_loads, "left": ev["ranks_left"],
+                    "pinned_loads": ev["pinned_loads"]}
+        if a == "CollectLoad":
+            reported, released, left = [], [], []
+            for req_id, n in ev["completed"].items():
+                fifo = self.load_fifo.get(req_id) or [0]  # 0: no pinned load; TLC rejects the event
+                reported.append([fifo[0], n])
+            for req_id in ev["released"]:
+                fifo = self.load_fifo.get(req_id)
+                released.append(fifo.pop(0) if fifo else 0)
+            for req_id, n in ev["ranks_left"].items():
+                left.append([(self.load_fifo.get(req_id) or [0])[0], n])
+            return {"action": a, "reported": reported, "released": released, "left": left,
+                    "unknown": len(ev["unknown"]), "pinned_loads": ev["pinned_loads"]}
         if a in ("Preempt", "Finish"):
             life = self._sched_life(ev["req_id"])
             g, kind = self._gen(life, ev), "finish" if a == "Finish" else "preempt"
@@ -199,8 +225,12 @@ class RunLogNormalizer:
                     "unknown": len(ev["unknown"]), "pinned_jobs": ev["pinned_jobs"],
                     "pinned_blocks": ev["pinned_blocks"]}
         if a == "Load":
+            # lp: the req's oldest pinned load, which this rank finished writing (S9: it must still be
+            # pinned); 0 = none. strict: the log has the scheduler's load pins (an older log does not)
+            fifo = self.load_fifo.get(ev["req_id"])
             return {"action": a, "w": self._rank(actor), "attempted": list(ev["attempted"]),
-                    "loaded": list(ev["loaded"]), "failed": list(ev["failed"])}
+                    "loaded": list(ev["loaded"]), "failed": list(ev["failed"]),
+                    "lp": fifo[0] if fifo else 0, "strict": self.num_loads > 0}
         if a == "HandleLoadErrors" and actor != "sched":
             return {"action": a, "w": self._rank(actor), "blocks": list(ev["blocks"])}
         if a in _SCHED_ONLY or a == "HandleLoadErrors":

@@ -70,6 +70,8 @@ WITNESSES: list[Witness] = [
             prefer=("MC_nonotice",)),
     Witness("S8", "LoadErrorsReported", "a load finished after a failed sub-batch with later sub-batches",
             prefer=("MC_lag",)),
+    Witness("S9", "LoadsPinned", "an aborted request's load still writes: only the load pin holds its blocks",
+            prefer=("MC_safety",)),
     Witness("Lifecycle", "LifecycleConforms", "a request state closes on the last Report after finish (closing->closed)",
             step=True, label="LifecycleConforms"),
     Witness("TwoPins", "BoundedPins", "two store jobs pinned at once", prefer=("MC_lag",),
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None, *, witnesses: Iterable[Witness] | None =
          configs: dict[str, Path] | None = None, spec: Path = SPEC, cfg_dir: Path = CFG_DIR) -> int:
     ap = argparse.ArgumentParser(prog="python -m conformance.witness", description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only these witnesses (S1..S8, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
+                    help="run only these witnesses (S1..S9, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
                          "RegisterOther: a branch no config takes, searched in full)")
     ap.add_argument("--stories", action="store_true", help="print each witness's behaviour")
     ap.add_argument("--xmx", default="1g", help="TLC heap (default 1g)")

@@ -13,6 +13,7 @@ Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
   scheduler process                                  worker rank w (one WorkerLedger, one LoadLedger)
   -----------------                                  ------------------------------------------------
   schedule() / build_connector_meta
+    update_state_after_alloc: SchedulerLedger.pin_load(req_id, block_ids)     EmitLoad: pool.touch(dest)
     SchedulerLedger.open_job(req_id, block_ids)  ──► ReqMeta(store_job_id) ──► wait_for_save:
       EmitStore: job id, pool.touch(blocks)              WorkerLedger.register(req_id, job)    Receive
       None = DEFER (cap reached): retry next step      store thread:
@@ -31,12 +32,13 @@ Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
   engine: metadata.aggregate over ranks  ◄─────────────────────┘
   update_connector_output
     SchedulerLedger.collect({job: count})   Collect: ranks_left -= count; at 0 free_blocks(reversed)
+    SchedulerLedger.collect_loads({req_id: world_size})   CollectLoad (finished_recving: every rank)
   has_requests(): SchedulerLedger.has_pending_work()
 
 Safety in one sentence per rule: a job's pin owns its blocks until every rank reported it (S2, S3); a
 job outside its request's live set is stale and changes nothing (S4) but is reported exactly once (S5);
 the scheduler never holds more than the cap (S6); a load never finishes with an attempted block neither
-loaded nor reported (S8).
+loaded nor reported (S8); a load's pin owns its destination blocks until every rank finished it (S9).
 
 Hot path: the ledgers drive the compiled transition tables (a dict lookup) built from the same data as
 the ``transitions`` machines, which are kept as the definition (diagrams, equivalence test); a
@@ -46,7 +48,7 @@ Tracing: pass ``trace=`` a :class:`~kvledger.trace.TraceSink` (e.g. :class:`~kvl
 to get one event per action, schema in :mod:`kvledger.trace`.
 """
 from .errors import INVARIANTS, LedgerError, LedgerInputError, LedgerInvariantError
-from .load import LoadLedger, LoadResult, rotate, rotation, sub_batches, unrotate_index
+from .load import LoadLedger, LoadResult, load_order, rotation
 from .metadata import aggregate, aggregate_all, aggregate_into, check_completed
 from .scheduler import NULL_BLOCK_ID, BlockPoolLike, SchedulerLedger
 from .trace import ListTrace, NdjsonTrace, TraceSink
@@ -54,7 +56,7 @@ from .worker import StoreRequestState, Verdict, WorkerLedger
 
 __all__ = [
     "INVARIANTS", "LedgerError", "LedgerInputError", "LedgerInvariantError",
-    "LoadLedger", "LoadResult", "rotate", "rotation", "sub_batches", "unrotate_index",
+    "LoadLedger", "LoadResult", "load_order", "rotation",
     "aggregate", "aggregate_all", "aggregate_into", "check_completed",
     "NULL_BLOCK_ID", "BlockPoolLike", "SchedulerLedger",
     "ListTrace", "NdjsonTrace", "TraceSink",

@@ -19,6 +19,7 @@ INVARIANTS: dict[str, str] = {
     "S6": "BoundedPins",
     "S7": "NoGarbageCompute",
     "S8": "LoadErrorsReported",
+    "S9": "LoadsPinned",
 }
 
 
@@ -38,7 +39,7 @@ class LedgerInvariantError(LedgerError):
 
     @classmethod
     def of(cls, invariant_id: str, detail: str) -> "LedgerInvariantError":
-        """Build the error for one of the S1..S8 invariants by id."""
+        """Build the error for one of the S1..S9 invariants by id."""
         return cls(invariant_id, INVARIANTS[invariant_id], detail)
 
 

@@ -3,8 +3,9 @@
 Per load, on a receive thread (the connector holds one lock around every call)::
 
     begin_load(req_id, block_ids) -> load_id         attempted = block_ids (an empty list is fine)
-    rotate(keys, tp_rank) / sub_batches(sizes, budget)   pure helpers: no division by len(keys)
-    record_results(load_id, block_ids, codes)         Load(w, r): per key, code >= 0 ok, < 0 failed
+    load_order(len(keys), tp_rank)                    pure: the rotated key order (no division by 0)
+    record_results(load_id, block_ids, codes, key_bytes)  Load(w, r): per key, loaded only if the key's
+                                                       size was read (kvledger.codes), else failed
     fail_pending(load_id, reason)                      exception, oversized key, or an earlier sub-batch
                                                        failed: every block neither loaded nor reported fails
     finish_load(load_id)                               raises S8 LoadErrorsReported if a block is pending
@@ -17,12 +18,11 @@ travels with its key.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence, TypeVar
+from typing import Iterable, Sequence
 
+from . import codes as _codes
 from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
 from .trace import TraceSink
-
-T = TypeVar("T")
 
 
 def rotation(num_keys: int, tp_rank: int) -> int:
@@ -31,36 +31,12 @@ def rotation(num_keys: int, tp_rank: int) -> int:
     return tp_rank % num_keys if num_keys else 0
 
 
-def rotate(items: Sequence[T], tp_rank: int) -> list[T]:
-    """``items`` rotated left by ``rotation(len(items), tp_rank)``: position i holds
-    ``items[(i + r) % n]``."""
-    r = rotation(len(items), tp_rank)
-    return list(items[r:]) + list(items[:r])
-
-
-def unrotate_index(i: int, num_keys: int, tp_rank: int) -> int:
-    """The original index of position ``i`` of a rotated list."""
-    if not 0 <= i < num_keys:
-        raise LedgerInputError("i", i, f"not a position of a list of {num_keys}")
-    return (i + rotation(num_keys, tp_rank)) % num_keys
-
-
-def sub_batches(key_sizes: Sequence[int], budget: int) -> list[range] | None:
-    """Split keys (in order) into consecutive sub-batches whose sizes sum to at most ``budget``.
-    None when one key alone exceeds the budget (the whole load must then be reported failed)."""
-    check_positive_int("budget", budget)
-    out: list[range] = []
-    start, acc = 0, 0
-    for i, size in enumerate(key_sizes):
-        if size > budget:
-            return None
-        if acc + size > budget:
-            out.append(range(start, i))
-            start, acc = i, 0
-        acc += size
-    if start < len(key_sizes):
-        out.append(range(start, len(key_sizes)))
-    return out
+def load_order(num_keys: int, tp_rank: int) -> list[int]:
+    """The key positions in the order rank ``tp_rank`` loads them: rotated left by
+    ``rotation(num_keys, tp_rank)`` (ranks start on different keys); position i of the order is key
+    ``(i + r) % n``, and the caller carries each key's block id along, so failures map back exactly."""
+    r = rotation(num_keys, tp_rank)
+    return [(i + r) % num_keys for i in range(num_keys)]
 
 
 @dataclass(frozen=True)
@@ -156,18 +132,15 @@ class LoadLedger:
         if new:
             ld.reasons.append(reason)
 
-    def record_results(self, load_id: int, block_ids: Sequence[int], codes: Sequence[int]) -> list[int]:
-        """Per-key results of one batch get (Mooncake: bytes read >= 0, or a negative error code).
-        Returns the failed block ids."""
-        if len(block_ids) != len(codes):
-            raise LedgerInputError("codes", len(codes), f"expected one code per block ({len(block_ids)})")
-        ok = [b for b, c in zip(block_ids, codes) if c >= 0]
-        failed = [b for b, c in zip(block_ids, codes) if c < 0]
+    def record_results(self, load_id: int, block_ids: Sequence[int], codes: Sequence[int],
+                       key_bytes: int) -> list[tuple[int, int]]:
+        """Per-key results of one batch get (:mod:`kvledger.codes`: loaded only if exactly ``key_bytes``
+        were read; a short read or a negative code fails). Returns (block id, code) of the failed keys."""
+        ok, bad = _codes.split_loaded(list(block_ids), codes, key_bytes)
         self.record_ok(load_id, ok)
-        if failed:
-            codes_seen = sorted({c for c in codes if c < 0})
-            self.record_failed(load_id, failed, f"store codes {codes_seen}")
-        return failed
+        if bad:
+            self.record_failed(load_id, [b for b, _ in bad], f"store codes {sorted({c for _, c in bad})}")
+        return bad
 
     def fail_pending(self, load_id: int, reason: str) -> list[int]:
         """Report every attempted block of the load that is neither loaded nor reported (an exception, an

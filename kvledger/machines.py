@@ -22,8 +22,10 @@ from transitions import Machine, MachineError
 
 from .errors import LedgerInvariantError
 
-#: ``spec/machines.json``, found relative to this package (no machine paths).
-SPEC_PATH = Path(__file__).resolve().parent.parent / "spec" / "machines.json"
+#: ``spec/machines.json``, found relative to this package (no machine paths): an installed wheel ships it as
+#: ``kvledger/spec/machines.json`` (pyproject.toml), a checkout has it next to the package.
+_PACKAGED_SPEC = Path(__file__).resolve().parent / "spec" / "machines.json"
+SPEC_PATH = _PACKAGED_SPEC if _PACKAGED_SPEC.is_file() else Path(__file__).resolve().parent.parent / "spec" / "machines.json"
 
 
 @dataclass(frozen=True)

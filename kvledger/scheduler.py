@@ -7,6 +7,8 @@ scheduler thread only (no lock inside). Per engine step::
                                  pins: pool.touch(blocks)   record job -> [blocks, ranks_left=world_size]
     update_connector_output ► collect({job_id: count})       merged over ranks by metadata.aggregate
                                  ranks_left -= count; at 0: pool.free_blocks(reversed(blocks))  (tail first)
+    update_state_after_alloc ► pin_load(req_id, block_ids)    EmitLoad: pool.touch(destination blocks)
+    update_connector_output ► collect_loads({req_id: ranks})  finished_recving: at 0 ranks left, free them
     Scheduler.has_requests ─► has_pending_work()             True while any pin is held
 
 Lifecycle: a job is in StoreJob ``emitted`` from :meth:`open_job` until its ``ranks_left`` reaches 0; the
@@ -68,6 +70,15 @@ class SchedulerLedger:
         self._pinned: dict[int, list[Any]] = {}
         self._num_pins = 0
         self._trace = trace
+        # Load pins (EmitLoad .. CollectLoad): req_id -> FIFO of [block objects, ranks_left], one per async
+        # load (a FIFO: a reused req_id may start a load before its old one's ranks all finished), and
+        # block id -> req_id of the load writing into it. Bound: a block is the destination of at most
+        # one pinned load (S9 LoadsPinned, checked), so load-pinned blocks <= the pool's blocks.
+        self._loads: dict[str, list[list[Any]]] = {}
+        self._load_dest: dict[int, str] = {}
+        self.num_loads_pinned = 0
+        self.num_loads_released = 0
+        self.peak_load_pinned_blocks = 0
         # counters
         self.num_jobs_released = 0
         self.num_deferrals = 0
@@ -201,10 +212,127 @@ class SchedulerLedger:
         j, n = bad[0]
         raise LedgerInputError(f"completed[{j}]", n, "a report count must be a positive int")
 
+    # ---------------------------------------------------------------- EmitLoad / CollectLoad
+    def pin_load(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """EmitLoad: pin the destination blocks of ``req_id``'s async load (vLLM allocated them to the
+        request) until every rank reported the load finished (:meth:`collect_loads`). The request may be
+        aborted meanwhile (its blocks are freed at once): the pin keeps them out of the free queue while a
+        rank's load thread may still write into them (S9 LoadsPinned).
+
+        Raises :class:`LedgerInputError` for an empty load, the null block or an id outside the pool, and
+        :class:`LedgerInvariantError` (S9) for a block that is already the destination of a pinned load
+        (two loads writing one block; it also bounds the load pins by the pool). Nothing is pinned then."""
+        ids = list(block_ids)
+        if not ids:
+            raise LedgerInputError("block_ids", ids, f"a load of no blocks for {req_id!r}")
+        if len(set(ids)) != len(ids):
+            raise LedgerInputError("block_ids", ids, f"a load writes a block twice for {req_id!r}")
+        bad = [b for b in ids if b.__class__ is not int or not NULL_BLOCK_ID < b < len(self._blocks)]
+        if bad:
+            raise LedgerInputError("block_ids", bad, f"not block ids of this pool "
+                                   f"(1..{len(self._blocks) - 1}) for the load of {req_id!r}")
+        taken = [b for b in ids if b in self._load_dest]
+        if taken:
+            raise LedgerInvariantError.of("S9", f"blocks {taken} of the load of {req_id!r} are the destination "
+                                                f"of the pinned load of {self._load_dest[taken[0]]!r}")
+        blocks = list(map(self._get_block, ids))
+        self._touch(blocks)
+        self._loads.setdefault(req_id, []).append([blocks, self._world_size])
+        for b in ids:
+            self._load_dest[b] = req_id
+        self.num_loads_pinned += 1
+        n = len(self._load_dest)
+        if n > self.peak_load_pinned_blocks:
+            self.peak_load_pinned_blocks = n
+        if self._trace is not None:
+            self._trace.emit("sched", "EmitLoad", {
+                "req_id": req_id, "blocks": ids, "ranks_left": self._world_size,
+                "pinned_loads": self.num_pinned_loads, "load_pinned_blocks": n})
+
+    def collect_loads(self, completed: Mapping[str, int]) -> int:
+        """CollectLoad: ``{req_id: number of ranks that finished its load}`` (the connector passes vLLM's
+        ``finished_recving``, which vLLM reports once every rank finished: count = world size). A load whose
+        ``ranks_left`` reaches 0 drops its pins (tail first). A report applies to the oldest pinned load of
+        the req_id. Returns the number of loads released.
+
+        After applying every other entry: a req_id with no pinned load raises :class:`LedgerInputError`
+        (a report of a load that was never emitted or was already released), a count that is not a
+        positive int likewise, and a count above ``ranks_left`` raises :class:`LedgerInvariantError` (S9:
+        releasing early would let a rank still loading write into a block the pool can reuse); the
+        offending load keeps its pins."""
+        free = self._pool.free_blocks
+        released: list[str] = []
+        bad: list[tuple[str, Any, str]] = []
+        for req_id, n in completed.items():
+            fifo = self._loads.get(req_id)
+            if not fifo:
+                bad.append((req_id, n, "unknown"))
+                continue
+            if n.__class__ is not int or n <= 0:
+                bad.append((req_id, n, "count"))
+                continue
+            rec = fifo[0]
+            left = rec[1] - n
+            if left < 0:
+                bad.append((req_id, n, "over"))
+                continue
+            rec[1] = left
+            if left:
+                continue
+            fifo.pop(0)
+            if not fifo:
+                del self._loads[req_id]
+            for blk in rec[0]:
+                del self._load_dest[blk.block_id]
+            free(reversed(rec[0]))
+            released.append(req_id)
+        self.num_loads_released += len(released)
+        if self._trace is not None:
+            self._trace.emit("sched", "CollectLoad", {
+                "completed": dict(completed), "released": released,
+                "ranks_left": {r: self._loads[r][0][1] for r in completed if r in self._loads},
+                "unknown": [r for r, _, why in bad if why == "unknown"],
+                "pinned_loads": self.num_pinned_loads, "load_pinned_blocks": len(self._load_dest)})
+        for req_id, n, why in bad:
+            if why == "over":
+                raise LedgerInvariantError.of("S9", f"load of {req_id!r} reported by {n} ranks, "
+                                                    f"{self._loads[req_id][0][1]} left; pins kept")
+        for req_id, n, why in bad:
+            if why == "unknown":
+                raise LedgerInputError("completed", req_id, "no pinned load of this request "
+                                       "(never emitted, or every rank already reported it)")
+            raise LedgerInputError(f"completed[{req_id!r}]", n, "a report count must be a positive int")
+        return len(released)
+
+    @property
+    def num_pinned_loads(self) -> int:
+        return sum(map(len, self._loads.values()))
+
+    @property
+    def num_load_pinned_blocks(self) -> int:
+        return len(self._load_dest)
+
+    def load_pinned_block_ids(self, req_id: str) -> list[int]:
+        """Destination blocks of the oldest pinned load of ``req_id``, in order (introspection)."""
+        fifo = self._loads.get(req_id)
+        if not fifo:
+            raise LedgerInputError("req_id", req_id, "has no pinned load")
+        return [b.block_id for b in fifo[0][0]]
+
+    def load_ranks_left(self, req_id: str) -> int:
+        fifo = self._loads.get(req_id)
+        if not fifo:
+            raise LedgerInputError("req_id", req_id, "has no pinned load")
+        return fifo[0][1]
+
+    def pinned_loads(self) -> list[str]:
+        """req_ids with a pinned load (oldest first per req_id)."""
+        return list(self._loads)
+
     # ---------------------------------------------------------------- queries
     def has_pending_work(self) -> bool:
-        """True while any job holds pins (vLLM's ``has_pending_push_work``)."""
-        return bool(self._pinned)
+        """True while any job or load holds pins (vLLM's ``has_pending_push_work``)."""
+        return bool(self._pinned) or bool(self._loads)
 
     @property
     def num_inflight_jobs(self) -> int:
@@ -245,11 +373,19 @@ class SchedulerLedger:
             "jobs_opened": self.num_jobs_opened, "jobs_released": self.num_jobs_released,
             "deferrals": self.num_deferrals, "unknown_reports": self.num_unknown_reports,
             "peak_pinned_blocks": self.peak_pinned_blocks, "peak_inflight_jobs": self.peak_inflight_jobs,
+            "pinned_loads": self.num_pinned_loads, "load_pinned_blocks": len(self._load_dest),
+            "loads_pinned": self.num_loads_pinned, "loads_released": self.num_loads_released,
         }
 
     def release_all(self) -> int:
-        """Free every pin now (engine shutdown, after the workers stopped: no DMA can read any more).
-        Returns the number of jobs released."""
+        """Free every pin now (engine shutdown, after the workers stopped: no DMA can read and no load
+        can write any more), load pins included. Returns the number of store jobs released."""
+        for fifo in self._loads.values():
+            for blocks, _ in fifo:
+                self._pool.free_blocks(reversed(blocks))
+                self.num_loads_released += 1
+        self._loads.clear()
+        self._load_dest.clear()
         n = 0
         for job_id in list(self._pinned):
             blocks, _ = self._pinned.pop(job_id)

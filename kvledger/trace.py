@@ -39,6 +39,12 @@ DropGeneration  w<r>     req_id, generation (of the state dropped), notice_gener
                          dest ("closed"|"closing"), live [jobs still live], stale [jobs now stale];
                          a notice with nothing to drop (no open generation, or a late notice of an older
                          one) is logged too: dest "none", generation null
+EmitLoad        sched    req_id, blocks (destination ids, pinned for the load), ranks_left (= world
+                         size), pinned_loads, load_pinned_blocks (after the pin)
+CollectLoad     sched    completed {req_id: ranks} (finished_recving: vLLM reports a load once every
+                         rank finished it), released [req_ids whose load pins were freed now, tail
+                         first], ranks_left {req_id: left}, unknown [req_ids with no pinned load],
+                         pinned_loads, load_pinned_blocks
 Load            w<r>     load, req_id, attempted [block ids], loaded [..], failed [..] (emitted when the
                          load is finished: per-key results are folded into one event)
 HandleLoadErrors w<r>    blocks [block ids handed out by take_errors]

@@ -1,6 +1,6 @@
-"""`KVLedgerConnector`: vLLM's KV connector (v1 API, vllm 0.32.0) over kvledger and a Mooncake store.
+"""`KVLedgerConnector`: vLLM's KV connector (v1 API, vLLM 0.32.0 and 0.33.0) over kvledger and a Mooncake store.
 
-Loaded by vLLM's own factory::
+Loaded by vLLM's own factory (when the package is installed, by name alone: kvledger_connector/plugin.py)::
 
     --kv-transfer-config '{"kv_connector": "KVLedgerConnector",
                            "kv_connector_module_path": "kvledger_connector.connector",
@@ -33,20 +33,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.config import ConfigError, StoreConfig, map_upstream_connector_keys
 from kvledger_connector import rendezvous
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.rendezvous import AttachedMooncake
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
+from kvledger_connector.events import DEFAULT_MAX_PENDING, StoreEvents
+from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
-from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
+from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
 from kvledger_connector.store import KVStore, MooncakeStore
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, KVLayoutError, plan_block_copies
 from kvledger_connector.worker import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from collections.abc import Iterable
+
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -60,6 +65,8 @@ CONNECTOR_KEYS: dict[str, str] = {
     "load_threads": "load threads per worker rank (int >= 1, default 1)",
     "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
     "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
+    "max_kv_events": "KV cache events held for vLLM's publisher between steps (int >= 1, default 10000; the "
+                     "oldest dropped and counted in kv_events_dropped); only with kv_events_config enabled",
     "trace_path": "append kvledger's NDJSON trace events (the actions of kvledger/trace.py) to this file (default: off)",
     "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
     "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
@@ -180,8 +187,16 @@ class KVLedgerConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
+            raise ConfigError("enable_sleep_mode", True, "KVLedgerConnector does not support sleep mode (the "
+                              "store's buffer registrations would not follow the KV cache across sleep/wake); "
+                              "turn sleep mode off", "model_config")
+        # upstream MooncakeStoreConnector names mapped (config.py); an unset pin cap derived for this engine
+        extra = map_upstream_connector_keys(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS).for_engine(
+            max_model_len=vllm_config.model_config.max_model_len, block_size=vllm_config.cache_config.block_size,
+            num_gpu_blocks=getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks,
+            tail_blocks=_PINNED_TAIL_BLOCKS)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
@@ -194,6 +209,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         # every connector key is validated before anything is started or connected
         load_threads = _extra_int(extra, "load_threads", 1, 1)
         max_lookup_cache = _extra_int(extra, "max_lookup_cache", 4096, 1)
+        max_kv_events = _extra_int(extra, "max_kv_events", DEFAULT_MAX_PENDING, 1)
         if role == KVConnectorRole.SCHEDULER:
             tp_rank = pp_rank = 0
         else:
@@ -215,23 +231,28 @@ class KVLedgerConnector(KVConnectorBase_V1):
                 store = self._connect(cfg.replace(global_segment_size=0))
             self.store = store
             # a hit needs every shard of every stage
-            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), cfg.max_key_bytes)
+            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), cfg.max_key_bytes, cfg.namespace)
                         for p in range(pc.pipeline_parallel_size) for t in range(pc.tensor_parallel_size)]
             self.scheduler_side = SchedulerSide(
-                block_size=bs, world_size=pc.world_size, key_builders=builders, store=store,
+                block_size=bs, world_size=pc.world_size, key_builders=builders,
+                store=TimedLookups(store, self.stats),  # the lookup latency histogram
                 max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
                 save_decode=save_decode, max_lookup_cache=max_lookup_cache,
                 save_enabled=self._kv_transfer_config.is_kv_producer,
                 load_enabled=self._kv_transfer_config.is_kv_consumer,
                 stats=self.stats, trace=trace)
+            kvev = vllm_config.kv_events_config
+            if kvev is not None and kvev.enable_kv_cache_events:  # BlockStored/BlockRemoved for routers
+                self.scheduler_side.events = StoreEvents(key_builders=builders, store=store, block_size=bs,
+                                                         max_pending=max_kv_events, stats=self.stats)
         else:
             if store is None:
                 store = self._connect(cfg)
             self.store = store
             sc = vllm_config.scheduler_config
             self.worker_side = WorkerSide(
-                store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes), tp_rank=tp_rank, block_size=bs,
-                config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
+                store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes, cfg.namespace), tp_rank=tp_rank,
+                block_size=bs, config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
                 num_load_threads=load_threads, stats=self.stats, trace=trace)
 
     def _check_caps(self, cfg: StoreConfig, vllm_config: VllmConfig) -> None:
@@ -292,6 +313,14 @@ class KVLedgerConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, never a correctness issue
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.33 asks this when ``enable_sleep_mode`` is set and refuses to start if False (0.32 never
+        asks). Sleep remaps the KV cache, so the store's registered buffers would then point at memory that
+        is no longer the cache; we do not re-register across sleep/wake (the cumem allocator sleep needs is
+        CUDA-only, so a CPU run cannot test it), hence unsupported, as upstream's Mooncake store connector."""
+        return False
+
     # ============================================================ scheduler side
     def _sched(self) -> SchedulerSide:
         if self.scheduler_side is None:
@@ -325,6 +354,18 @@ class KVLedgerConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's Scheduler publishes these with its own each step (kvledger_connector/events.py)."""
+        events = self.scheduler_side.events if self.scheduler_side is not None else None
+        return events.take() if events is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        """Drop every key of this engine's model and namespace (kvledger_connector/reset.py); False while
+        anything in flight could bring pre-reset KV back. The worker role has nothing to reset: None."""
+        if self.scheduler_side is None or self.store is None:
+            return None
+        return reset_scheduler_side(self.scheduler_side, self.store)
 
     # ============================================================ worker side
     def _worker(self) -> WorkerSide:

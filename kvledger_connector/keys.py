@@ -4,7 +4,7 @@ A key must name the bytes exactly, or two writers that disagree on what a block 
 and one would load the other's KV (S1 NoPollution across deployments). So a key carries everything that
 changes the bytes of a block on this rank, plus the block's content hash:
 
-    kvl2/<model, readable>/<layout digest>/tp<r>of<n>-pp<p>of<m>/<block hash hex>
+    [<namespace>/]kvl2/<model, readable>/<layout digest>/tp<r>of<n>-pp<p>of<m>/<block hash hex>
           |                 |                 |                    `-- vLLM's chained block hash
           |                 |                 `-- tensor-parallel shard (each rank stores its own heads)
           |                 |                     and pipeline stage (each stage its own layers)
@@ -19,6 +19,11 @@ other's bytes in the wrong order); engines that differ only in the attention bac
 share keys (a split block is stored in token order). `kvl1` keys (the pre-0.32 object format) are never
 read: a new version string, not a silent reinterpretation.
 
+A namespace (`StoreConfig.namespace`, upstream's ``cache_prefix``) lets tenants share one store: it is the
+first component, made of ``[A-Za-z0-9._-]`` (no ``/``), so a namespaced key has one more ``/`` than a key
+without one and two different namespaces differ in the first component: no two namespaces (or none) ever
+share a key, and one namespace's keys are the ones matching ``^<namespace>/``.
+
 Mooncake accepts long keys, but a deployment may cap them (`max_key_bytes`): `KeyTooLongError` is raised by
 `check_key`, and `split_by_length` lets the load path report oversized keys' blocks instead of crashing.
 """
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 KEY_VERSION = "kvl2"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class KeyTooLongError(ValueError):
@@ -103,11 +109,15 @@ def _hash_hex(block_hash: bytes | int | str) -> str:
 class KeyBuilder:
     """Builds the keys of one rank's blocks. Cheap: the prefix is computed once."""
 
-    def __init__(self, layout: KeyLayout, max_key_bytes: int = 512) -> None:
+    def __init__(self, layout: KeyLayout, max_key_bytes: int = 512, namespace: str = "") -> None:
+        if not isinstance(namespace, str) or not (namespace == "" or _NAMESPACE.fullmatch(namespace)):
+            raise ValueError(f"namespace={namespace!r}: must be '' or 1-64 characters of A-Z a-z 0-9 . _ -")
         self.layout = layout
         self.max_key_bytes = max_key_bytes
+        self.namespace = namespace
         readable = _UNSAFE.sub("_", layout.model)[:48]
-        self.prefix = (f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}"
+        self.prefix = (f"{namespace + '/' if namespace else ''}"
+                       f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}"
                        f"-pp{layout.pp_rank}of{layout.pp_size}/")
 
     def key(self, block_hash: bytes | int | str) -> str:

@@ -5,19 +5,22 @@ Runs in vLLM's scheduler thread only (no lock). Per engine step, in vLLM's order
     schedule()
       get_num_new_matched_tokens(req, n)  Lookup: longest run of stored blocks after n (all tp shards);
                                           cached per (req_id, generation, n): asking again is free
-      update_state_after_alloc(req, ..)   EmitLoad: LoadSpec for the external range (async load)
+      update_state_after_alloc(req, ..)   EmitLoad: LoadSpec for the external range (async load); its
+                                          destination blocks pinned through SchedulerLedger.pin_load
       build_connector_meta(out)           DropGeneration notices (preempted, finished), loads, and
                                           EmitStore: one SaveSpec per request whose computed full blocks
                                           grew, through SchedulerLedger.open_job (pins every block the job
                                           may read); None = the cap says DEFER: retried next steps
     update_from_output()
-      update_connector_output(out)        Collect: merged completed_saves -> ledger releases pins
+      update_connector_output(out)        Collect: merged completed_saves -> ledger releases pins;
+                                          CollectLoad: finished_recving (every rank) -> load pins released
       request_finished(req, ..)           forget trackers; never delays the free (pins own the blocks)
     has_requests() -> has_pending_push_work()  while any pin is held
 
 Every table here is bounded: trackers and deferred saves by the scheduler's live requests (dropped at
 finish/preemption), pending loads by the requests admitted this step, the lookup cache by
-`max_lookup_cache` (oldest entry evicted; a miss only costs a repeated `batch_is_exist`).
+`max_lookup_cache` (oldest entry evicted; a miss only costs a repeated `batch_is_exist`); load pins
+(in the ledger) by the pool: a block is the destination of at most one pinned load.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvledger_connector.events import StoreEvents
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.stats import StatsRecorder
@@ -77,10 +81,9 @@ class SchedulerSide:
         self._lookups: OrderedDict[str, _Lookup] = OrderedDict()
         self._pending_loads: dict[str, LoadSpec] = {}
         self._finished_gen: dict[str, int] = {}  # finished since the last step (drained each step)
-        # req_id -> destination blocks of its async load, pinned until every rank finished the load: an
-        # aborted request frees its blocks at once, and a load thread must not write into reused blocks
-        self._load_pins: dict[str, list[Any]] = {}
-        self._pool: Any = None
+        # the destination blocks of each async load are pinned in the ledger (pin_load at EmitLoad) until
+        # every rank finished the load (collect_loads): an aborted request frees its blocks at once, and a
+        # load thread must not write into reused blocks (S9 LoadsPinned)
         self._step = 0
         # whole-run counters (demo report, tests)
         self.num_lookups = 0
@@ -89,10 +92,12 @@ class SchedulerSide:
         self.num_store_queries = 0
         self.num_loads = 0
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
+        self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
+        # KV events for routers (kvledger_connector/events.py); set by the connector when kv events are enabled
+        self.events: StoreEvents | None = None
 
     # ------------------------------------------------------------------ binding
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
-        self._pool = block_pool
         self.ledger = SchedulerLedger(block_pool, world_size=self.world_size,
                                       max_inflight_jobs=self.max_inflight_jobs,
                                       max_pinned_blocks=self.max_pinned_blocks, trace=self.trace)
@@ -148,6 +153,8 @@ class SchedulerSide:
         run = 0
         while run < n and all(res[s * n + run] == 1 for s in range(len(self.key_builders))):
             run += 1
+        if self.events is not None:  # an announced block found missing: BlockRemoved
+            self.events.looked_up(hashes, res)
         self.stats.add("lookup_hit_tokens", run * bs)
         return (start + run) * bs
 
@@ -168,12 +175,8 @@ class SchedulerSide:
             raise LedgerInputError("num_external_tokens", num_external_tokens,
                                    f"{req_id!r} has {len(block_ids)} blocks, {len(request.block_hashes)} hashes")
         dest = tuple(block_ids[first:last])
+        self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
         self._pending_loads[req_id] = LoadSpec(req_id, dest, tuple(request.block_hashes[first:last]))
-        self._release_load_pin(req_id)  # (never held here: a request gets one load per admission)
-        if self._pool is not None and dest:
-            pinned = [self._pool.blocks[b] for b in dest]
-            self._pool.touch(pinned)
-            self._load_pins[req_id] = pinned
         self.num_loads += 1
         self.stats.add("loaded_tokens", num_external_tokens)
 
@@ -263,18 +266,17 @@ class SchedulerSide:
         meta.saves.append(SaveSpec(req_id, job_id, request.num_preemptions, tracker.saved_blocks, end,
                                    tuple(block_ids),
                                    tuple(request.block_hashes[:end])))
+        if self.events is not None:
+            self.events.job_opened(job_id, request, tracker.saved_blocks, end)
         tracker.saved_blocks = end
         self.stats.add("store_jobs")
 
     # ------------------------------------------------------------------ Collect
-    def _release_load_pin(self, req_id: str) -> None:
-        pinned = self._load_pins.pop(req_id, None)
-        if pinned:
-            self._pool.free_blocks(reversed(pinned))
-
     def update_connector_output(self, connector_output: Any) -> None:
-        for req_id in connector_output.finished_recving or ():  # every rank finished this load
-            self._release_load_pin(req_id)
+        recv = connector_output.finished_recving
+        if recv:  # vLLM reports a req_id here once every rank finished its load: all ranks at once
+            world = self.world_size
+            self._ledger().collect_loads({req_id: world for req_id in recv})
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -282,7 +284,11 @@ class SchedulerSide:
             raise LedgerInputError("kv_connector_worker_meta", type(meta).__name__,
                                    "expected KVLedgerWorkerMetadata")
         if meta.completed_saves:
-            self._ledger().collect(meta.completed_saves)
+            ledger = self._ledger()
+            ledger.collect(meta.completed_saves)
+            if self.events is not None:  # jobs every rank reported: BlockStored for what the store holds
+                inflight = set(ledger.inflight_jobs())
+                self.events.jobs_collected(meta.completed_saves, inflight.__contains__)
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """Never delays the free: every store job pinned its own blocks."""
@@ -301,18 +307,18 @@ class SchedulerSide:
         self._pending_loads.pop(req_id, None)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._load_pins) or (self.ledger is not None and self.ledger.has_pending_work())
+        return self.ledger is not None and self.ledger.has_pending_work()
 
     def release_all(self) -> None:
         """Shutdown (workers stopped first): drop every store and load pin."""
-        for req_id in list(self._load_pins):
-            self._release_load_pin(req_id)
         if self.ledger is not None:
             self.ledger.release_all()
+        if self.events is not None:
+            self.events.forget_jobs()
 
     @property
     def num_load_pins(self) -> int:
-        return len(self._load_pins)
+        return 0 if self.ledger is None else self.ledger.num_pinned_loads
 
     @property
     def num_tracked(self) -> int:

@@ -6,13 +6,28 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
     counters   puts, put_keys, put_bytes, put_failed_keys, gets, get_keys, get_bytes, get_failed_keys,
                lookups, lookup_hit_tokens, loaded_tokens, store_jobs, stale_jobs, skipped_jobs,
                deferrals, load_errors_reported, rejected_jobs
-    durations  put_s, get_s (sums; the count is puts / gets)
+    durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
+    latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
+               the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
+               at most 2 × (len + 1) numbers per op whatever the traffic, merged by sum
     gauges     pins_in_flight, pinned_blocks (scheduler side; merged with max)
     failures   fail_code.<code> → keys (at most MAX_CODES distinct codes, the rest under fail_code.other)
+
+Prometheus: a counter per counter, a gauge per gauge, failures by code, and one histogram per op
+(``vllm:kvledger_{put,get,lookup}_seconds``). A histogram is rebuilt exactly from an interval's buckets: each
+bucket's calls are observed at their mean duration, which lies in that bucket, so bucket counts, count and sum
+are those of the calls themselves (upstream sends one row per RPC instead).
+
+What is timed: put = one ``batch_put`` of a store job, get = one ``batch_get`` sub-batch of a load (both on
+the worker's store threads: every ``put_s`` / ``get_s`` the worker adds is one call), lookup = one
+``batch_is_exist`` of the scheduler's prefix lookup (`TimedLookups`).
 """
 from __future__ import annotations
 
+import bisect
+import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +44,16 @@ COUNTERS = (
     "gets", "get_keys", "get_bytes", "get_failed_keys",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "stale_jobs", "skipped_jobs", "deferrals", "load_errors_reported", "rejected_jobs",
-    "put_s", "get_s",
+    "put_s", "get_s", "lookup_s",
+    "kv_events_dropped", "resets", "resets_refused", "resets_failed", "reset_removed_keys",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
+#: ops with a latency histogram, by the duration counter whose every add is one call
+TIMED_OPS = {"put_s": "put", "get_s": "get", "lookup_s": "lookup"}
+#: histogram bounds (seconds): loopback TCP calls take ~0.1-1 ms, RPCs to a dead master up to rpc_timeout_ms
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0)
+_HIST_PREFIXES = ("h.", "hs.")
 MAX_CODES = 16  # distinct failure codes kept per interval (bounded payload)
 _CODE_PREFIX = "fail_code."
 
@@ -62,6 +84,17 @@ class KVLedgerStats(KVConnectorStats):
             name = f"{_CODE_PREFIX}other"
         self.add(name, keys)
 
+    def observe(self, op: str, seconds: float) -> None:
+        """One call of `op` that took `seconds`, into its latency bucket."""
+        i = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+        self.add(f"h.{op}.{i}")
+        self.add(f"hs.{op}.{i}", seconds)
+
+    def latency(self, op: str) -> list[tuple[int, float]]:
+        """(calls, seconds) per bucket of `op` (index as in LATENCY_BUCKETS_S, the last one above them all)."""
+        return [(int(self.data.get(f"h.{op}.{i}", 0)), float(self.data.get(f"hs.{op}.{i}", 0.0)))
+                for i in range(len(LATENCY_BUCKETS_S) + 1)]
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
             if name in GAUGES:
@@ -74,8 +107,8 @@ class KVLedgerStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: v for k, v in sorted(self.data.items())
-                                       if k not in ("put_s", "get_s")}
-        for op in ("put", "get"):
+                                       if k not in TIMED_OPS and not k.startswith(_HIST_PREFIXES)}
+        for op in ("put", "get", "lookup"):
             n = self.data.get(f"{op}s", 0)
             if n:
                 out[f"{op}_avg_ms"] = round(self.data.get(f"{op}_s", 0.0) / n * 1e3, 3)
@@ -91,9 +124,14 @@ class StatsRecorder:
         self.totals = KVLedgerStats()  # whole-run numbers (demo report, tests)
 
     def add(self, name: str, value: float = 1) -> None:
+        """Add to a counter; a duration counter's add (`TIMED_OPS`) is one call, also kept in its histogram."""
+        op = TIMED_OPS.get(name)
         with self._lock:
             self._stats.add(name, value)
             self.totals.add(name, value)
+            if op is not None:
+                self._stats.observe(op, value)
+                self.totals.observe(op, value)
 
     def gauge(self, name: str, value: float) -> None:
         with self._lock:
@@ -132,6 +170,12 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
         self._failures = self._counter_cls(name="vllm:kvledger_store_failures_total",
                                            documentation="kvledger connector: failed keys by store code",
                                            labelnames=labelnames + ["code"])
+        self._latency = {
+            op: self._histogram_cls(name=f"vllm:kvledger_{op}_seconds",
+                                    documentation=f"kvledger connector: duration of one store {op} call",
+                                    labelnames=labelnames, buckets=list(LATENCY_BUCKETS_S))
+            for op in TIMED_OPS.values()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -142,3 +186,43 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
                 self._gauges[name].labels(*labels).set(value)
             elif name.startswith(_CODE_PREFIX) and value:
                 self._failures.labels(*labels, name[len(_CODE_PREFIX):]).inc(value)
+        for op, hist in self._latency.items():
+            child = None
+            for i in range(len(LATENCY_BUCKETS_S) + 1):
+                calls = int(transfer_stats_data.get(f"h.{op}.{i}", 0))
+                if calls <= 0:
+                    continue
+                child = child or hist.labels(*labels)
+                for _ in range(calls):
+                    child.observe(_in_bucket(i, float(transfer_stats_data.get(f"hs.{op}.{i}", 0.0)) / calls))
+
+
+def _in_bucket(i: int, mean: float) -> float:
+    """`mean` (of calls that fell in bucket i) kept inside bucket i against rounding: (bound[i-1], bound[i]]."""
+    if i < len(LATENCY_BUCKETS_S):
+        mean = min(mean, LATENCY_BUCKETS_S[i])
+    if i > 0:
+        mean = max(mean, math.nextafter(LATENCY_BUCKETS_S[i - 1], math.inf))
+    return mean
+
+
+class TimedLookups:
+    """The scheduler's store, with each ``batch_is_exist`` (a prefix lookup) timed into ``lookup_s`` and its
+    histogram. Everything else, attribute reads and writes included, is the wrapped store's own."""
+
+    def __init__(self, store: Any, stats: StatsRecorder) -> None:
+        object.__setattr__(self, "_kvl_store", store)
+        object.__setattr__(self, "_kvl_stats", stats)
+
+    def batch_is_exist(self, keys: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._kvl_store.batch_is_exist(keys)
+        finally:
+            self._kvl_stats.add("lookup_s", time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_kvl_store"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._kvl_store, name, value)

@@ -10,7 +10,12 @@ What it adds over the raw pybind11 client (and why):
     `unhealthy_backoff_ms` and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
     `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s);
   * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
-    `last_exception`), so a store thread never dies of it.
+    `last_exception`), so a store thread never dies of it;
+  * the client is never closed under a live call, nor called once closed: either kills the process
+    inside Mooncake (measured: SIGSEGV, even for `batch_is_exist` after `close()`). Every call is
+    counted in and out under one lock; `close` refuses new calls, waits (bounded) for the calls inside
+    to return, and when one does not, leaves the client open (leaked, logged, `num_close_leaked`) rather
+    than close it under that call.
 
 Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_multi_buffers`; a key's
 object is the concatenation of its chunks (e.g. one chunk per layer's K and V), and a get must ask for
@@ -43,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 #: bound on MooncakeStore.close (a close against a dead master measured ~7 s)
 CLOSE_TIMEOUT_S = 30.0
+#: share of close's bound spent waiting for calls still inside the client (each is bounded by
+#: MC_RPC_TIMEOUT_MS per RPC, so a few RPC timeouts' worth)
+CLOSE_DRAIN_SHARE = 0.5
 
 
 class StoreCode(enum.IntEnum):
@@ -187,6 +195,10 @@ class MooncakeStore:
         self._skip_until = 0.0  # monotonic time until which calls are skipped (master failed)
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
+        self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
+        self._calls_inside = 0  # calls now inside the raw client (guarded by _lock)
+        self._close_result: bool | None = None  # what the first close returned (later closes repeat it)
+        self.num_close_leaked = 0  # closes that left the client open because a call was still inside
         self.last_exception: BaseException | None = None
         self.registered: dict[int, int] = {}  # ptr -> size
 
@@ -232,28 +244,73 @@ class MooncakeStore:
         """The underlying MooncakeDistributedStore (benchmarks compare against it; do not use in the connector)."""
         return self._raw
 
+    # -- calls into the raw client ------------------------------------------------------------------
+
+    def _enter(self) -> bool:
+        """Count a call in; False once closing has begun (the caller must not touch the raw client)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._calls_inside += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._calls_inside -= 1
+            if self._calls_inside == 0:
+                self._idle.notify_all()
+
+    @property
+    def calls_inside(self) -> int:
+        """Calls now inside the raw client (tests and shutdown diagnostics)."""
+        with self._lock:
+            return self._calls_inside
+
     def register_buffer(self, ptr: int, size: int) -> None:
         """Register a KV-cache region for zero-copy transfers (required for RDMA; harmless over TCP)."""
         if not isinstance(ptr, int) or ptr <= 0:
             raise StoreError(f"register_buffer: ptr={ptr!r} must be a positive address")
         if not isinstance(size, int) or size <= 0:
             raise StoreError(f"register_buffer: size={size!r} must be > 0")
-        rc = self._raw.register_buffer(ptr, size)
+        if not self._enter():
+            raise StoreError(f"register_buffer(ptr={ptr:#x}, size={size}): the store is closed")
+        try:
+            rc = self._raw.register_buffer(ptr, size)
+        finally:
+            self._leave()
         if rc != 0:
             raise StoreError(f"register_buffer(ptr={ptr:#x}, size={size}) returned {StoreCode.label(rc)}")
         self.registered[ptr] = size
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Unregister buffers and leave the store. Idempotent. Does not stop an embedded master.
+        """Unregister buffers and leave the store. Idempotent and safe from several threads (later calls
+        return the first one's result; one racing the first may return True before it finishes). Does not
+        stop an embedded master.
+
+        New calls are refused at once (per-key INVALID_PARAMS). Calls already inside the client are waited
+        for, up to `CLOSE_DRAIN_SHARE` of `timeout_s`: closing under a live call, or calling a closed
+        client, crashes the process inside Mooncake. If one is still inside then, the client is left open
+        (leaked: logged, `num_close_leaked` += 1) and False is returned.
 
         Bounded: Mooncake's close unmounts the segment through the master (measured ~7 s with a dead
         master, ~3 s with a hung one) and could block longer on a wedged transfer; it runs in a helper
-        thread joined for `timeout_s`. Returns False (and logs an error naming the master) when it did not
-        finish in time; the helper is a daemon and the client is abandoned."""
+        thread joined for the rest of `timeout_s`. Returns False (and logs an error naming the master) when
+        it did not finish in time; the helper is a daemon and the client is abandoned."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
-                return True
+                return self._close_result if self._close_result is not None else True
             self._closed = True
+            drained = self._idle.wait_for(lambda: self._calls_inside == 0, timeout_s * CLOSE_DRAIN_SHARE)
+            inside = self._calls_inside
+            if not drained:
+                self.num_close_leaked += 1
+                self._close_result = False
+        if not drained:
+            logger.error("Mooncake client of master %s not closed: %d call(s) still inside it after %.1fs; "
+                         "the client is leaked (closing it under a live call would crash the process)",
+                         self.config.master_server_address, inside, timeout_s * CLOSE_DRAIN_SHARE)
+            return False
         done = threading.Event()
 
         def _close() -> None:
@@ -271,24 +328,28 @@ class MooncakeStore:
 
         t = threading.Thread(target=_close, name="kvledger-store-close", daemon=True)
         t.start()
-        t.join(timeout_s)
+        t.join(max(0.0, deadline - time.monotonic()))
         if not done.is_set():
             logger.error("Mooncake client close against master %s did not finish in %.1fs; abandoned",
                          self.config.master_server_address, timeout_s)
+            self._close_result = False
             return False
+        self._close_result = True
         return True
 
     # -- health ------------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
         """Cheap: False while in backoff after a master failure, or when Mooncake's heartbeat says so."""
-        if self._closed or time.monotonic() < self._skip_until:
+        if time.monotonic() < self._skip_until or not self._enter():
             return False
         try:
             return int(self._raw.health_check()) == 0
         except Exception as e:
             self.last_exception = e
             return False
+        finally:
+            self._leave()
 
     def _note(self, results: list[int]) -> list[int]:
         if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
@@ -348,11 +409,15 @@ class MooncakeStore:
         return self._note(codes)
 
     def _invoke(self, fn: Any, n: int, *args: list[Any]) -> list[int]:
+        if not self._enter():  # closed since _skip: never call a closed client
+            return [int(StoreCode.INVALID_PARAMS)] * n
         try:
             res = [int(r) for r in fn(*args)]
         except Exception as e:  # pybind11 type errors, anything else the client throws
             self.last_exception = e
             return [int(StoreCode.CLIENT_EXCEPTION)] * n
+        finally:
+            self._leave()
         if len(res) != n:  # never seen; do not trust a short answer
             return [int(StoreCode.CLIENT_EXCEPTION)] * n
         return res
@@ -381,11 +446,33 @@ class MooncakeStore:
         code = self._key_code(key)
         if code:
             return code
+        if not self._enter():
+            return int(StoreCode.INVALID_PARAMS)
         try:
             return self._note([int(self._raw.remove(key, force))])[0]
         except Exception as e:
             self.last_exception = e
             return int(StoreCode.CLIENT_EXCEPTION)
+        finally:
+            self._leave()
+
+    def remove_by_regex(self, regex: str, force: bool = False) -> int:
+        """Keys removed (>= 0) or < 0 error (-600 for a regex the master cannot parse). The master *searches*
+        each key (ECMAScript syntax): anchor the pattern. Used by `reset_cache` (kvledger_connector/reset.py)."""
+        skipped = self._skip(1)
+        if skipped is not None:
+            return skipped[0]
+        if not isinstance(regex, str) or not regex:
+            return int(StoreCode.INVALID_PARAMS)
+        if not self._enter():
+            return int(StoreCode.INVALID_PARAMS)
+        try:
+            return self._note([int(self._raw.remove_by_regex(regex, force))])[0]
+        except Exception as e:
+            self.last_exception = e
+            return int(StoreCode.CLIENT_EXCEPTION)
+        finally:
+            self._leave()
 
     def __enter__(self) -> MooncakeStore:
         return self

@@ -18,6 +18,9 @@ blocks the forward: a store job that does not fit is reported at once (its pins 
 a future cache miss); a load that does not fit is reported failed for every block (vLLM recomputes).
 Keys are rotated by `tp_rank` on the load path (ranks start on different keys); failures are recorded by
 block id, carried along the rotation, so the mapping back is exact.
+
+The per-job work (DmaRead, Put, Report; Load) is kvledger_connector/jobs.py's step functions: the threads
+here only queue, and the conformance driver calls the same steps one model action at a time.
 """
 from __future__ import annotations
 
@@ -30,20 +33,20 @@ from typing import Any
 import torch
 
 from kvledger_connector.config import StoreConfig
+from kvledger_connector.jobs import WorkerSteps
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import KVStore, StoreCode
-from kvledger.errors import LedgerError, LedgerInputError
-from kvledger.load import LoadLedger, rotation
+from kvledger_connector.store import KVStore
+from kvledger.errors import LedgerInputError
+from kvledger.load import LoadLedger
 from kvledger.trace import TraceSink
-from kvledger.worker import Verdict, WorkerLedger
+from kvledger.worker import WorkerLedger
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
 
 
 class WorkerSide:
@@ -52,7 +55,6 @@ class WorkerSide:
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
         if num_load_threads < 1:
             raise LedgerInputError("load_threads", num_load_threads, "must be >= 1")
-        self.store = store
         self.keys = keys
         self.tp_rank = tp_rank
         self.block_size = block_size
@@ -63,28 +65,62 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
-        self._finished_loads: set[str] = set()
         # loads in flight: queued + one per load thread (+1: a rejected load is begun and finished at once)
         self.loads = LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
                                 trace=trace)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
         self._plan: BlockCopyPlan | None = None
-        self._key_bytes = 0
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
-        self._closed = False
-        self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
-        # whole-run counters
-        self.num_saves_run = 0
-        self.num_saves_stale = 0
-        self.num_saves_skipped = 0
-        self.num_saves_failed = 0
+        self._closed = False  # shutdown begun (guarded by _shutdown_lock)
+        self._shutdown_lock = threading.Lock()
+        self._shutdown_done = threading.Event()
+        self._shutdown_clean = False  # every thread exited in the first shutdown
+        self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
+        # the per-job work (kvledger_connector/jobs.py): the same step functions the conformance driver runs
+        self.steps = WorkerSteps(store=store, ledger=self.ledger, loads=self.loads, buffers=self._block_buffers,
+                                 tp_rank=tp_rank, block_size=block_size, keys=keys,
+                                 load_sub_batch_keys=config.load_sub_batch_keys, stats=self.stats,
+                                 lock=self._lock)
+        self.errors = self.steps.errors  # handler errors (bounded); tests assert it stays empty
+        # whole-run counters (the rest are the steps' counters, below)
         self.num_saves_rejected = 0
         self.num_loads = 0
-        self.num_load_blocks_failed = 0
-        self.num_store_exceptions = 0
+
+    @property
+    def store(self) -> KVStore:
+        """The store the steps call (tests may wrap it, e.g. to hold the store thread)."""
+        return self.steps.store
+
+    @store.setter
+    def store(self, store: KVStore) -> None:
+        self.steps.store = store
+
+    @property
+    def num_saves_run(self) -> int:
+        return self.steps.counters.saves_run
+
+    @property
+    def num_saves_stale(self) -> int:
+        return self.steps.counters.saves_stale
+
+    @property
+    def num_saves_skipped(self) -> int:
+        return self.steps.counters.saves_skipped
+
+    @property
+    def num_saves_failed(self) -> int:
+        return self.steps.counters.saves_failed
+
+    @property
+    def num_load_blocks_failed(self) -> int:
+        return self.steps.counters.load_blocks_failed
+
+    @property
+    def num_store_exceptions(self) -> int:
+        return self.steps.counters.store_exceptions
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan) -> None:
@@ -95,7 +131,7 @@ class WorkerSide:
         for ptr, nbytes in plan.storages:
             self.store.register_buffer(ptr, nbytes)
         self._plan = plan
-        self._key_bytes = plan.block_bytes
+        self.steps.key_bytes = plan.block_bytes
         self._num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
         self._start_threads()
@@ -126,12 +162,11 @@ class WorkerSide:
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
-        with self._lock:
-            gens = meta.drop_generations
-            for req_id in meta.preempted_req_ids:
-                self.ledger.drop_generation(req_id, finished=False, generation=gens.get(req_id))
-            for req_id in meta.finished_req_ids:
-                self.ledger.drop_generation(req_id, finished=True, generation=gens.get(req_id))
+        gens = meta.drop_generations
+        for req_id in meta.preempted_req_ids:
+            self.steps.drop_generation(req_id, finished=False, generation=gens.get(req_id))
+        for req_id in meta.finished_req_ids:
+            self.steps.drop_generation(req_id, finished=True, generation=gens.get(req_id))
         for spec in meta.loads:
             self._enqueue_load(spec)
 
@@ -145,15 +180,13 @@ class WorkerSide:
             event = torch.cuda.Event()
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
-            with self._lock:
-                self.ledger.register(spec.req_id, spec.store_job_id, spec.generation)
+            self.steps.receive(spec.req_id, spec.store_job_id, spec.generation)
             try:
                 self._store_q.put_nowait((spec, event))
             except queue.Full:  # bounded: report now, the save becomes a future cache miss
                 self.num_saves_rejected += 1
                 self.stats.add("rejected_jobs")
-                with self._lock:
-                    self.ledger.finish(spec.store_job_id)
+                self.steps.report_save(spec.store_job_id)
 
     def _enqueue_load(self, spec: LoadSpec) -> None:
         self.num_loads += 1
@@ -161,22 +194,16 @@ class WorkerSide:
             self._load_q.put_nowait(spec)
         except queue.Full:  # bounded: every block reported failed, vLLM recomputes them
             self.stats.add("rejected_jobs")
-            with self._lock:
-                load_id = self.loads.begin_load(spec.req_id, spec.block_ids)
-            self._finish_load(load_id, spec.req_id, f"load queue full ({self.config.load_queue_size})")
+            self.steps.reject_load(spec.req_id, spec.block_ids, f"load queue full ({self.config.load_queue_size})")
 
     def take_finished_loads(self) -> set[str]:
-        with self._lock:
-            done, self._finished_loads = self._finished_loads, set()
-        return done
+        return self.steps.take_finished_loads()
 
     def take_load_errors(self) -> set[int]:
-        with self._lock:
-            return self.loads.take_errors()  # HandleLoadErrors
+        return self.steps.take_load_errors()  # HandleLoadErrors
 
     def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
-        with self._lock:
-            done = self.ledger.take_completed()
+        done = self.steps.take_reports()
         return KVLedgerWorkerMetadata(done) if done else None
 
     # ------------------------------------------------------------------ store thread
@@ -186,77 +213,19 @@ class WorkerSide:
             if item is _STOP:
                 return
             spec, event = item
-            self._handle_save(spec, event)
+            try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
+                self._handle_save(spec, event)
+            except Exception as e:
+                self._note_error(f"store thread: save job {spec.store_job_id}: {type(e).__name__}: {e}")
 
     def _handle_save(self, spec: SaveSpec, event: Any) -> None:
-        job = spec.store_job_id
-        try:
-            with self._lock:
-                verdict = self.ledger.begin(job)
-                offset = self.ledger.saved_offset(job)
-            if verdict is Verdict.STALE:
-                self.num_saves_stale += 1
-                self.stats.add("stale_jobs")
-                return
-            if verdict is Verdict.SKIP:
-                self.num_saves_skipped += 1
-                self.stats.add("skipped_jobs")
-                return
-            self.num_saves_run += 1
-            start = min(offset // self.block_size, spec.end_block)
-            idx = range(start, spec.end_block)
-            keys = self.keys.keys([spec.block_hashes[i] for i in idx])
-            if not keys:
-                with self._lock:
-                    self.ledger.record_saved(job, spec.end_block * self.block_size)
-                return
-            exist = self._store_call("batch_is_exist", len(keys), keys)
-            todo = [j for j, e in enumerate(exist) if e != 1]
-            codes: list[int] = []
-            if todo:
-                if event is not None:
-                    event.synchronize()
-                ptrs, sizes = self._block_buffers([spec.block_ids[idx[j]] for j in todo])
-                t0 = time.perf_counter()
-                codes = self._store_call("batch_put", len(todo), [keys[j] for j in todo], ptrs, sizes)
-                self.stats.add("put_s", time.perf_counter() - t0)
-                self.stats.add("puts")
-                self.stats.add("put_keys", len(todo))
-                self.stats.add("put_bytes", self._key_bytes * sum(1 for c in codes if c == 0))
-            bad = [c for c in codes if c < 0]
-            if bad:
-                self.num_saves_failed += 1
-                self.stats.add("put_failed_keys", len(bad))
-                for c in bad:
-                    self.stats.fail_code(c)
-                with self._lock:
-                    self.ledger.record_failed(job, pressure=StoreCode.NO_AVAILABLE_HANDLE in bad)
-            else:
-                with self._lock:
-                    self.ledger.record_saved(job, spec.end_block * self.block_size)
-        except Exception as e:  # reported below all the same; kept for inspection
-            self.num_saves_failed += 1
-            self._note_error(f"save job {job} ({spec.req_id}): {type(e).__name__}: {e}")
-        finally:
-            try:
-                with self._lock:
-                    self.ledger.finish(job)  # Report: exactly once, on every exit path
-            except LedgerError as e:
-                self._note_error(f"report job {job}: {e}")
-
-    def _store_call(self, fn: str, n: int, *args: Any) -> list[int]:
-        """A store batch call whose exception becomes CLIENT_EXCEPTION for each of its `n` keys (the store
-        wrapper already does this; a wrapped or test store may raise)."""
-        try:
-            return list(getattr(self.store, fn)(*args))
-        except Exception:
-            self.num_store_exceptions += 1
-            return [int(StoreCode.CLIENT_EXCEPTION)] * n
+        """DmaRead, Put, Report of one job (kvledger_connector/jobs.py); the put waits for the forward's
+        CUDA event before it reads the blocks."""
+        self.steps.run_save(spec.req_id, spec.store_job_id, spec.end_block, spec.block_ids, spec.block_hashes,
+                            event.synchronize if event is not None else None)
 
     def _note_error(self, msg: str) -> None:
-        logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
-        if len(self.errors) < MAX_ERRORS_KEPT:
-            self.errors.append(msg)
+        self.steps.note_error(msg)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:
@@ -264,76 +233,19 @@ class WorkerSide:
             spec = self._load_q.get()
             if spec is _STOP:
                 return
-            self._handle_load(spec)
+            try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
+                self._handle_load(spec)
+            except Exception as e:
+                self._note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
 
     def _handle_load(self, spec: LoadSpec) -> None:
-        """Load: every sub-batch is tried; a block not loaded is reported (LoadLedger: S8 on finish)."""
-        with self._lock:
-            load_id = self.loads.begin_load(spec.req_id, spec.block_ids)
-        reason = "not attempted"
-        try:
-            n = len(spec.block_ids)
-            if n != len(spec.block_hashes):
-                raise LedgerInputError("LoadSpec.block_hashes", len(spec.block_hashes),
-                                       f"{n} block ids for {spec.req_id!r}")
-            if n == 0:
-                return  # nothing to load: still reported finished (upstream divides by zero here)
-            keys = self.keys.keys(spec.block_hashes)
-            rot = rotation(n, self.tp_rank)  # spread ranks over the store; block ids travel with their keys
-            order = [(i + rot) % n for i in range(n)]
-            fits, too_long = self.keys.split_by_length([keys[i] for i in order])
-            if too_long:
-                self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
-                with self._lock:
-                    self.loads.record_failed(load_id, [spec.block_ids[order[j]] for j in too_long],
-                                             f"key longer than max_key_bytes={self.keys.max_key_bytes}")
-            order = [order[j] for j in fits]
-            step = self.config.load_sub_batch_keys
-            for lo in range(0, len(order), step):  # every sub-batch is tried and accounted
-                sub = order[lo:lo + step]
-                try:
-                    ptrs, sizes = self._block_buffers([spec.block_ids[i] for i in sub])
-                except LedgerInputError as e:  # a block id outside the cache: this sub-batch fails
-                    self._note_error(f"load {spec.req_id}: {e}")
-                    continue
-                t0 = time.perf_counter()
-                res = self._store_call("batch_get", len(sub), [keys[i] for i in sub], ptrs, sizes)
-                self.stats.add("get_s", time.perf_counter() - t0)
-                self.stats.add("gets")
-                self.stats.add("get_keys", len(sub))
-                ok = [spec.block_ids[i] for i, r in zip(sub, res) if r == self._key_bytes]
-                bad = [(spec.block_ids[i], r) for i, r in zip(sub, res) if r != self._key_bytes]
-                for _, r in bad:
-                    self.stats.fail_code(r if r < 0 else int(StoreCode.INVALID_PARAMS))
-                self.stats.add("get_bytes", self._key_bytes * len(ok))
-                with self._lock:
-                    self.loads.record_ok(load_id, ok)
-                    if bad:
-                        self.loads.record_failed(load_id, [b for b, _ in bad],
-                                                 f"store codes {sorted({r for _, r in bad})}")
-        except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-            self._note_error(f"load {spec.req_id}: {reason}")
-        finally:
-            self._finish_load(load_id, spec.req_id, reason)
-
-    def _finish_load(self, load_id: int, req_id: str, reason: str) -> None:
-        """Errors first, then finished, under one lock: vLLM reads finished before errors in a step, so a
-        request is never seen finished without its failed blocks (S8 LoadErrorsReported)."""
-        with self._lock:
-            failed = self.loads.fail_pending(load_id, reason)
-            result = self.loads.finish_load(load_id)
-            self._finished_loads.add(req_id)
-        if result.failed:
-            self.num_load_blocks_failed += len(result.failed)
-            self.stats.add("get_failed_keys", len(result.failed))
-            self.stats.add("load_errors_reported", len(result.failed))
-        del failed
+        """Load: every sub-batch is tried; a block not loaded is reported (kvledger_connector/jobs.py)."""
+        self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes)
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:
         with self._lock:
-            return (self.ledger.has_pending_work() or bool(self._finished_loads)
+            return (self.ledger.has_pending_work() or bool(self.steps.finished_loads)
                     or self.loads.num_inflight_loads > 0
                     or not self._store_q.empty() or not self._load_q.empty())
 
@@ -344,20 +256,46 @@ class WorkerSide:
             return (self.ledger.num_live_jobs > 0 or self.loads.num_inflight_loads > 0
                     or not self._store_q.empty() or not self._load_q.empty())
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Let the threads finish what is queued (every job still gets reported), then stop them."""
-        if self._closed:
-            return
-        self._closed = True
-        deadline = time.monotonic() + timeout
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Let the threads finish what is queued (every job still gets reported), then stop them. Returns
+        True when every thread exited.
+
+        Idempotent and safe from several threads: the first caller does the work; a concurrent caller waits
+        for it (up to its own `timeout`) and returns its result (False if it is not done by then). Bounded by
+        `timeout`: a thread still inside a store call then (a hung master, a wedged transfer) is left running
+        as a daemon, logged and counted in `num_threads_left_running`. The store is not closed here: its
+        owner closes it afterwards, and `MooncakeStore.close` never closes the client under a call such a
+        thread may still be making (that crashes the process)."""
+        with self._shutdown_lock:
+            first, self._closed = not self._closed, True
+        if not first:
+            return self._shutdown_done.wait(timeout) and self._shutdown_clean
+        try:
+            self._shutdown_clean = self._stop_threads(time.monotonic() + timeout)
+        finally:
+            self._shutdown_done.set()
+        return self._shutdown_clean
+
+    def _stop_threads(self, deadline: float) -> bool:
+        # _STOP queues behind the jobs already queued (FIFO): they run and are reported first
+        threads = [t for t in self._threads if t is not threading.current_thread()]
+        if not threads:
+            return True
+        late: list[queue.Queue[Any]] = []  # a _STOP that did not fit in time (the queue was full)
         for q, n in ((self._store_q, 1), (self._load_q, self._num_load_threads)):
             for _ in range(n):
                 try:
                     q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Full:
-                    pass
-        for t in self._threads:
+                    late.append(q)
+        if late:  # delivered once the threads drain their queue, so they still end (a daemon, never joined)
+            threading.Thread(target=lambda: [q.put(_STOP) for q in late], daemon=True,
+                             name=f"kvledger-stop-r{self.tp_rank}").start()
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in self._threads if t.is_alive()]
+        alive = [t.name for t in threads if t.is_alive()]
         if alive:
-            self._note_error(f"threads still running at shutdown: {alive}")
+            self.num_threads_left_running = len(alive)
+            self._note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
+                             f"inside the client: {getattr(self.store, 'calls_inside', 'unknown')})")
+        return not alive

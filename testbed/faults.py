@@ -25,7 +25,7 @@ from collections import deque
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvledger_connector.store import KVStore, StoreCode
 
@@ -188,3 +188,19 @@ class FaultyStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class HeldPuts:
+    """Holds every put until `gate` is set. A TEST DOUBLE around the real store, only to keep a store job in
+    flight (a rank's report back) on a deterministic schedule; every call goes to the real store."""
+
+    def __init__(self, store: Any, gate: threading.Event, timeout_s: float = 60.0) -> None:
+        self._store, self._gate, self._timeout_s = store, gate, timeout_s
+
+    def batch_put(self, *args: Any) -> Any:
+        if not self._gate.wait(self._timeout_s):
+            raise TimeoutError(f"gate never opened in {self._timeout_s}s")
+        return self._store.batch_put(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

@@ -95,7 +95,8 @@ class Harness:
                  policy: str = "recompute", max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
-                 kv_layout: str = "LBNHC", kernel_block_size: int | None = None) -> None:
+                 kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
+                 kv_events: Any = None) -> None:
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
         self.stall_timeout_s = stall_timeout_s
@@ -130,7 +131,8 @@ class Harness:
                                                 kv_connector_module_path="kvledger_connector.connector",
                                                 kv_role=kv_role, kv_connector_extra_config=extra,
                                                 kv_load_failure_policy=policy),
-            device_config=DeviceConfig("cpu"))
+            device_config=DeviceConfig("cpu"),
+            kv_events_config=kv_events)  # a vllm.config.KVEventsConfig: the Scheduler's publisher
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.layer_names = layer_names(num_layers)
         self.kv_layout = kv_layout

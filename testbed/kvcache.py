@@ -1,9 +1,12 @@
-"""KV caches as vLLM 0.32's engine builds them, for tests, benchmarks and drivers.
+"""KV caches as vLLM's engine (0.32 or 0.33) builds them, for tests, benchmarks and drivers.
 
 The engine resolves one `KVCacheLayout`, records it on `cache_config`, turns the layers' specs into a
-`KVCacheConfig` (`get_kv_cache_groups`, `get_kv_cache_config_from_groups`), and each worker allocates it with
-`vllm.v1.worker.utils.allocate_kv_cache`, whose per-layer ``[B, H, N, C]`` views go unchanged to
-`register_kv_caches`. This module calls exactly those functions: nothing here shapes a KV tensor.
+`KVCacheConfig`, and each worker allocates it with `vllm.v1.worker.utils.allocate_kv_cache`, whose per-layer
+``[B, H, N, C]`` views go unchanged to `register_kv_caches`. vLLM 0.32 builds the config with
+`kv_cache_utils.get_kv_cache_groups` + `get_kv_cache_config_from_groups`; 0.33 moved planning to
+`kv_cache_planning` behind the platform's `KVCacheConfigBuilder` (`get_global_kv_cache_groups`, then
+`builder.get_kv_cache_config_from_groups(..., num_blocks)`). This module calls whichever the installed vLLM
+exports: nothing here shapes a KV tensor.
 """
 from __future__ import annotations
 
@@ -11,12 +14,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+try:  # vLLM >= 0.33: the engine plans through the platform's KVCacheConfigBuilder
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups as _default_kv_cache_groups
+    _PLANNING_BUILDER = True
+except ImportError:  # vLLM 0.32: module-level functions in kv_cache_utils
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    _PLANNING_BUILDER = False
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-#: every layout vLLM 0.32 defines
+#: every layout the installed vLLM defines
 LAYOUTS: tuple[str, ...] = tuple(lay.name for lay in KVCacheLayout)
 #: layouts whose blocks are dense pages: the only ones vLLM lets split into kernel blocks
 SPLITTABLE_LAYOUTS: tuple[str, ...] = ("LBHNC", "LBNHC")
@@ -51,9 +62,20 @@ def build_kv_cache_config(vllm_config: Any, specs: Mapping[str, KVCacheSpec], nu
         raise ValueError(f"cache_config.kv_cache_layout={cc.kv_cache_layout!r}, asked for {layout!r}")
     cc.kv_cache_layout = KVCacheLayout[layout].name
     cc.num_gpu_blocks_override = num_blocks
-    groups = get_kv_cache_groups(vllm_config, dict(specs))
-    page = sum(s.page_size_bytes for s in specs.values())
-    cfg = get_kv_cache_config_from_groups(vllm_config, groups, page * (num_blocks + 1))
+    if _PLANNING_BUILDER:
+        # 0.33's per-worker path in EngineCore._initialize_kv_caches / get_kv_cache_configs
+        if vllm_config.model_config is None:
+            # a model-less engine config (tests): no model can declare its own grouping, so the default
+            # builder's grouping is the planning module's (the builder itself reads model_config)
+            groups = _default_kv_cache_groups(vllm_config, dict(specs))
+        else:
+            groups = get_global_kv_cache_groups(vllm_config, [dict(specs)])
+        cfg = get_kv_cache_config_builder(vllm_config).get_kv_cache_config_from_groups(
+            vllm_config, groups, num_blocks)
+    else:
+        groups = get_kv_cache_groups(vllm_config, dict(specs))
+        page = sum(s.page_size_bytes for s in specs.values())
+        cfg = get_kv_cache_config_from_groups(vllm_config, groups, page * (num_blocks + 1))
     cfg.kv_cache_layout = cc.kv_cache_layout
     if cfg.num_blocks != num_blocks:
         raise ValueError(f"vLLM built {cfg.num_blocks} blocks, asked for {num_blocks}")

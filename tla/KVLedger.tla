@@ -17,7 +17,12 @@
 (*    sub-batch without reporting the rest.                                *)
 (* Mutant (a string) seeds one bug into the fixed design, so that we can   *)
 (* see the invariants are not vacuous: "none", "NoPin", "ReportTwice",     *)
-(* "KeyedByReqId", "NoCap".                                                *)
+(* "KeyedByReqId", "NoCap", "LoadPinFirstRank".                            *)
+(*                                                                         *)
+(* Loads (fixed design): EmitLoad pins the load's destination blocks for   *)
+(* the load (ld[r].pin); a request may finish (abort) while its load runs, *)
+(* freeing its table at once; the pin keeps the blocks until CollectLoad,   *)
+(* when every rank finished the load (vLLM's finished_recving).            *)
 (*                                                                         *)
 (* Content model: chunk c of request r has content <<r, c>>; its store key *)
 (* is <<r, c>> too, so NoPollution is "store[k] = k".                      *)
@@ -46,7 +51,7 @@ CONSTANTS
     Mutant          \* "none" or the name of one seeded bug (see above)
 
 ASSUME NumBlocks >= NumChunks /\ MaxGen >= 1 /\ PinCap >= 1 /\ SubBatch >= 1
-ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap"}
+ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank"}
 
 Blocks  == 1..NumBlocks
 Chunks  == 1..NumChunks
@@ -66,7 +71,8 @@ VARIABLES
     table,    \* table[r]: block table, a sequence of block ids; chunk i lives in table[r][i]
     ncomp,    \* ncomp[r]: chunks computed (or loaded and validated) in this generation
     emitted,  \* emitted[r]: chunks covered by store jobs already emitted in this generation
-    ld,       \* ld[r]: load state [ph, n (keys to load), st (rank -> per-key result), bad (reported invalid)]
+    ld,       \* ld[r]: load state [ph, n (keys to load), st (rank -> per-key result), bad (reported invalid),
+              \*        dst (destination blocks, key i -> dst[i]), pin (the load holds a pin on dst)]
     nextJob,  \* the global monotonic store_job_id counter
     jobs,     \* jobs[j]: [r, g, blocks (pinned, in table order), lo..hi (chunks to save), left (ranks_left)]
     fs,       \* legacy only: fs[r] = ranks that reported finished_sending(r)
@@ -137,6 +143,9 @@ PinnedJobs == {j \in JobIds : Pinned(j)}
 FaultOK == faults < MaxFaults
 Fault(kind) == FaultOK /\ kind \in FaultKinds
 Fresh(g, ph) == [g |-> g, live |-> {}, n |-> 0, off |-> 0, skip |-> FALSE, phase |-> ph]
+LdIdle(ph, n) == [ph |-> ph, n |-> n, st |-> [w \in Ranks |-> <<>>], bad |-> {}, dst |-> <<>>, pin |-> FALSE]
+\* Keys of r's load that some rank still has to load (each a write into its destination block).
+LoadPending(r) == \E w \in Ranks : \E i \in DOMAIN ld[r].st[w] : ld[r].st[w][i] = "pending"
 
 -----------------------------------------------------------------------------
 Init ==
@@ -145,7 +154,7 @@ Init ==
     /\ table = [r \in Req |-> <<>>]
     /\ ncomp = [r \in Req |-> 0]
     /\ emitted = [r \in Req |-> 0]
-    /\ ld = [r \in Req |-> [ph |-> "idle", n |-> 0, st |-> [w \in Ranks |-> <<>>], bad |-> {}]]
+    /\ ld = [r \in Req |-> LdIdle("idle", 0)]
     /\ nextJob = 1
     /\ jobs = [j \in JobIds |-> NoJob]
     /\ fs = [r \in Req |-> {}]
@@ -192,13 +201,13 @@ Lookup(r) ==
     /\ EngineSynced
     /\ status[r] = "running" /\ ld[r].ph = "idle"
     /\ LET h == Hits(r) IN
-         /\ ld' = [ld EXCEPT ![r] = [ph |-> IF h = 0 THEN "done" ELSE "looked", n |-> h,
-                                     st |-> [w \in Ranks |-> <<>>], bad |-> {}]]
+         /\ ld' = [ld EXCEPT ![r] = LdIdle(IF h = 0 THEN "done" ELSE "looked", h)]
          /\ lastAction' = [name |-> "Lookup", r |-> r, hits |-> h]
     /\ UNCHANGED <<status, gen, table, ncomp, emitted, nextJob, jobs, fs, ref, content, free, jp, ws,
                    rep, notice, buf, store, up, faults>>
 
 \* Allocate blocks for the hit and ask every rank to load them (content stays garbage until loaded).
+\* Fixed: the load pins its destination blocks (SchedulerLedger.pin_load): ref 2 = table + load pin.
 EmitLoad(r) ==
     /\ EngineSynced
     /\ status[r] = "running" /\ ld[r].ph = "looked"
@@ -207,8 +216,8 @@ EmitLoad(r) ==
            bs == SubSeq(free, 1, n) IN
          /\ table' = [table EXCEPT ![r] = bs]
          /\ free' = SubSeq(free, n + 1, Len(free))
-         /\ ref' = [b \in Blocks |-> IF b \in Range(bs) THEN 1 ELSE ref[b]]
-         /\ ld' = [ld EXCEPT ![r].ph = "loading",
+         /\ ref' = [b \in Blocks |-> IF b \in Range(bs) THEN (IF Legacy THEN 1 ELSE 2) ELSE ref[b]]
+         /\ ld' = [ld EXCEPT ![r].ph = "loading", ![r].dst = bs, ![r].pin = ~Legacy,
                              ![r].st = [w \in Ranks |-> [i \in 1..n |-> "pending"]]]
          /\ lastAction' = [name |-> "EmitLoad", r |-> r, blocks |-> bs]
     /\ UNCHANGED <<status, gen, ncomp, emitted, nextJob, jobs, fs, content, jp, ws, rep, notice, buf,
@@ -217,14 +226,26 @@ EmitLoad(r) ==
 \* The recompute policy: keep the prefix before the first reported invalid block, recompute the rest.
 HandleLoadErrors(r) ==
     /\ EngineSynced
-    /\ ld[r].ph = "loaded"
+    /\ status[r] = "running" /\ ld[r].ph = "loaded" /\ ~ld[r].pin
     /\ LET k == IF ld[r].bad = {} THEN ld[r].n ELSE Min(ld[r].bad) - 1 IN
          /\ ncomp' = [ncomp EXCEPT ![r] = k]
          /\ emitted' = [emitted EXCEPT ![r] = k]    \* loaded chunks are in the store already
          \* the load's bookkeeping is done with: clear it (fewer distinct states, same behaviour)
-         /\ ld' = [ld EXCEPT ![r] = [ph |-> "done", n |-> 0, st |-> [w \in Ranks |-> <<>>], bad |-> {}]]
+         /\ ld' = [ld EXCEPT ![r] = LdIdle("done", 0)]
          /\ lastAction' = [name |-> "HandleLoadErrors", r |-> r, bad |-> ld[r].bad, keep |-> k]
     /\ UNCHANGED <<status, gen, table, nextJob, jobs, fs, ref, content, free, jp, ws, rep, notice,
+                   buf, store, up, faults>>
+
+\* Every rank finished r's load (vLLM's finished_recving): SchedulerLedger.collect_loads drops the load's
+\* pins, tail first.  A request that finished (aborted) during the load is done with it here.
+CollectLoad(r) ==
+    /\ ld[r].ph = "loaded" /\ ld[r].pin
+    /\ LET rel == ReleaseTailFirst(ld[r].dst) IN
+         /\ ref' = rel[1]
+         /\ free' = rel[2]
+    /\ ld' = [ld EXCEPT ![r] = IF status[r] = "finished" THEN LdIdle("done", 0) ELSE [@ EXCEPT !.pin = FALSE]]
+    /\ lastAction' = [name |-> "CollectLoad", r |-> r, blocks |-> ld[r].dst]
+    /\ UNCHANGED <<status, gen, table, ncomp, emitted, nextJob, jobs, fs, content, jp, ws, rep, notice,
                    buf, store, up, faults>>
 
 \* Compute the next chunk: in place when the table already has its block (recompute), else allocate.
@@ -292,12 +313,15 @@ Preempt(r) ==
 
 \* Finish once every chunk is computed and covered by a store job (or the model ran out of job ids).
 \* Fixed: the request's table is freed now; its jobs' pins own the blocks.  Legacy: delay-free,
-\* the blocks stay until every rank said finished_sending(r).
+\* the blocks stay until every rank said finished_sending(r).  Fixed design: a request may also finish
+\* (be aborted) while its async load runs: its table is freed at once, the load's pin keeps the blocks.
 Finish(r) ==
     /\ EngineSynced
-    /\ status[r] = "running" /\ ld[r].ph = "done"
-    /\ ncomp[r] = NumChunks
-    /\ emitted[r] = ncomp[r] \/ nextJob > MaxJobs
+    /\ status[r] = "running"
+    /\ \/ /\ ld[r].ph = "done"
+          /\ ncomp[r] = NumChunks
+          /\ emitted[r] = ncomp[r] \/ nextJob > MaxJobs
+       \/ ~Legacy /\ (ld[r].ph = "loading" \/ (ld[r].ph = "loaded" /\ ld[r].pin))   \* load not collected
     /\ status' = [status EXCEPT ![r] = "finished"]
     /\ IF Legacy
        THEN UNCHANGED <<ref, free, table>>
@@ -500,15 +524,22 @@ Load(w, r) ==
                      ELSE res
              okKeys == {i \in batch : res[i] = "ok"}
              st2 == [ld[r].st EXCEPT ![w] = res2]
-             allDone == \A v \in Ranks : \A i \in DOMAIN st2[v] : st2[v][i] # "pending" IN
-         /\ content' = [b \in Blocks |-> IF \E i \in okKeys : table[r][i] = b
-                                         THEN store[<<r, CHOOSE i \in okKeys : table[r][i] = b>>]
+             allDone == \A v \in Ranks : \A i \in DOMAIN st2[v] : st2[v][i] # "pending"
+             dst == ld[r].dst
+             \* mutant: the pin is dropped when the first rank finished its part of the load
+             early == Mutant = "LoadPinFirstRank" /\ ld[r].pin /\ \A i \in DOMAIN res2 : res2[i] # "pending"
+             rel == ReleaseTailFirst(dst) IN
+         /\ content' = [b \in Blocks |-> IF \E i \in okKeys : dst[i] = b
+                                         THEN store[<<r, CHOOSE i \in okKeys : dst[i] = b>>]
                                          ELSE content[b]]
          /\ ld' = [ld EXCEPT ![r].st = st2, ![r].bad = @ \cup failed,
-                             ![r].ph = IF allDone THEN "loaded" ELSE "loading"]
+                             ![r].ph = IF allDone THEN "loaded" ELSE "loading",
+                             ![r].pin = @ /\ ~early]
+         /\ ref' = IF early THEN rel[1] ELSE ref
+         /\ free' = IF early THEN rel[2] ELSE free
          /\ faults' = IF xfail THEN faults + 1 ELSE faults
          /\ lastAction' = [name |-> "Load", w |-> w, r |-> r, keys |-> batch, failed |-> failed]
-    /\ UNCHANGED <<status, gen, table, ncomp, emitted, nextJob, jobs, fs, ref, free, jp, ws, rep,
+    /\ UNCHANGED <<status, gen, table, ncomp, emitted, nextJob, jobs, fs, jp, ws, rep,
                    notice, buf, store, up>>
 
 -----------------------------------------------------------------------------
@@ -541,9 +572,11 @@ StoreRestart ==
 Terminated ==
     /\ \A r \in Req : status[r] = "finished" /\ table[r] = <<>>
     /\ \A w \in Ranks : notice[w] = {} /\ \A j \in JobIds : jp[w][j] \in {"none", "released"}
+    /\ \A r \in Req : ~ld[r].pin
 Rest == Terminated /\ UNCHANGED vars
 
-SchedNext == \E r \in Req : Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ HandleLoadErrors(r) \/ Compute(r)
+SchedNext == \E r \in Req : Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ CollectLoad(r) \/ HandleLoadErrors(r)
+                            \/ Compute(r)
                             \/ EmitStore(r) \/ Preempt(r) \/ Finish(r)
 WorkerNext(w) == Receive(w) \/ DropGeneration(w) \/ DmaRead(w) \/ Put(w) \/ Report(w)
                  \/ \E r \in Req : Load(w, r)
@@ -557,8 +590,9 @@ Next == SchedNext \/ Collect \/ (\E w \in Ranks : WorkerNext(w)) \/ EnvNext \/ R
 (*    engine's step loop keep running while work is pending (vLLM keeps    *)
 (*    stepping while has_pending_push_work()); without it a pin could be   *)
 (*    held forever by a thread that simply never runs.                     *)
-(*  - WF on Admit/Lookup/EmitLoad/HandleLoadErrors/Compute/EmitStore/Finish*)
-(*    per request: the scheduler schedules every runnable request.         *)
+(*  - WF on Admit/Lookup/EmitLoad/CollectLoad/HandleLoadErrors/Compute/    *)
+(*    EmitStore/Finish per request: the scheduler schedules every runnable *)
+(*    request (and collects every finished load).                          *)
 (*  - StoreRestart is weakly fair: a failed master comes back (operators   *)
 (*    restart it).  No fairness for Preempt, Evict, StoreFail: the         *)
 (*    adversary may use them, each bounded (MaxGen, MaxFaults).            *)
@@ -570,7 +604,7 @@ Next == SchedNext \/ Collect \/ (\E w \in Ranks : WorkerNext(w)) \/ EnvNext \/ R
 \* Fairness per process (fewer conjuncts keep TLC's liveness check fast): each rank, the engine's
 \* Collect, each request's scheduling and the store master.  A rank's steps all make progress through
 \* a finite pipeline, so weak fairness of their disjunction gets every pending step taken.
-SchedFair(r) == Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ HandleLoadErrors(r) \/ Compute(r)
+SchedFair(r) == Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ CollectLoad(r) \/ HandleLoadErrors(r) \/ Compute(r)
                 \/ EmitStore(r) \/ Finish(r)
 Fairness ==
     /\ \A w \in Ranks : WF_vars(WorkerNext(w))
@@ -586,7 +620,7 @@ RankSymmetry == Permutations(Ranks)
 FairSpec == Spec /\ Fairness
 
 -----------------------------------------------------------------------------
-(* Invariants S1-S8 (spec/README.md) *)
+(* Invariants S1-S9 (spec/README.md) *)
 TypeOK ==
     /\ status \in [Req -> {"waiting", "running", "preempted", "finished"}]
     /\ nextJob \in 1..MaxJobs + 1
@@ -608,6 +642,7 @@ DmaReadsPinned ==
 \* S3: a block's ref count equals its holders (request tables + pinned jobs); free <=> ref = 0.
 Holders(b) == Cardinality({r \in Req : b \in Range(table[r])})
               + Cardinality({j \in PinnedJobs : b \in Range(jobs[j].blocks)})
+              + Cardinality({r \in Req : ld[r].pin /\ b \in Range(ld[r].dst)})
 RefCountExact ==
     /\ \A b \in Blocks : ref[b] = Holders(b) /\ (ref[b] = 0 <=> b \in Range(free))
     /\ Len(free) = Cardinality(Range(free))
@@ -639,6 +674,13 @@ NoGarbageCompute == \A r \in Req : status[r] = "running" => \A i \in 1..ncomp[r]
 \* S8: when a load finishes, every attempted key that did not load on some rank was reported.
 LoadErrorsReported == \A r \in Req : ld[r].ph = "loaded" =>
     {i \in 1..ld[r].n : \E w \in Ranks : ld[r].st[w][i] # "ok"} \subseteq ld[r].bad
+
+\* S9: no load writes into a block that is not pinned for it: while a rank still has keys of r's load to
+\* write, the load holds its pin, and no destination block is free or in another request's table.
+LoadsPinned == \A r \in Req : ld[r].ph = "loading" /\ LoadPending(r) =>
+    /\ ld[r].pin
+    /\ \A b \in Range(ld[r].dst) : /\ b \notin Range(free)
+                                  /\ \A q \in Req \ {r} : b \notin Range(table[q])
 
 \* Every phase change is a transition of spec/machines.json, triggered by the step's action.
 JobPhaseStep(w, j) ==

@@ -32,6 +32,7 @@ Step(e) ==
     \/ e.action = "Admit" /\ Admit(e.r) /\ LA.g = e.g
     \/ e.action = "Lookup" /\ Lookup(e.r) /\ LA.hits = e.hits
     \/ e.action = "EmitLoad" /\ EmitLoad(e.r) /\ table'[e.r] = e.blocks
+    \/ e.action = "CollectLoad" /\ CollectLoad(e.r) /\ LA.blocks = e.blocks
     \/ e.action = "HandleLoadErrors" /\ HandleLoadErrors(e.r) /\ LA.keep = e.keep
     \/ e.action = "Compute" /\ Compute(e.r) /\ LA.c = e.c /\ LA.b = e.b
     \/ e.action = "EmitStore" /\ EmitStore(e.r)
@@ -74,8 +75,8 @@ LoadStep(e) ==
     /\ LET st == ld'[e.r].st[e.w] IN
        IF \E k \in DOMAIN st : st[k] = "pending" THEN i' = i
        ELSE /\ i' = i + 1
-            /\ {table[e.r][k] : k \in DOMAIN st} = SetOf(e.attempted)
-            /\ {table[e.r][k] : k \in {x \in DOMAIN st : st[x] # "ok"}} = SetOf(e.failed)
+            /\ {ld[e.r].dst[k] : k \in DOMAIN st} = SetOf(e.attempted)
+            /\ {ld[e.r].dst[k] : k \in {x \in DOMAIN st : st[x] # "ok"}} = SetOf(e.failed)
 
 TraceNext ==
     /\ i < Len(Trace)

@@ -25,6 +25,12 @@
 (* one over the run (either may come first: a block is reported the moment *)
 (* its sub-batch fails, the Load event when the whole load is done).       *)
 (*                                                                         *)
+(* Load pins (S9 LoadsPinned): lpin maps each pinned load (numbered by the *)
+(* normalizer in EmitLoad order) to its ranks_left; CollectLoad subtracts  *)
+(* the reported ranks and drops a load at 0, with the logged counts equal  *)
+(* to these; a rank's Load event (the rank finished writing the load) must  *)
+(* name a load that is still pinned.                                       *)
+(*                                                                         *)
 (* Accepted when the whole log was matched and, if ExpectRest, the run     *)
 (* ended at rest: every job released, every notice heard by every rank,    *)
 (* every failed load block reported (see FullyMatched).                    *)
@@ -33,10 +39,11 @@ EXTENDS KVLedger, TraceData, Naturals, Sequences, FiniteSets, TLC
 
 CONSTANT ExpectRest   \* TRUE: the run drained (the test checked NoLeakAtRest); check the end state too
 
-VARIABLES i, lfail, ltaken
-tvars == <<vars, i, lfail, ltaken>>
+VARIABLES i, lfail, ltaken, lpin
+tvars == <<vars, i, lfail, ltaken, lpin>>
 
 TraceInit == Init /\ i = 0 /\ lfail = [w \in Ranks |-> {}] /\ ltaken = [w \in Ranks |-> {}]
+             /\ lpin = [k \in {} |-> 0]
 
 SetOf(s) == {s[k] : k \in DOMAIN s}
 LA == lastAction'
@@ -93,8 +100,27 @@ Step(e) ==
          /\ (SameGen(e.w, e.job) => ws'[e.w][jobs[e.job].r].live = SetOf(e.live))
     \/ e.action = "Collect" /\ CollectObs(e)
 
+\* The scheduler's load pins (SchedulerLedger.pin_load / collect_loads).
+LoadPinStep(e) ==
+    \/ e.action = "EmitLoad"
+         /\ e.lp \notin DOMAIN lpin /\ e.left = Cardinality(Ranks)
+         /\ lpin' = lpin @@ (e.lp :> e.left)
+         /\ Cardinality(DOMAIN lpin') = e.pinned_loads
+    \/ e.action = "CollectLoad"
+         /\ e.unknown = 0
+         /\ (\A rc \in SetOf(e.reported) : rc[1] \in DOMAIN lpin /\ 0 < rc[2] /\ rc[2] <= lpin[rc[1]])
+         /\ LET cnt(k) == IF \E p \in SetOf(e.reported) : p[1] = k
+                         THEN (CHOOSE p \in SetOf(e.reported) : p[1] = k)[2] ELSE 0
+                left == [k \in DOMAIN lpin |-> lpin[k] - cnt(k)]
+                done == {k \in DOMAIN lpin : left[k] = 0} IN
+            /\ done = SetOf(e.released)
+            /\ lpin' = [k \in DOMAIN lpin \ done |-> left[k]]
+            /\ \A lf \in SetOf(e.left) : lf[1] \in DOMAIN lpin' /\ lpin'[lf[1]] = lf[2]
+            /\ Cardinality(DOMAIN lpin') = e.pinned_loads
+
 LoadStep(e) ==
     \/ e.action = "Load"
+         /\ (IF e.lp > 0 THEN e.lp \in DOMAIN lpin ELSE ~e.strict)   \* S9: the load is still pinned
          /\ SetOf(e.loaded) \cup SetOf(e.failed) = SetOf(e.attempted)
          /\ SetOf(e.loaded) \cap SetOf(e.failed) = {}
          /\ lfail' = [lfail EXCEPT ![e.w] = @ \cup (SetOf(e.failed) \ ltaken[e.w])]
@@ -113,7 +139,7 @@ Baseline ==
     /\ ref' = [b \in Blocks |-> 1]
     /\ free' = <<>>
     /\ UNCHANGED <<status, gen, table, ncomp, emitted, ld, nextJob, jobs, fs, content, jp, ws, rep, notice,
-                   buf, store, up, faults, lastAction, i, lfail, ltaken>>
+                   buf, store, up, faults, lastAction, i, lfail, ltaken, lpin>>
 
 TraceNext ==
     \/ Baseline
@@ -121,13 +147,14 @@ TraceNext ==
        /\ i < Len(Trace)
        /\ i' = i + 1
        /\ LET e == Trace[i + 1] IN
-          IF e.action \in {"Load", "HandleLoadErrors"} THEN LoadStep(e) /\ UNCHANGED vars
-          ELSE Step(e) /\ UNCHANGED <<lfail, ltaken>>
+          IF e.action \in {"Load", "HandleLoadErrors"} THEN LoadStep(e) /\ UNCHANGED <<vars, lpin>>
+          ELSE IF e.action \in {"EmitLoad", "CollectLoad"} THEN LoadPinStep(e) /\ UNCHANGED <<vars, lfail, ltaken>>
+          ELSE Step(e) /\ UNCHANGED <<lfail, ltaken, lpin>>
 
 TraceSpec == TraceInit /\ [][TraceNext]_tvars
 
 AtRest ==
-    /\ PinnedJobs = {}
+    /\ PinnedJobs = {} /\ DOMAIN lpin = {}
     /\ \A w \in Ranks : /\ notice[w] = {} /\ lfail[w] = {} /\ ltaken[w] = {}
                        /\ \A j \in JobIds : j < nextJob => jp[w][j] = "released"
 \* No trap invariant here (unlike TraceKVLedger): TLC would print the whole matched behaviour as the

@@ -2,7 +2,7 @@
 (***************************************************************************)
 (* Reachability witnesses: an invariant is only as good as the states it   *)
 (* is checked in.  For each safety invariant and action property of        *)
-(* KVLedger (spec/README.md S1-S8, LifecycleConforms), Witness_X is the    *)
+(* KVLedger (spec/README.md S1-S9, LifecycleConforms), Witness_X is the    *)
 (* hazard it guards against: the situation in which the bug it names would *)
 (* strike.  conformance.witness checks NotWitness_X in the CI configs: a   *)
 (* "violation" (TLC exit 12 for a state witness, 13 for a step witness) is *)
@@ -66,6 +66,12 @@ Witness_S8 ==
                                 /\ \E i \in DOMAIN ld[r].st[w] :
                                      ld[r].st[w][i] = "fail" /\ ((i - 1) \div SubBatch + 1) * SubBatch < ld[r].n
 
+\* S9 LoadsPinned: a request finished (was aborted) during its async load while a rank still has keys of
+\* the load to write: its table is freed, so only the load's pin keeps those blocks from being reused.
+Witness_S9 ==
+    \E r \in Req : /\ status[r] = "finished" /\ ld[r].ph = "loading" /\ LoadPending(r)
+                   /\ \E b \in Range(ld[r].dst) : b \notin Range(table[r])
+
 \* LifecycleConforms [step]: a rank's request state closes on the last Report after the finish notice
 \* (closing -> closed): the notice came while jobs were live, the longest path of both machines.
 Witness_Lifecycle ==
@@ -102,6 +108,7 @@ NotWitness_S5 == ~Witness_S5
 NotWitness_S6 == ~Witness_S6
 NotWitness_S7 == ~Witness_S7
 NotWitness_S8 == ~Witness_S8
+NotWitness_S9 == ~Witness_S9
 NotWitness_Lifecycle == [][~Witness_Lifecycle]_vars
 NotWitness_TwoPins == ~Witness_TwoPins
 NotWitness_SharedPin == ~Witness_SharedPin

@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
-from kvledger_connector.config import ENV_CONFIG_PATH, KEY_DOCS, ConfigError, StoreConfig, parse_size
+from kvledger_connector.config import (
+    ENV_CONFIG_PATH,
+    KEY_DOCS,
+    ConfigError,
+    StoreConfig,
+    advertised_address,
+    derive_pin_cap,
+    map_upstream_connector_keys,
+    parse_size,
+)
 
 
 def write(tmp_path: Path, data: object) -> dict[str, str]:
@@ -18,14 +28,16 @@ def write(tmp_path: Path, data: object) -> dict[str, str]:
 def test_defaults_are_embedded_mode_over_tcp() -> None:
     cfg = StoreConfig.from_sources(None, env={})
     assert cfg.embedded and cfg.protocol == "tcp" and cfg.master_server_address is None
-    assert cfg.max_inflight_jobs <= cfg.max_pinned_blocks
+    assert cfg.local_hostname == "127.0.0.1"  # the embedded master is on loopback: so is the advertised address
+    assert cfg.max_pinned_blocks is None and cfg.namespace == ""  # the pin cap is derived per engine
 
 
 def test_file_then_extra_config_extra_wins(tmp_path: Path) -> None:
     env = write(tmp_path, {"master_server_address": "10.0.0.5:50051",
                            "metadata_server": "http://10.0.0.5:8080/metadata",
                            "global_segment_size": "4GB", "local_buffer_size": 1 << 20,
-                           "device_name": "", "protocol": "tcp", "max_inflight_jobs": 8})
+                           "device_name": "", "protocol": "tcp", "max_inflight_jobs": 8,
+                           "local_hostname": "10.0.0.7"})
     cfg = StoreConfig.from_sources({"max_inflight_jobs": 16, "global_segment_size": "512 MiB",
                                     "kv_role": "kv_both"}, env=env, connector_keys={"kv_role"})
     assert cfg.master_server_address == "10.0.0.5:50051" and not cfg.embedded
@@ -113,3 +125,162 @@ def test_config_is_frozen_and_replace_validates() -> None:
 def test_every_key_is_documented() -> None:
     assert set(KEY_DOCS) == {f for f in StoreConfig.__dataclass_fields__}
     assert all(len(doc) > 10 for doc in KEY_DOCS.values())
+
+
+# ---------------------------------------------------------------- upstream MooncakeStoreConnector configs
+UPSTREAM_FILE = {  # a MOONCAKE_CONFIG_PATH file as written for vLLM 0.32's MooncakeStoreConnector
+    "metadata_server": "http://10.0.0.5:8080/metadata", "master_server_address": "10.0.0.5:50051",
+    "protocol": "tcp", "device_name": "", "mode": "embedded", "global_segment_size": "4GB",
+    "local_buffer_size": "1GB", "enable_offload": False, "tenant_id": "default",
+}
+
+
+def test_upstream_file_is_accepted_and_mapped(tmp_path: Path) -> None:
+    env = {**write(tmp_path, UPSTREAM_FILE), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "10.0.0.9"}
+    cfg = StoreConfig.from_sources({"cache_prefix": "team-a", "load_async": True, "enable_lookup": True,
+                                    "lookup_async": False, "lookup_rpc_port": 5555}, env=env)
+    assert cfg.master_server_address == "10.0.0.5:50051" and cfg.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert cfg.global_segment_size == 4 << 30 and cfg.local_buffer_size == 1 << 30 and cfg.rdma_devices == ""
+    assert cfg.namespace == "team-a"  # cache_prefix -> namespace
+    assert cfg.local_hostname == "10.0.0.9"  # upstream's MOONCAKE_REQUESTER_LOCAL_HOSTNAME
+    # an explicit local_hostname wins over the environment override
+    cfg = StoreConfig.from_sources({"local_hostname": "10.0.0.8"}, env=env)
+    assert cfg.local_hostname == "10.0.0.8"
+
+
+def test_upstream_standalone_store_mode_is_a_consumer_only_worker(tmp_path: Path) -> None:
+    env = write(tmp_path, {**UPSTREAM_FILE, "mode": "standalone-store", "global_segment_size": 0,
+                           "local_hostname": "10.0.0.7"})
+    assert StoreConfig.from_sources(None, env=env).global_segment_size == 0
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"mode": "embedded", "global_segment_size": 0}, "global_segment_size > 0"),
+    ({"mode": "standalone-store"}, "set global_segment_size 0"),
+    ({"mode": "disaggregated"}, "'embedded'"),
+])
+def test_upstream_mode_must_agree_with_the_segment(extra: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        StoreConfig.from_sources(extra, env={})
+    assert e.value.field == "mode" and repr(extra["mode"]) in str(e.value) and fragment in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, instead", [
+    ("enable_offload", True, "global_segment_size"),
+    ("tenant_id", "tenant-7", "namespace"),
+    ("preferred_segment", "node-3:12345", "remove it"),
+    ("enable_lookup", False, "kv_producer"),
+    ("load_async", False, "remove it"),
+    ("lookup_async", True, "remove it"),
+    ("store_tp_size", 2, "tensor_parallel_size"),
+    ("enable_store_tp_lcm", True, "tensor_parallel_size"),
+    ("prefill_tp_sizes", [2, 4], "tensor_parallel_size"),
+    ("custom_mem_pool", "NVLINK", "remove it"),
+    ("enable_group_semantics", "True", "remove it"),
+    ("enable_cross_layers_blocks", "true", "remove it"),
+])
+def test_upstream_keys_we_cannot_honour_are_refused_with_what_to_do(tmp_path: Path, key: str, value: object,
+                                                                  instead: str) -> None:
+    for env, extra in ((write(tmp_path, {key: value}), None), ({}, {key: value})):  # in the file or extra config
+        with pytest.raises(ConfigError) as e:
+            StoreConfig.from_sources(extra, env=env)
+        assert e.value.field == key and e.value.value == value
+        assert f"{key}={value!r}" in str(e.value) and "upstream" in str(e.value) and instead in str(e.value)
+        assert (ENV_CONFIG_PATH in str(e.value)) == (extra is None)  # names the source that holds it
+
+
+@pytest.mark.parametrize("key, value", [
+    ("enable_offload", False), ("tenant_id", "default"), ("tenant_id", None), ("preferred_segment", None),
+    ("enable_lookup", True), ("load_async", True), ("lookup_async", False), ("store_tp_size", None),
+    ("enable_store_tp_lcm", False), ("custom_mem_pool", ""), ("enable_group_semantics", "False"),
+    ("enable_cross_layers_blocks", "False"), ("lookup_rpc_port", 0),
+])
+def test_upstream_keys_at_values_that_ask_for_nothing_we_lack_are_accepted(key: str, value: object) -> None:
+    assert StoreConfig.from_sources({key: value}, env={}) == StoreConfig.from_sources({}, env={})
+
+
+def test_upstream_preferred_segment_from_the_environment_is_refused() -> None:
+    with pytest.raises(ConfigError) as e:
+        StoreConfig.from_sources(None, env={"MOONCAKE_PREFERRED_SEGMENT": "node-3"})
+    assert e.value.field == "MOONCAKE_PREFERRED_SEGMENT" and "'node-3'" in str(e.value)
+
+
+def test_upstream_save_decode_cache_maps_to_save_decode() -> None:
+    assert map_upstream_connector_keys({"save_decode_cache": True, "x": 1}) == {"save_decode": True, "x": 1}
+    assert map_upstream_connector_keys({"save_decode_cache": True, "save_decode": True}) == {"save_decode": True}
+    with pytest.raises(ConfigError, match="save_decode_cache=True: contradicts save_decode=False"):
+        map_upstream_connector_keys({"save_decode_cache": True, "save_decode": False})
+
+
+@pytest.mark.parametrize("value", ["a/b", "team a", "x" * 65, 7, "ns@1"])
+def test_namespace_is_one_key_component(value: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        StoreConfig.from_sources({"cache_prefix": value}, env={})
+    assert e.value.field == "cache_prefix" and repr(value) in str(e.value)
+
+
+# ---------------------------------------------------------------- derived defaults
+@pytest.mark.parametrize("max_model_len, block_size, pool, jobs, cap", [
+    (131072, 16, 20000, 64, 10000),  # half the pool (the old fixed 4096 refused this model: it needs 8192)
+    (131072, 16, 10000, 64, 8192),  # half the pool is below the longest request: the longest request
+    (128, 16, 20000, 1, 8),  # one job of at most 8 blocks never pins more
+    (128, 16, None, 4, 32),  # pool unknown: jobs × longest
+    (129, 16, 100, 64, 50),  # a partial last block counts: L = 9
+])
+def test_derived_pin_cap(max_model_len: int, block_size: int, pool: int | None, jobs: int, cap: int) -> None:
+    assert derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool,
+                          max_inflight_jobs=jobs) == cap
+    cfg = StoreConfig(max_inflight_jobs=jobs).for_engine(max_model_len=max_model_len, block_size=block_size,
+                                                         num_gpu_blocks=pool)
+    assert cfg.max_pinned_blocks == cap
+    assert cfg.for_engine(max_model_len=1, block_size=1, num_gpu_blocks=1) is cfg  # derived once, then kept
+    explicit = StoreConfig(max_inflight_jobs=1, max_pinned_blocks=3)
+    assert explicit.for_engine(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool) is explicit
+
+
+def test_replace_keeps_a_derived_pin_cap_below_the_job_cap() -> None:
+    """A small pool derives a cap below max_inflight_jobs (the pin cap binds first): a later `replace` (the
+    embedded master filling in its addresses) keeps it; a cap set below the job cap is still refused."""
+    cfg = StoreConfig(max_inflight_jobs=64).for_engine(max_model_len=128, block_size=16, num_gpu_blocks=64)
+    assert cfg.max_pinned_blocks == 32
+    moved = cfg.replace(master_server_address="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata")
+    assert moved.max_pinned_blocks == 32 and moved.master_server_address == "127.0.0.1:50051"
+    with pytest.raises(ConfigError, match="max_pinned_blocks=32: smaller than max_inflight_jobs=64"):
+        cfg.replace(max_pinned_blocks=32)
+
+
+def test_derived_pin_cap_refuses_nonsense_engine_figures() -> None:
+    with pytest.raises(ConfigError, match="num_gpu_blocks=0"):
+        derive_pin_cap(max_model_len=128, block_size=16, num_gpu_blocks=0, max_inflight_jobs=1)
+
+
+@pytest.mark.parametrize("master", ["127.0.0.1:50051", "localhost:50051", "[::1]:50051"])
+def test_advertised_address_is_loopback_with_a_loopback_master(master: str) -> None:
+    assert advertised_address(master) == "127.0.0.1"
+    assert advertised_address(None) == "127.0.0.1"  # embedded
+
+
+def test_advertised_address_routes_to_a_remote_master() -> None:
+    """A master on another node (TEST-NET-1, never contacted: a UDP connect only picks the route): the
+    advertised address is this host's address on that route, which other nodes reach; without a route the
+    error asks for local_hostname."""
+    master = "192.0.2.1:50051"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 50051))
+            route = s.getsockname()[0]
+    except OSError:
+        route = None
+    if route is None:
+        with pytest.raises(ConfigError, match="set local_hostname"):
+            advertised_address(master)
+        return
+    assert advertised_address(master) == route and route != "127.0.0.1"
+    cfg = StoreConfig.from_sources({"master_server_address": master,
+                                    "metadata_server": "http://192.0.2.1:8080/metadata"}, env={})
+    assert cfg.local_hostname == route
+
+
+def test_every_key_has_a_row_in_the_readme_settings_table() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [k for k in KEY_DOCS if f"| `{k}` |" not in readme] == []

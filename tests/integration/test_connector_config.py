@@ -1,5 +1,6 @@
-"""Connector configuration errors name the field and the value; connector stats merge across ranks with a
-bounded payload and reach Prometheus."""
+"""Connector configuration errors name the field and the value; upstream MooncakeStoreConnector keys and the
+derived pin cap reach the connector; connector stats (counters, gauges, latency histograms) merge across ranks
+with a bounded payload and reach Prometheus through vLLM's own metrics path."""
 from __future__ import annotations
 
 import functools
@@ -9,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvledger_connector.config import ConfigError, StoreConfig
-from kvledger_connector.stats import MAX_CODES, KVLedgerPromMetrics, KVLedgerStats
-from testbed.harness import Harness
+from kvledger_connector.stats import LATENCY_BUCKETS_S, MAX_CODES, KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
+from testbed.harness import Harness, shared_prefix_prompts
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -84,3 +85,96 @@ def test_max_inflight_jobs_below_one_is_refused_at_start(store_config: StoreConf
         Harness(store_config, extra={"max_inflight_jobs": 0})
     assert e.value.field == "max_inflight_jobs" and e.value.value == 0
     assert "max_inflight_jobs=0" in str(e.value)
+
+
+def test_latency_histograms_are_exact_per_bucket():
+    """Each bucket's calls are observed at their mean, which lies in that bucket: Prometheus gets the calls'
+    own bucket counts, count and sum, from a payload of at most two numbers per bucket."""
+    reg = CollectorRegistry()
+    types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+
+    class _Cfg:
+        kv_transfer_config = None
+
+    durations = [0.00005, 0.0001, 0.0003, 0.0004, 0.002, 0.002, 0.7, 12.0]  # 0.0001 sits on a bound
+    ranks = [StatsRecorder(), StatsRecorder()]
+    for i, d in enumerate(durations):  # as the store threads record a put: one add of put_s per call
+        ranks[i % 2].add("puts")
+        ranks[i % 2].add("put_s", d)
+    a, b = (r.take() for r in ranks)
+    a.aggregate(b)  # merging ranks is a sum
+    assert sum(k.startswith(("h.", "hs.")) for k in a.data) <= 2 * (len(LATENCY_BUCKETS_S) + 1)
+    prom = KVLedgerPromMetrics(_Cfg(), types, ["engine"], {0: ["0"]})
+    prom.observe(a.data, 0)
+    lab = {"engine": "0"}
+    assert reg.get_sample_value("vllm:kvledger_put_seconds_count", lab) == len(durations)
+    assert reg.get_sample_value("vllm:kvledger_put_seconds_sum", lab) == pytest.approx(sum(durations))
+    for le in LATENCY_BUCKETS_S:
+        want = sum(d <= le for d in durations)
+        assert reg.get_sample_value("vllm:kvledger_put_seconds_bucket", {**lab, "le": str(float(le))}) == want, le
+    assert reg.get_sample_value("vllm:kvledger_put_seconds_bucket", {**lab, "le": "+Inf"}) == len(durations)
+    assert "put_avg_ms" in a.reduce() and not any(k.startswith(("h.", "hs.")) for k in a.reduce())
+
+
+def test_latency_histograms_through_vllms_metrics_path(store_config: StoreConfig):
+    """vLLM's real path: the Scheduler merges the workers' and its own connector stats into SchedulerStats,
+    vLLM's PrometheusStatLogger hands them to KVConnectorProm, which resolves our class from the config and
+    builds our metrics. The harness's step output is captured by wrapping update_from_output (a recorder,
+    no behaviour changed). Every put, get and lookup call is in its histogram."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    prompts = shared_prefix_prompts(6, num_prefixes=2, prefix_len=48, suffix_len=8, seed=3)
+    with Harness(store_config, num_blocks=12, max_num_seqs=2) as h:
+        stats = []
+        inner = h.scheduler.update_from_output
+
+        def recording(*a, **kw):
+            out = inner(*a, **kw)
+            stats.extend(eco.scheduler_stats for eco in out.values() if eco.scheduler_stats is not None)
+            return out
+
+        h.scheduler.update_from_output = recording  # type: ignore[method-assign]
+        for _ in range(2):  # pass 1 saves; pass 2, with vLLM's prefix cache emptied, loads from the store
+            assert h.scheduler.reset_prefix_cache()
+            for i, p in enumerate(prompts):
+                h.add_request(f"req-{i}", p, 8)
+            h.run()
+        assert h.garbage == [] and h.check_at_rest() == []
+        logger = PrometheusStatLogger(h.vllm_config, [0])
+        for s in stats:
+            logger.record(scheduler_stats=s, iteration_stats=None, engine_idx=0)
+        totals = {k: v for c in [h.scheduler_connector, *h.workers] for k, v in c.stats.totals.data.items()
+                  if k in ("puts", "gets", "lookups", "put_s", "get_s", "lookup_s")}
+        lab = {"model_name": str(h.vllm_config.model_config.served_model_name), "engine": "0"}
+        for op, n in (("put", "puts"), ("get", "gets"), ("lookup", "lookups")):
+            count = REGISTRY.get_sample_value(f"vllm:kvledger_{op}_seconds_count", lab)
+            assert count is not None and count > 0, op
+            assert count == totals[n], op  # every call, once
+            assert REGISTRY.get_sample_value(f"vllm:kvledger_{op}_seconds_sum", lab) == pytest.approx(
+                totals[f"{op}_s"]), op
+        assert REGISTRY.get_sample_value("vllm:kvledger_puts_total", lab) == totals["puts"]
+
+
+def test_upstream_extra_config_through_the_connector(store_config: StoreConfig):
+    extra = {"cache_prefix": "tenant-1", "save_decode_cache": True, "load_async": True, "enable_lookup": True}
+    with Harness(store_config, extra=extra) as h:
+        assert h.scheduler_connector.store_config.namespace == "tenant-1"
+        assert h.scheduler_connector.scheduler_side.save_decode is True
+        assert all(kb.prefix.startswith("tenant-1/kvl2/") for kb in h.key_builders)
+    with pytest.raises(ConfigError) as e:
+        Harness(store_config, extra={"preferred_segment": "node-3"})
+    assert e.value.field == "preferred_segment" and "'node-3'" in str(e.value) and "remove it" in str(e.value)
+
+
+@pytest.mark.parametrize("num_blocks, max_model_len, cap", [
+    (32, 4096, 256),  # the longest request (4096 / 16) is above half the pool: the longest request
+    (1200, 1024, 600),  # half the pool
+])
+def test_pin_cap_is_derived_from_the_engine_when_unset(store_config: StoreConfig, num_blocks: int,
+                                                       max_model_len: int, cap: int):
+    with Harness(store_config, num_blocks=num_blocks, max_model_len=max_model_len) as h:
+        for conn in [h.scheduler_connector, *h.workers]:
+            assert conn.store_config.max_pinned_blocks == cap
+        assert h.scheduler_connector.scheduler_side.max_pinned_blocks == cap

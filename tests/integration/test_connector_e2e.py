@@ -202,10 +202,11 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
         victim = None
         while victim is None and h.step():
             loading = [r for r in h.scheduler.requests.values()
-                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id in ss._load_pins]
+                       if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                       and r.request_id in ss.ledger.pinned_loads()]
             victim = loading[0] if loading else None
         assert victim is not None
-        dest = [b.block_id for b in ss._load_pins[victim.request_id]]
+        dest = ss.ledger.load_pinned_block_ids(victim.request_id)
         h.scheduler.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
         assert all(h.block_pool.blocks[b].ref_cnt >= 1 for b in dest)  # held by the load pin alone
         h.run()

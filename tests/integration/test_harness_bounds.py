@@ -82,7 +82,9 @@ def test_store_close_is_bounded_and_says_so(caplog):
     assert store.close(timeout_s=0.3) is False
     assert time.monotonic() - t0 < 3.0
     assert "did not finish in 0.3s" in caplog.text and "127.0.0.1:1" in caplog.text
-    assert store.close() is True  # idempotent: a second close does not wait again
+    t1 = time.monotonic()
+    # idempotent: a second close does not wait again and repeats the first one's answer (it never finished)
+    assert store.close() is False and time.monotonic() - t1 < 1.0
     quick = MooncakeStore(_SlowCloseRaw(0.0), cfg)
     assert quick.close(timeout_s=5.0) is True and quick._raw.closed.is_set()
 

@@ -150,3 +150,42 @@ def test_event_of_a_job_never_emitted_is_refused_by_name():
             "live": [9], "stale_on_arrival": False, "superseded": []}
     with pytest.raises(tracecheck.TraceCheckError, match="job 9 was never emitted"):
         runlog.normalize([emit, recv])
+
+
+def _load_collect(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(k of a CollectLoad that releases exactly one load, k of that request's last Load event before it)."""
+    for kc, e in enumerate(events):
+        if e["action"] == "CollectLoad" and len(e["completed"]) == 1 and e["released"]:
+            req = e["released"][0]
+            kl = max((k for k in range(kc) if events[k]["action"] == "Load" and events[k]["req_id"] == req),
+                     default=None)
+            if kl is not None:
+                return kc, kl
+    raise AssertionError("the real run released no load pin")
+
+
+def test_real_log_has_load_pins(real_log):
+    events, _ = real_log
+    pins = [e for e in events if e["action"] == "EmitLoad"]
+    released = [r for e in events if e["action"] == "CollectLoad" for r in e["released"]]
+    assert pins and sorted(e["req_id"] for e in pins) == sorted(released)  # every load pin released once
+
+
+def test_load_after_its_pin_was_released_is_rejected_there(real_log):
+    """S9 LoadsPinned: a rank's Load event (it wrote the load's blocks) after the CollectLoad that dropped
+    the load's pins is a write into blocks the pool may have reused."""
+    events, cap = real_log
+    kc, kl = _load_collect(events)
+    bad = events[:kl] + [events[kc]] + events[kl:kc] + events[kc + 1:]
+    _rejected_at(bad, cap, kl + 1)
+
+
+def test_collect_load_releasing_before_every_rank_is_rejected_there(real_log):
+    """vLLM reports a load in finished_recving once every rank finished it; a release on one rank's count
+    (ranks_left 2 -> 1) would drop the pins under the other rank's writes."""
+    events, cap = real_log
+    kc, _ = _load_collect(events)
+    bad = copy.deepcopy(events)
+    (req,) = bad[kc]["completed"]
+    bad[kc]["completed"][req] = 1
+    _rejected_at(bad, cap, kc)

@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvledger import (LedgerInputError, LedgerInvariantError, ListTrace, LoadLedger, rotate, rotation,
-                      sub_batches, unrotate_index)
+from kvledger import LedgerInputError, LedgerInvariantError, ListTrace, LoadLedger, load_order, rotation
+from kvledger.codes import classify_put, split_loaded
+
+KB = 4096  # bytes of one key's object in these tests
 
 
 def ld(**kw) -> LoadLedger:
@@ -19,7 +21,7 @@ def ld(**kw) -> LoadLedger:
 def test_empty_key_list_finishes_without_error():
     """upstream: ``tp_rank % len(key_list)`` divided by zero before the request was marked finished."""
     for tp_rank in range(4):
-        assert rotation(0, tp_rank) == 0 and rotate([], tp_rank) == []
+        assert rotation(0, tp_rank) == 0 and load_order(0, tp_rank) == []
     led = ld()
     lid = led.begin_load("r", [])
     res = led.finish_load(lid)
@@ -27,12 +29,12 @@ def test_empty_key_list_finishes_without_error():
     assert led.take_errors() == set() and led.num_inflight_loads == 0
 
 
-def run_sub_batched(led: LoadLedger, block_ids, tp_rank, budget, sizes, fail_batch, mode):
+def run_sub_batched(led: LoadLedger, block_ids, tp_rank, per_batch, fail_batch, mode):
     """A receive handler in the shape of upstream's, with the fix: after a failed sub-batch the rest of
     the load is reported (fail_pending). The store is simulated here to inject the failure."""
     lid = led.begin_load("r", block_ids)
-    rot = rotate(block_ids, tp_rank)
-    batches = sub_batches([sizes] * len(rot), budget)
+    rot = [block_ids[i] for i in load_order(len(block_ids), tp_rank)]
+    batches = [range(lo, min(lo + per_batch, len(rot))) for lo in range(0, len(rot), per_batch)]
     issued = []
     try:
         for i, rng in enumerate(batches):
@@ -40,8 +42,8 @@ def run_sub_batched(led: LoadLedger, block_ids, tp_rank, budget, sizes, fail_bat
             issued.append(ids)
             if i == fail_batch and mode == "raise":
                 raise RuntimeError("batch_get raised")
-            codes = [-704 if (i == fail_batch and k == rng[-1]) else 4096 for k in rng]
-            if led.record_results(lid, ids, codes):
+            codes = [-704 if (i == fail_batch and k == rng[-1]) else KB for k in rng]
+            if led.record_results(lid, ids, codes, KB):
                 break
     except RuntimeError:
         pass
@@ -56,8 +58,7 @@ def run_sub_batched(led: LoadLedger, block_ids, tp_rank, budget, sizes, fail_bat
 def test_failing_middle_sub_batch_reports_every_unloaded_block(tp_rank, mode):
     blocks = list(range(100, 110))
     led = ld()
-    res, issued = run_sub_batched(led, blocks, tp_rank, budget=3 * 12288, sizes=12288, fail_batch=1,
-                                  mode=mode)
+    res, issued = run_sub_batched(led, blocks, tp_rank, per_batch=3, fail_batch=1, mode=mode)
     assert [len(b) for b in issued] == [3, 3]
     errs = led.take_errors()
     assert res.loaded | res.failed == set(blocks) and not (res.loaded & res.failed)
@@ -74,7 +75,7 @@ def test_failing_middle_sub_batch_reports_every_unloaded_block(tp_rank, mode):
 def test_finish_with_unreported_block_raises_s8_and_loses_nothing():
     led = ld()
     lid = led.begin_load("r", [1, 2, 3])
-    led.record_results(lid, [1], [10])
+    led.record_results(lid, [1], [KB], KB)
     with pytest.raises(LedgerInvariantError) as e:
         led.finish_load(lid)
     assert e.value.invariant_id == "S8" and "[2, 3]" in str(e.value)
@@ -83,8 +84,7 @@ def test_finish_with_unreported_block_raises_s8_and_loses_nothing():
     assert led.finish_load(lid).failed == {2, 3}
 
 
-def test_oversized_key_fails_the_whole_load():
-    assert sub_batches([10, 50, 10], budget=40) is None
+def test_failing_the_whole_load_reports_every_block():
     led = ld()
     lid = led.begin_load("r", [5, 6, 7])
     led.fail_pending(lid, "key larger than the staging budget")
@@ -96,13 +96,45 @@ def test_negative_codes_report_exact_blocks_under_rotation():
     blocks = [11, 12, 13, 14]
     led = ld()
     lid = led.begin_load("r", blocks)
-    rot = rotate(blocks, 2)
+    rot = [blocks[i] for i in load_order(4, 2)]
     assert rot == [13, 14, 11, 12]
-    failed = led.record_results(lid, rot, [1, -800, 1, -704])
-    assert failed == [14, 12]
-    assert [rot[i] for i in range(4)] == [blocks[unrotate_index(i, 4, 2)] for i in range(4)]
+    failed = led.record_results(lid, rot, [KB, -800, KB, -704], KB)
+    assert failed == [(14, -800), (12, -704)]
     led.finish_load(lid)
     assert led.take_errors() == {12, 14}
+
+
+@pytest.mark.parametrize("code", [KB - 1, 1, 0, KB + 1, -704, -800, -900, -600])
+def test_only_a_whole_read_is_loaded(code):
+    """Mooncake's batch_get answers bytes read or a negative code: a short read (or 0 bytes, or more than
+    the key's object) is a failure like a negative code, never a loaded block (S8)."""
+    led = ld()
+    lid = led.begin_load("r", [1, 2, 3])
+    assert led.record_results(lid, [1, 2, 3], [KB, code, KB], KB) == [(2, code)]
+    res = led.finish_load(lid)
+    assert res.loaded == {1, 3} and res.failed == {2}
+    assert led.take_errors() == {2}
+
+
+@pytest.mark.parametrize("codes,stored,pressure", [
+    ([0, 0, 0], True, False), ([], True, False), ([0, -800, 0], False, False), ([-800, 0], False, False),
+    ([0, 0, -200], False, True), ([-200, -900], False, True), ([0, 5], False, False)])
+def test_a_put_batch_is_stored_only_if_every_key_is(codes, stored, pressure):
+    out = classify_put(codes, len(codes))
+    assert (out.stored, out.pressure) == (stored, pressure)
+    assert out.failed_codes == tuple(c for c in codes if c != 0)
+
+
+def test_result_lists_of_the_wrong_length_are_refused():
+    with pytest.raises(LedgerInputError) as e:
+        classify_put([0], 2)
+    assert e.value.field == "batch_put codes" and e.value.value == 1
+    with pytest.raises(LedgerInputError) as e:
+        split_loaded([1, 2], [KB], KB)
+    assert e.value.field == "batch_get codes"
+    with pytest.raises(LedgerInputError) as e:
+        split_loaded([1], [KB], 0)
+    assert e.value.field == "key_bytes"
 
 
 def test_failed_block_stays_failed_after_late_ok():
@@ -120,7 +152,7 @@ def test_blocks_not_attempted_are_rejected():
         led.record_ok(lid, [3])
     assert e.value.field == "block_ids" and e.value.value == [3]
     with pytest.raises(LedgerInputError):
-        led.record_results(lid, [1, 2], [0])
+        led.record_results(lid, [1, 2], [0], KB)
 
 
 def test_unknown_load_and_bad_block_ids():
@@ -159,7 +191,7 @@ def test_load_trace_event():
     tr = ListTrace()
     led = LoadLedger(2, max_inflight_loads=2, trace=tr)
     lid = led.begin_load("r", [1, 2])
-    led.record_results(lid, [1, 2], [1, -704])
+    led.record_results(lid, [1, 2], [KB, -704], KB)
     led.finish_load(lid)
     led.take_errors()
     assert tr.actions() == ["Load", "HandleLoadErrors"]
@@ -167,22 +199,11 @@ def test_load_trace_event():
 
 
 @given(n=st.integers(0, 40), tp=st.integers(0, 16))
-def test_rotation_is_a_bijection(n, tp):
-    items = list(range(n))
-    rot = rotate(items, tp)
-    assert sorted(rot) == items
-    assert all(rot[i] == items[unrotate_index(i, n, tp)] for i in range(n))
-
-
-@given(sizes=st.lists(st.integers(1, 50), max_size=30), budget=st.integers(1, 120))
-def test_sub_batches_cover_keys_in_order_within_budget(sizes, budget):
-    batches = sub_batches(sizes, budget)
-    if any(s > budget for s in sizes):
-        assert batches is None
-        return
-    flat = [i for r in batches for i in r]
-    assert flat == list(range(len(sizes)))
-    assert all(sum(sizes[i] for i in r) <= budget and len(r) > 0 for r in batches)
+def test_load_order_is_a_rotation(n, tp):
+    order = load_order(n, tp)
+    assert sorted(order) == list(range(n))
+    assert all(order[i] == (i + rotation(n, tp)) % n for i in range(n))
+    assert n == 0 or order[0] == tp % n
 
 
 @given(n=st.integers(0, 20), tp=st.integers(0, 7), fail_at=st.integers(0, 25),
@@ -191,14 +212,15 @@ def test_any_failure_point_leaves_every_block_loaded_or_reported(n, tp, fail_at,
     blocks = list(range(1, n + 1))
     led = ld()
     lid = led.begin_load("r", blocks)
-    rot = rotate(blocks, tp)
+    rot = [blocks[i] for i in load_order(n, tp)]
     try:
-        for rng in sub_batches([1] * n, budget_keys) or []:
+        for lo in range(0, n, budget_keys):
+            rng = range(lo, min(lo + budget_keys, n))
             ids = [rot[k] for k in rng]
             if raise_ and fail_at in rng:
                 raise RuntimeError
-            codes = [-1 if k == fail_at else 1 for k in rng]
-            if led.record_results(lid, ids, codes):
+            codes = [-1 if k == fail_at else KB for k in rng]
+            if led.record_results(lid, ids, codes, KB):
                 break
     except RuntimeError:
         pass

@@ -1,0 +1,295 @@
+"""Probes: small deterministic scenarios on the connector's own step functions (kvledger_connector/jobs.py)
+and the ledgers, for what the model's behaviours cannot show: a batch where only some keys fail, a short
+read, a load rotated on rank 1, an exception outside a store call, a copy-on-write tail pin, reports of
+two ranks merged in one step, the exact pin-cap boundary. Each probe raises :class:`ProbeFailed` naming
+what it saw; the mutant table (conformance/mutants.py) runs them under every mutant, and
+tests/unit/test_jobs.py runs them unmutated.
+
+The store here is a scripted in-memory one (:class:`ProbeStore`): it exists to inject per-key faults
+(a failing key in a batch, a short read, a raising call) deterministically; the replay (conformance/kvdriver.py)
+runs the same steps against Mooncake.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from vllm.v1.core.block_pool import BlockPool
+
+from kvledger.scheduler import SchedulerLedger
+from kvledger.load import LoadLedger
+from kvledger.worker import Verdict, WorkerLedger
+from kvledger_connector.jobs import WorkerSteps, no_lock
+from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.metadata import KVLedgerWorkerMetadata
+
+KEY_BYTES = 64  # one key's object in the probes
+BLOCK_SIZE = 16  # tokens per block
+
+
+class ProbeFailed(Exception):
+    """A probe saw the runtime do something it must not."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ProbeFailed(what)
+
+
+class ProbeStore:
+    """A key -> value store over "memory" `mem` (buffer handle -> value); `put_codes` / `get_codes` /
+    `exist_codes`: scripted answers per key (the fault); `raises`: calls that raise."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, int] = {}
+        self.mem: dict[int, int] = {}
+        self.put_codes: dict[str, int] = {}
+        self.get_codes: dict[str, int] = {}
+        self.raises: set[str] = set()
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def _enter(self, fn: str, keys: Sequence[str]) -> None:
+        self.calls.append((fn, list(keys)))
+        if fn in self.raises:
+            raise RuntimeError(f"injected: {fn} raised")
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        self._enter("batch_is_exist", keys)
+        return [1 if k in self.data else 0 for k in keys]
+
+    def batch_put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Any) -> list[int]:
+        self._enter("batch_put", keys)
+        out = []
+        for k, p in zip(keys, ptrs):
+            code = self.put_codes.get(k, 0)
+            if code == 0:
+                self.data.setdefault(k, self.mem[p[0]])
+            out.append(code)
+        return out
+
+    def batch_get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Any) -> list[int]:
+        self._enter("batch_get", keys)
+        out = []
+        for k, p in zip(keys, ptrs):
+            if k in self.get_codes:
+                out.append(self.get_codes[k])
+            elif k not in self.data:
+                out.append(-704)
+            else:
+                self.mem[p[0]] = self.data[k]
+                out.append(KEY_BYTES)
+        return out
+
+
+def _buffers(ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    return [[i] for i in ids], [[KEY_BYTES]] * len(ids)
+
+
+def rank(store: ProbeStore, tp_rank: int = 0, sub_batch: int = 2) -> WorkerSteps:
+    keys = KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, dtype="torch.float32",
+                                kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8))
+    return WorkerSteps(store=store, ledger=WorkerLedger(tp_rank, max_live_jobs=8),
+                       loads=LoadLedger(tp_rank, max_inflight_loads=4), buffers=_buffers, tp_rank=tp_rank,
+                       block_size=BLOCK_SIZE, key_bytes=KEY_BYTES, keys=keys, load_sub_batch_keys=sub_batch,
+                       lock=no_lock())
+
+
+HASHES = [bytes([i + 1]) * 4 for i in range(6)]
+
+
+def probe_partial_put_fails_the_job() -> None:
+    """One key of a put batch fails: the job failed (offset unchanged), still reported once."""
+    st = ProbeStore()
+    w = rank(st)
+    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    st.mem.update({1: 101, 2: 102, 3: 103})
+    st.put_codes[keys[1]] = -800
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+    off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
+    _check(off == 0, f"a put with a failed key moved the saved offset to {off}")
+    _check(w.counters.saves_failed == 1, f"saves_failed={w.counters.saves_failed} after a partial put failure")
+    _check(w.take_reports() == {1: 1}, "the job was not reported exactly once")
+
+
+def probe_pressure_anywhere_in_a_batch() -> None:
+    """NO_AVAILABLE_HANDLE on any key of the batch (not only the first) puts the rank under pressure."""
+    st = ProbeStore()
+    w = rank(st)
+    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    st.mem.update({1: 101, 2: 102, 3: 103})
+    st.put_codes[keys[2]] = -200
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+    _check(w.ledger.under_pressure, "a -200 on the batch's last key did not mark store pressure")
+    _check(w.take_reports() == {1: 1}, "the job was not reported")
+
+
+def probe_short_read_is_a_load_error() -> None:
+    """A get that read fewer bytes than the key's object is a failed block, reported (S8)."""
+    st = ProbeStore()
+    w = rank(st, sub_batch=4)
+    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    st.data.update({keys[0]: 201, keys[1]: 202, keys[2]: 203})
+    st.get_codes[keys[1]] = KEY_BYTES // 2
+    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    _check(res.failed == {5}, f"short read: failed blocks {sorted(res.failed)}, expected [5]")
+    _check(w.take_load_errors() == {5}, "the short read's block was not reported to vLLM")
+
+
+def probe_rotated_load_reports_the_right_block() -> None:
+    """Rank 1 loads keys rotated (key 1 first); a missing key 0 fails block 10, and every loaded block holds
+    its own key's value."""
+    st = ProbeStore()
+    w = rank(st, tp_rank=1, sub_batch=2)
+    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    st.data.update({keys[1]: 302, keys[2]: 303})
+    res = w.run_load("r", [10, 11, 12], HASHES[:3])
+    first = next(c for c in st.calls if c[0] == "batch_get")[1][0]
+    _check(first == keys[1], f"rank 1 did not start on key 1 (started on key {keys.index(first)})")
+    _check(res.failed == {10}, f"key 0 missing: failed blocks {sorted(res.failed)}, expected [10]")
+    _check(st.mem.get(11) == 302 and st.mem.get(12) == 303,
+           f"blocks 11, 12 hold {st.mem.get(11)}, {st.mem.get(12)}: not their keys' values 302, 303")
+
+
+def probe_exception_in_a_save_still_reports() -> None:
+    """A save whose handler raises (a bad block hash; a store call that raises) is failed and reported."""
+    st = ProbeStore()
+    w = rank(st)
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
+    _check(w.ledger.job_state(1) == "reported", f"job 1 is {w.ledger.job_state(1)} after its handler raised")
+    st.raises.add("batch_put")
+    st.mem.update({1: 1, 2: 2})
+    w.receive("r", 2, 0)
+    w.run_save("r", 2, 2, [1, 2], HASHES[:2])
+    _check(w.counters.store_exceptions == 1, f"store_exceptions={w.counters.store_exceptions}")
+    _check(w.take_reports() == {1: 1, 2: 1}, "a job whose handler or store call raised was not reported")
+
+
+def probe_exception_in_a_load_reports_every_block() -> None:
+    """A load whose handler raises is still finished, every block reported failed."""
+    st = ProbeStore()
+    w = rank(st)
+    w.run_load("r", [4, 5], [HASHES[0], b""])
+    _check(w.take_finished_loads() == {"r"}, "a load whose handler raised never finished")
+    _check(w.take_load_errors() == {4, 5}, "a load whose handler raised did not report its blocks")
+
+
+def probe_put_resumes_at_the_saved_offset() -> None:
+    """A second job of the request puts from the rank's saved offset: every block ends in the store."""
+    st = ProbeStore()
+    w = rank(st)
+    st.mem.update({1: 1, 2: 2, 3: 3, 4: 4})
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    w.receive("r", 2, 0)
+    w.run_save("r", 2, 4, [1, 2, 3, 4], HASHES[:4])
+    keys = w.keys.keys(HASHES[:4])  # type: ignore[union-attr]
+    lost = [i for i, k in enumerate(keys) if k not in st.data]
+    _check(not lost, f"blocks {lost} never reached the store (the put resumed past the saved offset)")
+    puts = [c[1] for c in st.calls if c[0] == "batch_is_exist"]
+    _check(puts[-1] == keys[2:], "the second job did not resume at the saved offset")
+
+
+def probe_stale_and_skipped_jobs_put_nothing() -> None:
+    """A job of a superseded generation (the register path's generation check) and a pressure-skipped
+    job put nothing and are reported."""
+    st = ProbeStore()
+    w = rank(st)
+    st.mem.update({1: 1, 2: 2})
+    w.receive("r", 1, 0)
+    w.receive("r", 2, 1)  # generation 1 arrives: generation 0's job 1 is stale
+    plan = w.begin_save(1, 2)
+    _check(plan.verdict is Verdict.STALE, f"a job of a superseded generation is {plan.verdict.value}")
+    w.report_save(1)
+    st.put_codes[w.keys.key(HASHES[0])] = -200  # type: ignore[union-attr]
+    w.run_save("r", 2, 1, [1], HASHES[:1])  # pressure: generation 1 is skipped until a put succeeds
+    w.receive("r", 3, 1)
+    w.run_save("r", 3, 2, [1, 2], HASHES[:2])
+    _check(not st.data, f"a stale or skipped job put {sorted(st.data)}")
+    _check(w.take_reports() == {1: 1, 2: 1, 3: 1}, "stale / skipped jobs not reported")
+
+
+def _pool(n: int) -> tuple[BlockPool, list[int]]:
+    pool = BlockPool(num_gpu_blocks=n + 1, enable_caching=False, hash_block_size=16)
+    return pool, [b.block_id for b in pool.get_new_blocks(n)]
+
+
+def probe_copy_on_write_tail_is_pinned() -> None:
+    """open_job with a tail (blocks outside the table) pins the tail too and releases it with the job."""
+    pool, ids = _pool(4)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=2, max_pinned_blocks=8)
+    before = [pool.blocks[b].ref_cnt for b in ids]
+    j = led.open_job("r", ids[:2], tail_block_ids=[ids[3]])
+    _check(j is not None, "a job within the caps was deferred")
+    pinned = led.pinned_block_ids(j)  # type: ignore[arg-type]
+    _check(pinned == [ids[0], ids[1], ids[3]], f"pinned {pinned}, expected the table then the tail")
+    refs = [pool.blocks[b].ref_cnt - r0 for b, r0 in zip(ids, before)]
+    _check(refs == [1, 1, 0, 1], f"pins added refs {refs}, expected [1, 1, 0, 1]")
+    led.collect({j: 1})  # type: ignore[dict-item]
+    after = [pool.blocks[b].ref_cnt for b in ids]
+    _check(after == before, f"refs after the release {after}, before the job {before}")
+
+
+def probe_pin_cap_boundary() -> None:
+    """Exactly at each cap (jobs in flight; block pins), the job that reaches it is admitted and the next
+    one is deferred (nothing pinned, no id used), whatever the other cap's room."""
+    pool, ids = _pool(6)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=2, max_pinned_blocks=100)
+    a = led.open_job("a", ids[0:2])
+    b = led.open_job("b", ids[2:4])
+    _check(a is not None and b is not None, "a job reaching max_inflight_jobs exactly was deferred")
+    nxt = led.next_job_id
+    _check(led.open_job("c", ids[4:5]) is None, "a job above max_inflight_jobs was admitted")
+    _check(led.open_job("c", []) is None, "a job pinning no block was admitted above max_inflight_jobs")
+    _check(led.next_job_id == nxt, "a deferred job used an id")
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=100, max_pinned_blocks=4)
+    a = led.open_job("a", ids[0:2])
+    _check(led.open_job("d", ids[3:6]) is None, "a job above max_pinned_blocks was admitted")
+    _check(led.open_job("d", ids[4:6]) is not None, "a job reaching max_pinned_blocks exactly was deferred")
+
+
+def probe_reports_of_two_ranks_merge() -> None:
+    """Both ranks report a job in one step: merged as vLLM's executor does, the job is released once, and
+    the next step reports nothing again."""
+    pool, ids = _pool(2)
+    led = SchedulerLedger(pool, world_size=2, max_inflight_jobs=2, max_pinned_blocks=4)
+    j = led.open_job("r", ids)
+    ranks = [rank(ProbeStore(), tp_rank=t) for t in (0, 1)]
+    for w in ranks:
+        w.receive("r", j, 0)  # type: ignore[arg-type]
+        w.report_save(j)  # type: ignore[arg-type]
+    meta = KVLedgerWorkerMetadata()
+    for w in ranks:
+        meta.aggregate(KVLedgerWorkerMetadata(w.take_reports()))
+    _check(meta.completed_saves == {j: 2}, f"two ranks' reports merged to {meta.completed_saves}")
+    led.collect(meta.completed_saves)
+    _check(led.num_inflight_jobs == 0, "the job is still pinned after both ranks reported")
+    again = [w.take_reports() for w in ranks]
+    _check(again == [{}, {}], f"reports taken twice: {again}")
+
+
+PROBES: list[Callable[[], None]] = [
+    probe_partial_put_fails_the_job, probe_pressure_anywhere_in_a_batch, probe_short_read_is_a_load_error,
+    probe_rotated_load_reports_the_right_block, probe_exception_in_a_save_still_reports,
+    probe_exception_in_a_load_reports_every_block, probe_put_resumes_at_the_saved_offset,
+    probe_stale_and_skipped_jobs_put_nothing, probe_copy_on_write_tail_is_pinned, probe_pin_cap_boundary,
+    probe_reports_of_two_ranks_merge,
+]
+
+
+def run_probes() -> tuple[str, str] | None:
+    """The first probe that fails: (its name, what it saw); None if all pass. Any exception fails a probe."""
+    quiet = logging.getLogger("kvledger_connector.jobs")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the probes' injected handler errors are expected, not news
+    try:
+        for p in PROBES:
+            try:
+                p()
+            except Exception as e:
+                return p.__name__, f"{type(e).__name__}: {e}"
+        return None
+    finally:
+        quiet.setLevel(level)

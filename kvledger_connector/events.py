@@ -1,0 +1,197 @@
+"""KV cache events for KV-aware routers: what the store holds of this engine's blocks, in vLLM's own event types.
+
+vLLM's Scheduler collects ``connector.take_events()`` in ``update_from_output`` into the step's `KVEventBatch`,
+next to its own GPU-pool events, and hands the batch to the configured publisher (``--kv-events-config``).
+The scheduler-role connector owns one `StoreEvents` when ``kv_events_config.enable_kv_cache_events`` is set:
+
+    BlockStored   after a store job is collected (every rank reported it: SchedulerLedger.collect released
+                  its pins), for each block of the job's range whose key exists for EVERY tp/pp shard
+                  (one ``batch_is_exist``: a rank reports a failed put too, so a report alone proves
+                  nothing); one event per contiguous run, chained by ``parent_block_hash`` like vLLM's own
+    BlockRemoved  for a block we announced that a later lookup finds missing on some shard (evicted,
+                  removed), and for every announced block at ``reset_cache``
+    AllBlocksCleared  at ``reset_cache`` instead, if more blocks were announced than `max_announced`
+                  (we lost track of some; over-clearing a router only costs it hints, a stale hint costs a miss)
+
+Medium: ``MEDIUM_CPU`` ("CPU", vLLM's constant, as the OffloadingConnector reports its CPU tier). Upstream's
+Mooncake store connector sends the literal ``"cpu"``, from its workers (``get_kv_connector_kv_cache_events``,
+aggregated so that only events every rank sent survive); here the scheduler emits them once, which needs no
+cross-rank aggregation. Block hashes go through vLLM's ``maybe_convert_block_hash``, so they are the hashes
+vLLM's own ``BlockStored`` events carry for the same blocks (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` included).
+
+Bounded: pending events by `max_pending` (the oldest dropped, counted in ``kv_events_dropped``), the
+announced-hash set by `max_announced` (oldest forgotten), per-job records by the ledger's job cap (one per
+pinned store job, dropped when the job is collected or at shutdown).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvledger.errors import LedgerInputError
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = MEDIUM_CPU
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_MAX_ANNOUNCED = 65_536
+
+
+@dataclass(frozen=True)
+class _JobBlocks:
+    """Blocks [start, end) of one store job, as the request held them when the job was opened."""
+
+    start: int
+    block_hashes: tuple[bytes, ...]  # hashes of blocks [start - 1 (parent, if start > 0), end)
+    token_ids: tuple[int, ...]  # tokens of blocks [start, end)
+    lora_id: int | None
+    lora_name: str | None
+
+
+class StoreEvents:
+    def __init__(self, *, key_builders: Sequence[KeyBuilder], store: Any, block_size: int,
+                 max_pending: int = DEFAULT_MAX_PENDING, max_announced: int = DEFAULT_MAX_ANNOUNCED,
+                 stats: StatsRecorder | None = None) -> None:
+        for name, v in (("max_kv_events", max_pending), ("max_announced", max_announced)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LedgerInputError(name, v, "must be an int >= 1")
+        self.key_builders = list(key_builders)
+        self.store = store  # the raw client: these checks are not prefix lookups (kept out of lookup_s)
+        self.block_size = block_size
+        self.max_pending = max_pending
+        self.max_announced = max_announced
+        self.stats = stats or StatsRecorder()
+        self._pending: deque[KVCacheEvent] = deque()
+        self._jobs: dict[int, _JobBlocks] = {}
+        self._announced: OrderedDict[bytes, None] = OrderedDict()
+        self.lost_track = False  # an announced hash was forgotten (cap): a reset must clear everything
+        self.num_dropped = 0
+        self.num_stored_blocks = 0
+        self.num_removed_blocks = 0
+
+    # ------------------------------------------------------------------ queue
+    def _emit(self, event: KVCacheEvent) -> None:
+        if len(self._pending) >= self.max_pending:
+            self._pending.popleft()  # oldest first: a router that lags loses history, not the present
+            self.num_dropped += 1
+            self.stats.add("kv_events_dropped")
+        self._pending.append(event)
+
+    def take(self) -> list[KVCacheEvent]:
+        events = list(self._pending)
+        self._pending.clear()
+        return events
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_announced(self) -> int:
+        return len(self._announced)
+
+    # ------------------------------------------------------------------ stored
+    def job_opened(self, job_id: int, request: Any, start: int, end: int) -> None:
+        """EmitStore of `job_id` covering blocks [start, end) of `request` (called right after open_job)."""
+        if end <= start:
+            return
+        bs = self.block_size
+        lo = max(start - 1, 0)
+        lora = request.lora_request
+        self._jobs[job_id] = _JobBlocks(
+            start=start, block_hashes=tuple(request.block_hashes[lo:end]),
+            token_ids=tuple(request.all_token_ids[start * bs:end * bs]),
+            lora_id=lora.adapter_id if lora is not None else None,
+            lora_name=lora.name if lora is not None else None)
+
+    def jobs_collected(self, completed: Mapping[int, int], still_pinned: Any) -> None:
+        """After SchedulerLedger.collect: the reported jobs that are no longer pinned were reported by every
+        rank. Announce their blocks the store holds for every shard."""
+        done = [self._jobs.pop(j) for j in completed if j in self._jobs and not still_pinned(j)]
+        if not done:
+            return
+        keys: list[str] = []
+        spans: list[tuple[_JobBlocks, int, int]] = []  # (job, offset in keys, blocks)
+        for job in done:
+            hashes = job.block_hashes[1:] if job.start > 0 else job.block_hashes
+            spans.append((job, len(keys), len(hashes)))
+            keys.extend(k for kb in self.key_builders for k in kb.keys(hashes))
+        try:
+            res = self.store.batch_is_exist(keys)
+        except Exception:  # a raising test double: announce nothing rather than fail the step
+            return
+        shards = len(self.key_builders)
+        for job, off, n in spans:
+            present = [all(res[off + s * n + i] == 1 for s in range(shards)) for i in range(n)]
+            self._announce_runs(job, present)
+
+    def _announce_runs(self, job: _JobBlocks, present: list[bool]) -> None:
+        bs = self.block_size
+        hashes = job.block_hashes[1:] if job.start > 0 else job.block_hashes
+        parent = job.block_hashes[0] if job.start > 0 else None
+        i = 0
+        n = len(present)
+        while i < n:
+            if not present[i] or hashes[i] in self._announced:
+                parent = hashes[i]
+                i += 1
+                continue
+            j = i
+            while j < n and present[j] and hashes[j] not in self._announced:
+                j += 1
+            self._emit(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in hashes[i:j]],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                token_ids=list(job.token_ids[i * bs:j * bs]), block_size=bs,
+                lora_id=job.lora_id, medium=MEDIUM, lora_name=job.lora_name, group_idx=0))
+            for h in hashes[i:j]:
+                self._remember(h)
+            self.num_stored_blocks += j - i
+            parent = hashes[j - 1]
+            i = j
+
+    def _remember(self, h: bytes) -> None:
+        self._announced[h] = None
+        if len(self._announced) > self.max_announced:
+            self._announced.popitem(last=False)
+            self.lost_track = True
+
+    # ------------------------------------------------------------------ removed
+    def looked_up(self, hashes: Sequence[bytes], codes: Sequence[int]) -> None:
+        """A prefix lookup's ``batch_is_exist`` answer (shard-major, as SchedulerSide._query asks): an announced
+        block that some shard answered 0 for is gone (evicted or removed); an error code proves nothing."""
+        if not self._announced:
+            return
+        n = len(hashes)
+        shards = len(codes) // n if n else 0
+        gone = [h for i, h in enumerate(hashes)
+                if h in self._announced and any(codes[s * n + i] == 0 for s in range(shards))]
+        if gone:
+            for h in gone:
+                del self._announced[h]
+            self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM,
+                                    group_idx=0))
+            self.num_removed_blocks += len(gone)
+
+    def store_reset(self) -> None:
+        """Every key of this engine was removed (reset_cache)."""
+        if self.lost_track:
+            self._emit(AllBlocksCleared())
+        elif self._announced:
+            self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in self._announced],
+                                    medium=MEDIUM, group_idx=0))
+        self.num_removed_blocks += len(self._announced)
+        self._announced.clear()
+        self.lost_track = False
+
+    def forget_jobs(self) -> None:
+        """Shutdown (release_all): the jobs are released without reports; nothing is announced for them."""
+        self._jobs.clear()

@@ -1,0 +1,145 @@
+"""``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, e.g. after an RL weight update) on one
+real master shared by several engines: it removes exactly the resetting engine's keys (its model, layout,
+namespace and shards), never another model's or another namespace's, and the engine then misses and re-saves.
+It refuses (False, nothing removed) while a store job, a load or a request with computed KV could bring
+pre-reset KV back (kvledger_connector/reset.py)."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.v1.request import Request
+
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.reset import ecma_escape, engine_key_regex
+from kvledger_connector.store import MooncakeStore
+from testbed.faults import HeldPuts
+from testbed.harness import Harness, shared_prefix_prompts
+
+MAX_TOKENS = 4
+
+
+def _pass(h: Harness, prompts: list[list[int]], tag: str) -> None:
+    for i, p in enumerate(prompts):
+        h.add_request(f"{tag}-{i}", p, MAX_TOKENS)
+    h.run()
+    assert h.garbage == [] and h.check_at_rest() == []
+    for i, p in enumerate(prompts):
+        assert h.stats.outputs[f"{tag}-{i}"] == h.expected_output(p, MAX_TOKENS)
+
+
+def _keys(h: Harness, prompts: list[list[int]]) -> list[str]:
+    """Every key the engine saves for these prompts (full prompt blocks, every shard), without repeats."""
+    keys: dict[str, None] = {}
+    for p in prompts:
+        req = Request("probe", p, SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
+        hashes = req.block_hashes[:len(p) // h.block_size]
+        for kb in h.key_builders:
+            keys.update(dict.fromkeys(kb.keys(hashes)))
+    return list(keys)
+
+
+def _exist(store: MooncakeStore, keys: list[str]) -> list[int]:
+    return store.batch_is_exist(keys)
+
+
+def test_reset_removes_only_this_engines_model_and_namespace(store_config: StoreConfig, tmp_path: Path,
+                                                             shared_store: MooncakeStore):
+    prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=8, seed=3)
+    model_a, model_b = str(tmp_path / "a"), str(tmp_path / "b")
+    # A and A' share the model and differ in a namespace that an unescaped "." in A's pattern would match;
+    # B is another model (other layout digest: 3 layers) in A's namespace. All stay up: they hold the pool.
+    with Harness(store_config, workdir=model_a, extra={"namespace": "t.1"}) as a, \
+            Harness(store_config, workdir=model_a, extra={"namespace": "tx1"}) as a2, \
+            Harness(store_config, workdir=model_b, num_layers=3, extra={"namespace": "t.1"}) as b:
+        for tag, h in (("a", a), ("a2", a2), ("b", b)):
+            _pass(h, prompts, tag)
+        ka, ka2, kb = _keys(a, prompts), _keys(a2, prompts), _keys(b, prompts)
+        assert not (set(ka) & set(ka2)) and not (set(ka) & set(kb))
+        for keys in (ka, ka2, kb):
+            assert _exist(shared_store, keys) == [1] * len(keys)
+
+        # vLLM's own path: reset_prefix_cache(reset_connector=True) -> Scheduler.reset_connector_cache
+        assert a.scheduler.reset_prefix_cache(reset_connector=True) is True
+        sa = a.scheduler_connector.scheduler_side
+        assert sa.num_resets == 1
+        assert a.scheduler_connector.stats.totals.data["reset_removed_keys"] == len(ka)  # exactly A's keys
+        assert _exist(shared_store, ka) == [0] * len(ka)
+        assert _exist(shared_store, ka2) == [1] * len(ka2)  # same model, other namespace: kept
+        assert _exist(shared_store, kb) == [1] * len(kb)  # other model, same namespace: kept
+
+        # B still hits (its GPU cache reset first, so the hits come from the store)
+        assert b.scheduler.reset_prefix_cache() is True
+        loads_b = b.scheduler_connector.scheduler_side.num_loads
+        _pass(b, prompts, "b-again")
+        assert b.scheduler_connector.scheduler_side.num_loads > loads_b
+
+        # A misses (vLLM reset its GPU pool too) and re-saves under the same keys
+        loads_a, jobs_a = sa.num_loads, sa.ledger.num_jobs_opened
+        hits_a = a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0)
+        _pass(a, prompts, "a-again")
+        assert sa.num_loads == loads_a
+        assert a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == hits_a
+        assert sa.ledger.num_jobs_opened > jobs_a
+        assert _exist(shared_store, ka) == [1] * len(ka)
+
+
+def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig, shared_store: MooncakeStore):
+    prompts = shared_prefix_prompts(2, num_prefixes=1, prefix_len=48, suffix_len=8, seed=9)
+    gate = threading.Event()
+    with Harness(store_config, extra={"namespace": "held"}) as h:
+        _pass(h, prompts[:1], "first")  # stored before: the refused reset must leave these
+        kept = _keys(h, prompts[:1])
+        for w in h.workers:
+            w.worker_side.store = HeldPuts(w.worker_side.store, gate)
+        h.add_request("held", prompts[1], MAX_TOKENS)
+        sa = h.scheduler_connector.scheduler_side
+        while "held" not in h.stats.finished:  # the request finishes; its job stays pinned (put held)
+            h.step()
+        assert sa.ledger.num_inflight_jobs == 1 and not sa._requests
+        try:
+            assert h.scheduler_connector.reset_cache() is False
+            assert h.scheduler.reset_prefix_cache(reset_connector=True) is False
+            assert _exist(shared_store, kept) == [1] * len(kept)  # nothing removed
+            assert h.scheduler_connector.stats.totals.data["resets_refused"] == 2
+        finally:
+            gate.set()
+        h.run()
+        assert h.check_at_rest() == []
+        assert h.scheduler_connector.reset_cache() is True  # drained: the reset goes through
+        assert _exist(shared_store, kept + _keys(h, prompts[1:])) == [0] * len(kept + _keys(h, prompts[1:]))
+
+
+def test_reset_refused_while_a_request_holds_computed_kv(store_config: StoreConfig):
+    """Its later store job would save pre-reset blocks (a rank resumes from its own saved offset)."""
+    prompts = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=4)
+    with Harness(store_config, extra={"namespace": "busy"}, kv_role="kv_consumer") as h:  # no store jobs
+        h.add_request("r", prompts[0], 8)
+        h.step()
+        assert h.requests["r"].num_computed_tokens > 0
+        assert h.scheduler_connector.reset_cache() is False
+        h.run()
+        assert h.scheduler_connector.reset_cache() is True  # finished: nothing of it can be saved any more
+        assert h.workers[0].reset_cache() is None  # the worker role has nothing to reset
+
+
+def test_pattern_matches_exactly_the_engines_keys():
+    lay = KeyLayout(model="org/m-1.5", tp_rank=0, tp_size=2, block_size=16, dtype="torch.bfloat16",
+                    kv_layout="LBNHC", num_layers=2, num_kv_heads=1, head_size=8)
+    import dataclasses
+    import re
+    kbs = [KeyBuilder(dataclasses.replace(lay, tp_rank=r), namespace="t.1") for r in range(2)]
+    rx = re.compile(engine_key_regex(kbs))  # Python's re agrees with ECMAScript on this subset
+    h = bytes(range(32))
+    assert all(rx.search(kb.key(h)) for kb in kbs)
+    assert all(rx.search(kb.key(-5)) for kb in kbs)  # negative int hashes ("n" prefix)
+    other_ns = KeyBuilder(lay, namespace="tx1").key(h)
+    other_model = KeyBuilder(dataclasses.replace(lay, model="org/m-1x5"), namespace="t.1").key(h)
+    no_ns = KeyBuilder(lay).key(h)
+    other_tp = KeyBuilder(dataclasses.replace(lay, tp_size=4, tp_rank=3), namespace="t.1").key(h)
+    for k in (other_ns, other_model, no_ns, other_tp, "pre/" + kbs[0].key(h), kbs[0].key(h) + "/x"):
+        assert not rx.search(k), k
+    assert ecma_escape("a.b-c/d(e)") == r"a\.b-c/d\(e\)"

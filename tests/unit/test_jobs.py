@@ -1,0 +1,106 @@
+"""The connector's per-job step functions (kvledger_connector/jobs.py), the code both the connector's
+threads and the conformance driver run. The probes (conformance/kvprobes.py) are the scenarios the
+mutant table runs; here they run on the unmutated runtime, plus the steps' input checks. The store is
+the probes' scripted in-memory one: it injects per-key faults (a failing key, a short read, a raising
+call) deterministically."""
+from __future__ import annotations
+
+import pytest
+
+from conformance import kvprobes
+from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, rank
+from kvledger.errors import LedgerInputError
+from kvledger.load import LoadLedger
+from kvledger.worker import WorkerLedger
+from kvledger_connector.jobs import MAX_ERRORS_KEPT, WorkerSteps, load_pairs
+
+
+@pytest.mark.parametrize("probe", kvprobes.PROBES, ids=lambda p: p.__name__)
+def test_probe(probe):
+    probe()
+
+
+def test_run_probes_names_the_failing_probe(monkeypatch):
+    def broken(*a, **k):
+        raise kvprobes.ProbeFailed("seen")
+    monkeypatch.setattr(kvprobes, "PROBES", [kvprobes.probe_pin_cap_boundary, broken])
+    assert kvprobes.run_probes() == ("broken", "ProbeFailed: seen")
+
+
+def test_a_put_answer_of_the_wrong_length_fails_the_job_and_reports_it():
+    st = ProbeStore()
+    w = rank(st)
+    st.mem.update({1: 1, 2: 2})
+    st.batch_put = lambda keys, ptrs, sizes: [0]  # a broken store: one code for two keys
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    assert w.take_reports() == {1: 1}
+    assert w.ledger.request("r").saved_offset == 0
+    assert any("batch_put codes" in e for e in w.errors)
+
+
+def test_a_save_with_everything_present_puts_nothing_and_is_stored():
+    st = ProbeStore()
+    w = rank(st)
+    st.data.update({k: 7 for k in w.keys.keys(HASHES[:2])})
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    assert [c[0] for c in st.calls] == ["batch_is_exist"]
+    assert w.ledger.request("r").saved_offset == 2 * kvprobes.BLOCK_SIZE
+
+
+def test_every_sub_batch_is_tried_after_a_failed_one():
+    st = ProbeStore()
+    w = rank(st, sub_batch=1)
+    keys = w.keys.keys(HASHES[:3])
+    st.data.update({keys[0]: 1, keys[2]: 3})
+    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    assert [c[0] for c in st.calls] == ["batch_get"] * 3
+    assert res.loaded == {4, 6} and res.failed == {5}
+
+
+def test_an_empty_load_finishes():
+    w = rank(ProbeStore())
+    res = w.run_load("r", [], [])
+    assert res.loaded == res.failed == frozenset()
+    assert w.take_finished_loads() == {"r"}
+
+
+def test_a_rejected_load_reports_every_block():
+    w = rank(ProbeStore())
+    res = w.reject_load("r", [3, 4], "queue full")
+    assert res.failed == {3, 4} and w.take_load_errors() == {3, 4}
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1, 2, 5])
+def test_load_pairs_keep_each_block_with_its_key(tp_rank):
+    keys = ["k0", "k1", "k2"]
+    pairs = load_pairs(keys, [10, 11, 12], tp_rank)
+    assert sorted(pairs) == [("k0", 10), ("k1", 11), ("k2", 12)]
+    assert pairs[0][0] == keys[tp_rank % 3]
+
+
+def test_bad_settings_and_inputs_name_the_field():
+    kw = dict(store=ProbeStore(), ledger=WorkerLedger(0, max_live_jobs=2),
+              loads=LoadLedger(0, max_inflight_loads=2), buffers=lambda ids: ([], []), tp_rank=0)
+    with pytest.raises(LedgerInputError) as e:
+        WorkerSteps(block_size=0, **kw)
+    assert e.value.field == "block_size"
+    with pytest.raises(LedgerInputError) as e:
+        WorkerSteps(block_size=16, load_sub_batch_keys=0, **kw)
+    assert e.value.field == "load_sub_batch_keys"
+    w = WorkerSteps(block_size=16, key_bytes=KEY_BYTES, **kw)
+    with pytest.raises(LedgerInputError) as e:
+        w.put(["a", "b"], [1])
+    assert e.value.field == "ids"
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 1, [1], [b"\x01"])  # no KeyBuilder: the job fails, and is reported all the same
+    assert w.take_reports() == {1: 1}
+    assert any("field keys" in e or "KeyBuilder" in e for e in w.errors), w.errors
+
+
+def test_kept_errors_are_bounded():
+    w = rank(ProbeStore())
+    for i in range(MAX_ERRORS_KEPT + 5):
+        w.note_error(f"e{i}")
+    assert len(w.errors) == MAX_ERRORS_KEPT
