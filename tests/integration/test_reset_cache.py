@@ -88,7 +88,9 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
 
 
 def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig, shared_store: MooncakeStore):
-    prompts = shared_prefix_prompts(2, num_prefixes=1, prefix_len=48, suffix_len=8, seed=9)
+    # two prefixes: the held request's blocks are new, so it surely opens a store job (with one shared prefix
+    # its blocks were already stored and whether a job opened depended on the schedule: a flaky test)
+    prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=9)
     gate = threading.Event()
     with Harness(store_config, extra={"namespace": "held"}) as h:
         _pass(h, prompts[:1], "first")  # stored before: the refused reset must leave these
