@@ -446,15 +446,7 @@ class MooncakeStore:
         code = self._key_code(key)
         if code:
             return code
-        if not self._enter():
-            return int(StoreCode.INVALID_PARAMS)
-        try:
-            return self._note([int(self._raw.remove(key, force))])[0]
-        except Exception as e:
-            self.last_exception = e
-            return int(StoreCode.CLIENT_EXCEPTION)
-        finally:
-            self._leave()
+        return self._single_call(self._raw.remove, key, force)
 
     def remove_by_regex(self, regex: str, force: bool = False) -> int:
         """Keys removed (>= 0) or < 0 error (-600 for a regex the master cannot parse). The master *searches*
@@ -464,10 +456,14 @@ class MooncakeStore:
             return skipped[0]
         if not isinstance(regex, str) or not regex:
             return int(StoreCode.INVALID_PARAMS)
+        return self._single_call(self._raw.remove_by_regex, regex, force)
+
+    def _single_call(self, fn: Any, *args: Any) -> int:
+        """One counted client call returning one code (refused once closing; an exception is CLIENT_EXCEPTION)."""
         if not self._enter():
             return int(StoreCode.INVALID_PARAMS)
         try:
-            return self._note([int(self._raw.remove_by_regex(regex, force))])[0]
+            return self._note([int(fn(*args))])[0]
         except Exception as e:
             self.last_exception = e
             return int(StoreCode.CLIENT_EXCEPTION)
