@@ -532,3 +532,93 @@ KEY_DOCS: dict[str, str] = {
 }
 if set(KEY_DOCS) != set(_FIELDS):
     raise ImportError(f"StoreConfig fields and KEY_DOCS differ: {set(_FIELDS) ^ set(KEY_DOCS)}")
+
+
+# -- the connector's whole configuration ------------------------------------------------------------------
+
+#: extra-config keys owned by the connector, not the store (documentation; README's settings table)
+CONNECTOR_KEYS: dict[str, str] = {
+    "load_threads": "load threads per worker rank (int >= 1, default 1)",
+    "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
+    "save_partial_tail": "also save a prompt's partial last block under its own key, so a repeated prompt "
+                         "loads all but its last token (bool, default false: full blocks only)",
+    "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
+    "max_kv_events": "KV cache events held for vLLM's publisher between steps (int >= 1, default 10000; the "
+                     "oldest dropped and counted in kv_events_dropped); only with kv_events_config enabled",
+    "trace_path": "append kvledger's NDJSON trace events (the actions of kvledger/trace.py) to this file (default: off)",
+    "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
+    "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
+}
+
+_EXTRA = "kv_connector_extra_config"
+
+
+def _extra_bool(field: str, raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ConfigError(field, raw, "must be a bool", _EXTRA)
+    return raw
+
+
+def _extra_int(field: str, raw: Any, minimum: int) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum:
+        raise ConfigError(field, raw, f"must be an int >= {minimum}", _EXTRA)
+    return raw
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector's two sides are configured with, validated once (`from_extra`) and handed
+    to both: the store's settings, the connector's own keys (`CONNECTOR_KEYS`) and what vLLM's configs fix
+    (block size, world size, kv_role). Built directly (tests), it is validated the same way."""
+
+    store: StoreConfig
+    block_size: int
+    world_size: int = 1
+    save_enabled: bool = True  # kv_role kv_producer | kv_both
+    load_enabled: bool = True  # kv_role kv_consumer | kv_both
+    save_decode: bool = False
+    save_partial_tail: bool = False
+    load_threads: int = 1
+    max_lookup_cache: int = 4096
+    max_kv_events: int = 10_000
+    trace_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError("store", type(self.store).__name__, "must be a StoreConfig", "connector")
+        _int("block_size", self.block_size, "vllm cache_config", minimum=1)
+        _int("world_size", self.world_size, "vllm parallel_config", minimum=1)
+        for name in ("save_enabled", "load_enabled", "save_decode", "save_partial_tail"):
+            _extra_bool(name, getattr(self, name))
+        _extra_int("load_threads", self.load_threads, 1)
+        _extra_int("max_lookup_cache", self.max_lookup_cache, 1)
+        _extra_int("max_kv_events", self.max_kv_events, 1)
+        if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
+            raise ConfigError("trace_path", self.trace_path, "must be a non-empty path string", _EXTRA)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], *, store: StoreConfig, block_size: int, world_size: int,
+                   save_enabled: bool, load_enabled: bool) -> ConnectorConfig:
+        """The connector's keys of `extra` (upstream names already mapped), each validated here once."""
+        known = {"save_decode", "save_partial_tail", "load_threads", "max_lookup_cache", "max_kv_events",
+                 "trace_path"}
+        kw = {k: extra[k] for k in known if k in extra}
+        if not kw.get("trace_path"):  # "" or null: off
+            kw.pop("trace_path", None)
+        elif not isinstance(kw["trace_path"], str):
+            raise ConfigError("trace_path", kw["trace_path"], "must be a path string", _EXTRA)
+        return cls(store=store, block_size=block_size, world_size=world_size, save_enabled=save_enabled,
+                   load_enabled=load_enabled, **kw)
+
+    @property
+    def max_inflight_jobs(self) -> int:
+        return self.store.max_inflight_jobs
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The scheduler's pin cap (a worker needs none): refused while underived."""
+        cap = self.store.max_pinned_blocks
+        if cap is None:
+            raise ConfigError("max_pinned_blocks", None, "not derived yet: build the store config with "
+                              "StoreConfig.for_engine first", "connector")
+        return cap

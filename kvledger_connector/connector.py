@@ -33,13 +33,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvledger_connector.config import ConfigError, StoreConfig, map_upstream_connector_keys
+from kvledger_connector.config import (
+    CONNECTOR_KEYS,
+    ConfigError,
+    ConnectorConfig,
+    StoreConfig,
+    map_upstream_connector_keys,
+)
 from kvledger_connector import rendezvous
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.rendezvous import AttachedMooncake
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
-from kvledger_connector.events import DEFAULT_MAX_PENDING, StoreEvents
+from kvledger_connector.events import StoreEvents
 from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
@@ -60,19 +66,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: extra-config keys owned by the connector (everything else is a StoreConfig key)
-CONNECTOR_KEYS: dict[str, str] = {
-    "load_threads": "load threads per worker rank (int >= 1, default 1)",
-    "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
-    "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
-    "max_kv_events": "KV cache events held for vLLM's publisher between steps (int >= 1, default 10000; the "
-                     "oldest dropped and counted in kv_events_dropped); only with kv_events_config enabled",
-    "trace_path": "append kvledger's NDJSON trace events (the actions of kvledger/trace.py) to this file (default: off)",
-    "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
-    "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
-}
-
-#: copy-on-write tail blocks outside the block table that a store job pins (none: only full table blocks)
+#: blocks outside the block table that a store job pins (none: a partial tail is the table's own last block,
+#: read in place, so the longest request's table bounds every job's pins)
 _PINNED_TAIL_BLOCKS = 0
 
 _EMBEDDED_LOCK = threading.Lock()
@@ -118,13 +113,6 @@ def _vllm_pp_rank() -> int | None:
         return get_pp_group().rank_in_group if model_parallel_is_initialized() else None
     except Exception:
         return None
-
-
-def _extra_int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    v = extra.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(key, v, f"must be an int >= {minimum}", "kv_connector_extra_config")
-    return v
 
 
 def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
@@ -202,14 +190,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._owns_store = store is None
         self._trace_file: Any = None  # kvledger_connector.tracefile.SharedTrace when `trace_path` is set
         self.store: KVStore | None = None
-        save_decode = extra.get("save_decode", False)
-        if not isinstance(save_decode, bool):
-            raise ConfigError("save_decode", save_decode, "must be a bool", "kv_connector_extra_config")
         pc = vllm_config.parallel_config
-        # every connector key is validated before anything is started or connected
-        load_threads = _extra_int(extra, "load_threads", 1, 1)
-        max_lookup_cache = _extra_int(extra, "max_lookup_cache", 4096, 1)
-        max_kv_events = _extra_int(extra, "max_kv_events", DEFAULT_MAX_PENDING, 1)
+        # every connector key is validated once, before anything is started or connected
+        self.config = cfg = ConnectorConfig.from_extra(
+            extra, store=self.store_config, block_size=vllm_config.cache_config.block_size,
+            world_size=pc.world_size, save_enabled=self._kv_transfer_config.is_kv_producer,
+            load_enabled=self._kv_transfer_config.is_kv_consumer)
         if role == KVConnectorRole.SCHEDULER:
             tp_rank = pp_rank = 0
         else:
@@ -218,49 +204,46 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._check_caps(self.store_config, vllm_config)
         self.layout = key_layout(vllm_config, kv_cache_config, tp_rank, pp_rank)  # refuses what it cannot serve
         trace = None
-        if extra.get("trace_path"):
+        if cfg.trace_path:
             from kvledger_connector.tracefile import open_trace
-            trace = self._trace_file = open_trace(str(extra["trace_path"]))
-        bs = vllm_config.cache_config.block_size
+            trace = self._trace_file = open_trace(cfg.trace_path)
+        bs = cfg.block_size
         self.stats = StatsRecorder()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        cfg = self.store_config
+        sc_cfg = cfg.store
         if role == KVConnectorRole.SCHEDULER:
             if store is None:  # lookups only: this client contributes no memory
-                store = self._connect(cfg.replace(global_segment_size=0))
+                store = self._connect(sc_cfg.replace(global_segment_size=0))
             self.store = store
             # a hit needs every shard of every stage
-            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), cfg.max_key_bytes, cfg.namespace)
+            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), sc_cfg.max_key_bytes,
+                                   sc_cfg.namespace)
                         for p in range(pc.pipeline_parallel_size) for t in range(pc.tensor_parallel_size)]
             self.scheduler_side = SchedulerSide(
-                block_size=bs, world_size=pc.world_size, key_builders=builders,
+                cfg, key_builders=builders,
                 store=TimedLookups(store, self.stats),  # the lookup latency histogram
-                max_inflight_jobs=cfg.max_inflight_jobs, max_pinned_blocks=cfg.max_pinned_blocks,
-                save_decode=save_decode, max_lookup_cache=max_lookup_cache,
-                save_enabled=self._kv_transfer_config.is_kv_producer,
-                load_enabled=self._kv_transfer_config.is_kv_consumer,
                 stats=self.stats, trace=trace)
             kvev = vllm_config.kv_events_config
             if kvev is not None and kvev.enable_kv_cache_events:  # BlockStored/BlockRemoved for routers
                 self.scheduler_side.events = StoreEvents(key_builders=builders, store=store, block_size=bs,
-                                                         max_pending=max_kv_events, stats=self.stats)
+                                                         max_pending=cfg.max_kv_events, stats=self.stats)
         else:
             if store is None:
-                store = self._connect(cfg)
+                store = self._connect(sc_cfg)
             self.store = store
             sc = vllm_config.scheduler_config
             self.worker_side = WorkerSide(
-                store=store, keys=KeyBuilder(self.layout, cfg.max_key_bytes, cfg.namespace), tp_rank=tp_rank,
-                block_size=bs, config=cfg, max_requests=cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
-                num_load_threads=load_threads, stats=self.stats, trace=trace)
+                cfg, store=store, keys=KeyBuilder(self.layout, sc_cfg.max_key_bytes, sc_cfg.namespace),
+                tp_rank=tp_rank, max_requests=sc_cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
+                stats=self.stats, trace=trace)
 
     def _check_caps(self, cfg: StoreConfig, vllm_config: VllmConfig) -> None:
         """Start-up check of the pin caps against the model: a store job pins every block it may read
         (SchedulerLedger.open_job), and one larger than `max_pinned_blocks` could never be admitted, so a
         cap below the longest request's blocks would silently never save long prompts. The longest request
-        has ceil(max_model_len / block_size) blocks in its table; this connector pins no copy-on-write tail
-        block outside the table (open_job gets no tail_block_ids). Checked on every role, before anything
+        has ceil(max_model_len / block_size) blocks in its table; a partial tail (`save_partial_tail`) is the
+        table's own last block, so no job pins a block outside the table. Checked on every role, before anything
         is started; only a role that saves pins (kv_consumer never opens a store job)."""
         if cfg.max_inflight_jobs < 1:  # StoreConfig.from_dict refuses it too; a StoreConfig built directly not
             raise ConfigError("max_inflight_jobs", cfg.max_inflight_jobs, "must be >= 1",

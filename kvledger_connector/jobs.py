@@ -204,15 +204,19 @@ class WorkerSteps:
             self.ledger.finish(job_id)
 
     def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
-                 block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None) -> None:
-        """One store job, as the store thread runs it: DmaRead, Put, Report (in a ``finally``)."""
+                 block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
+                 full_end_block: int | None = None) -> None:
+        """One store job, as the store thread runs it: DmaRead, Put, Report (in a ``finally``).
+        ``full_end_block`` (default ``end_block``): where the saved offset moves on success — before a
+        partial tail block, which is stored under its own key and saved whole later if decode fills it."""
         try:
             plan = self.begin_save(job_id, end_block)
             if plan.run:
                 pos = list(plan.positions)
                 keys = self._key_list([block_hashes[i] for i in pos])
                 res = self.put(keys, [block_ids[i] for i in pos], before_read)
-                self.record_put(job_id, res, len(keys), end_block * self.block_size)
+                saved_to = end_block if full_end_block is None else full_end_block
+                self.record_put(job_id, res, len(keys), saved_to * self.block_size)
         except Exception as e:  # reported below all the same; kept for inspection
             self.counters.saves_failed += 1
             self.note_error(f"save job {job_id} ({req_id}): {type(e).__name__}: {e}")

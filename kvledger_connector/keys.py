@@ -106,6 +106,23 @@ def _hash_hex(block_hash: bytes | int | str) -> str:
     raise ValueError(f"block hash {block_hash!r}: must be bytes, int or lowercase hex str")
 
 
+def partial_tail_hash(parent_hash: bytes | int | str, tokens: Sequence[int]) -> bytes:
+    """The hash a prompt's partial last block is stored under: sha256 over a domain tag, the hash of the
+    full block before it (vLLM's chained hash: the whole prefix, its cache salt and LoRA) and the tail's
+    token ids. 32 bytes like vLLM's sha256 block hashes; the tag keeps it apart from every full block's
+    hash, and the token count is in the encoding, so tails of different lengths never share a key."""
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise ValueError("partial tail is empty")
+    if any(t < 0 or t >= 1 << 32 for t in ids):
+        raise ValueError(f"partial tail token ids must be in 0..2**32-1, got {[t for t in ids if t < 0 or t >= 1 << 32][:4]}")
+    h = hashlib.sha256(b"kvledger-partial-tail\0")
+    h.update(_hash_hex(parent_hash).encode())
+    h.update(len(ids).to_bytes(4, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in ids))
+    return h.digest()
+
+
 class KeyBuilder:
     """Builds the keys of one rank's blocks. Cheap: the prefix is computed once."""
 

@@ -42,6 +42,14 @@ class SaveSpec:
     end_block: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+    # > 0: block end_block - 1 is the prompt's partial tail holding this many tokens (its hash is the tail
+    # key's, `keys.partial_tail_hash`); a rank's saved offset then stops before it, at a block boundary
+    tail_tokens: int = 0
+
+    @property
+    def full_end_block(self) -> int:
+        """One past the job's last full block: a rank's saved offset moves there once the put succeeded."""
+        return self.end_block - (self.tail_tokens > 0)
 
 
 @dataclass(frozen=True)

@@ -70,9 +70,9 @@ def refusal(side: SchedulerSide) -> str | None:
     ledger = side.ledger
     if ledger is not None and ledger.num_inflight_jobs:
         return f"{ledger.num_inflight_jobs} store jobs in flight (a put landing after the wipe would re-create a key)"
-    if side._pending_loads or (ledger is not None and ledger.num_pinned_loads):
+    if side.has_pending_loads():
         return "loads of pre-reset KV pending or in flight"
-    busy = [r for r, req in side._requests.items() if getattr(req, "num_computed_tokens", 0) > 0]
+    busy = side.requests_with_computed_kv()
     if busy:
         return f"{len(busy)} live requests hold computed KV (e.g. {busy[0]!r}) that a later save would store"
     return None
@@ -96,9 +96,7 @@ def reset_scheduler_side(side: SchedulerSide, store: Any) -> bool:
         logger.warning("reset_cache: remove_by_regex(%r) failed with code %d", regex, rc)
         side.stats.add("resets_failed")
         return False
-    side._lookups.clear()
-    side._trackers.clear()
-    side._deferred.clear()
+    side.forget_store_knowledge()
     if side.events is not None:
         side.events.store_reset()
     side.stats.add("resets")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.jobs import WorkerSteps
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
@@ -50,14 +50,17 @@ _STOP = object()
 
 
 class WorkerSide:
-    def __init__(self, *, store: KVStore, keys: KeyBuilder, tp_rank: int, block_size: int,
-                 config: StoreConfig, max_requests: int, num_load_threads: int = 1,
-                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
-        if num_load_threads < 1:
-            raise LedgerInputError("load_threads", num_load_threads, "must be >= 1")
+    def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder, tp_rank: int,
+                 max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+        if not isinstance(connector_config, ConnectorConfig):
+            raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
+        config = connector_config.store
+        num_load_threads = connector_config.load_threads
+        block_size = connector_config.block_size
         self.keys = keys
         self.tp_rank = tp_rank
         self.block_size = block_size
+        self.connector_config = connector_config
         self.config = config
         self.stats = stats or StatsRecorder()
         self.ledger = WorkerLedger(tp_rank, max_live_jobs=config.max_inflight_jobs,
@@ -222,7 +225,7 @@ class WorkerSide:
         """DmaRead, Put, Report of one job (kvledger_connector/jobs.py); the put waits for the forward's
         CUDA event before it reads the blocks."""
         self.steps.run_save(spec.req_id, spec.store_job_id, spec.end_block, spec.block_ids, spec.block_hashes,
-                            event.synchronize if event is not None else None)
+                            event.synchronize if event is not None else None, spec.full_end_block)
 
     def _note_error(self, msg: str) -> None:
         self.steps.note_error(msg)

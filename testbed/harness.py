@@ -20,7 +20,8 @@ released or taken, no request finished) for `stall_timeout_s` raises `HarnessSta
 and the ranks' state, so a lost report or a load that never finishes fails its test instead of spinning.
 
 After a run, tests call `check_at_rest()` (NoLeakAtRest: every block free, no pin, nothing queued) and
-`check_store()` (S1 NoPollution: every stored key of every request block holds that block's KV).
+`check_store()` (S1 NoPollution: every stored key of every request block, and of each prompt's partial tail,
+holds that block's KV).
 
 This is the harness the conformance suite reuses: `Harness(...)`, `add_request`, `step`, `run`,
 `check_at_rest`, `check_store`, `connector(rank)`, `scheduler_connector`.
@@ -60,7 +61,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvledger_connector.config import StoreConfig  # noqa: E402
 from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
-from kvledger_connector.keys import KeyBuilder  # noqa: E402
+from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
 from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
 from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
 from testbed.emu_model import EOS, VOCAB, KVContent, expected_output, write_model_dir  # noqa: E402
@@ -178,6 +179,7 @@ class Harness:
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
                               if emb is not None else store_config)
         self._closed = False
+        self.tails_checked = 0  # partial-tail keys check_store found and compared
         Harness.opened.append(self)
 
     def _build_workers(self, extra: dict[str, Any], tp_size: int, num_blocks: int, block_size: int,
@@ -444,6 +446,36 @@ class Harness:
                                 ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b],
                                                         want[i:i + b - a].transpose(0, 1))
                     polluted += 0 if ok else 1
+            checked, polluted = self._check_tail(store, req, hashes, seen, checked, polluted)
+        return checked, polluted
+
+    def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, bytes]],
+                    checked: int, polluted: int) -> tuple[int, int]:
+        """The prompt's partial tail key (save_partial_tail), if stored: its first r token slots."""
+        bs = self.block_size
+        k, r = divmod(req.num_prompt_tokens, bs)
+        if r < 2 or k < 1 or len(req.block_hashes) < k:
+            return checked, polluted
+        th = partial_tail_hash(req.block_hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r])
+        ptrs, sizes = self._scratch_plan.buffers(1)
+        for rank, kb in enumerate(self.key_builders):
+            if (rank, th) in seen:
+                continue
+            seen.add((rank, th))
+            key = kb.key(th)
+            if store.batch_is_exist([key])[0] != 1 or store.batch_get([key], [ptrs], [sizes])[0] <= 0:
+                continue
+            checked += 1
+            self.tails_checked += 1
+            pos = hashes[k * bs:k * bs + r]
+            ok = True
+            for li, name in enumerate(self.layer_names):
+                t = self._scratch[name]
+                for kv in (0, 1):
+                    want = self.content.slots(pos, li, kv, rank).cpu()
+                    for kbk, a, b, i in self._token_slices(t, 1, 0, r):
+                        ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b], want[i:i + b - a].transpose(0, 1))
+            polluted += 0 if ok else 1
         return checked, polluted
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from testbed.harness import Harness, shared_prefix_prompts
     ({"max_inflight_jobz": 3}, "max_inflight_jobz"),
     ({"load_threads": 0}, "load_threads"),
     ({"save_decode": "yes"}, "save_decode"),
+    ({"save_partial_tail": 1}, "save_partial_tail"),
     ({"max_inflight_jobs": -1}, "max_inflight_jobs"),
 ])
 def test_bad_extra_config_names_the_field(store_config: StoreConfig, extra, field):

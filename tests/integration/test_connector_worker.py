@@ -20,7 +20,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.connector import key_layout
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from kvledger_connector.keys import KeyBuilder
@@ -81,8 +81,8 @@ def _worker(engine, store, cfg: StoreConfig, tp_rank: int = 0, salt: str = "", *
     # the shared master holds every test's keys: the test's name keeps them apart
     layout = dataclasses.replace(key_layout(vc, kv_cfg, tp_rank), model=f"test-{salt}")
     config = cfg.replace(**cfg_changes) if cfg_changes else cfg
-    return WorkerSide(store=store, keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=tp_rank,
-                      block_size=BS, config=config, max_requests=64)
+    return WorkerSide(ConnectorConfig(store=config, block_size=BS), store=store,
+                      keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=tp_rank, max_requests=64)
 
 
 def _wait(pred, timeout: float = 20.0) -> None:

@@ -124,3 +124,18 @@ def test_layouts_never_collide_in_the_real_store(shared_store: MooncakeStore, ke
     assert torch.equal(dst, src)
     long_key = KeyBuilder(layouts[0]).key(b"\x07" * shared_store.max_key_bytes)
     assert shared_store.batch_get([long_key], [[dst[0].data_ptr()]], [[dst[0].nbytes]]) == [StoreCode.KEY_TOO_LONG]
+
+
+def test_partial_tail_hash_names_parent_and_tokens_exactly():
+    from kvledger_connector.keys import partial_tail_hash
+
+    parent = bytes(range(32))
+    h = partial_tail_hash(parent, [5, 6, 7])
+    assert len(h) == 32 and h != parent
+    assert partial_tail_hash(parent, [5, 6, 7]) == h  # deterministic: another engine finds the same key
+    others = {partial_tail_hash(parent, [5, 6]), partial_tail_hash(parent, [5, 6, 7, 0]),
+              partial_tail_hash(parent, [5, 6, 8]), partial_tail_hash(bytes(32), [5, 6, 7])}
+    assert h not in others and len(others) == 4  # length, content and prefix all change the key
+    for bad in ([], [-1], [1 << 32]):
+        with pytest.raises(ValueError, match="partial tail"):
+            partial_tail_hash(parent, bad)

@@ -101,7 +101,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
         sa = h.scheduler_connector.scheduler_side
         while "held" not in h.stats.finished:  # the request finishes; its job stays pinned (put held)
             h.step()
-        assert sa.ledger.num_inflight_jobs == 1 and not sa._requests
+        assert sa.ledger.num_inflight_jobs == 1 and sa.num_live_requests == 0
         try:
             assert h.scheduler_connector.reset_cache() is False
             assert h.scheduler.reset_prefix_cache(reset_connector=True) is False

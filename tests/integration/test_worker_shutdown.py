@@ -50,14 +50,15 @@ def _worker(engine, store, cfg, salt: str, **cfg_changes):
     from kvledger_connector.connector import key_layout
     from kvledger_connector.keys import KeyBuilder
     from kvledger_connector.kvlayout import plan_block_copies
+    from kvledger_connector.config import ConnectorConfig
     from kvledger_connector.worker import WorkerSide
     from testbed.kvcache import allocate
 
     vc, kv_cfg = engine
     config = cfg.replace(**cfg_changes) if cfg_changes else cfg
     layout = dataclasses.replace(key_layout(vc, kv_cfg, 0), model=f"shutdown-{salt}")
-    ws = WorkerSide(store=store, keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=0, block_size=BS,
-                    config=config, max_requests=64, num_load_threads=2)
+    ws = WorkerSide(ConnectorConfig(store=config, block_size=BS, load_threads=2), store=store,
+                    keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=0, max_requests=64)
     caches = allocate(kv_cfg, LAYOUT)
     ws.register_kv_caches(plan_block_copies(caches, layout=LAYOUT, block_size=BS, num_blocks=NBLOCKS))
     return ws, caches

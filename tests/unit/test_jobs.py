@@ -49,6 +49,23 @@ def test_a_save_with_everything_present_puts_nothing_and_is_stored():
     assert w.ledger.request("r").saved_offset == 2 * kvprobes.BLOCK_SIZE
 
 
+def test_a_partial_tail_is_put_but_the_saved_offset_stops_before_it():
+    """A job whose last block is the prompt's partial tail (SaveSpec.tail_tokens > 0) puts every block it
+    covers, tail included, but the rank's saved offset moves only to the end of the full blocks: if decode
+    fills that block later, a save_decode job puts it whole under its full-block key."""
+    st = ProbeStore()
+    w = rank(st)
+    st.mem.update({1: 1, 2: 2, 3: 3})
+    w.receive("r", 1, 0)
+    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3], None, 2)
+    assert w.take_reports() == {1: 1}
+    assert [c[0] for c in st.calls] == ["batch_is_exist", "batch_put"] and len(st.calls[1][1]) == 3
+    assert w.ledger.request("r").saved_offset == 2 * kvprobes.BLOCK_SIZE
+    w.receive("r", 2, 0)  # the next job (block 2 now full) starts at block 2 again
+    w.run_save("r", 2, 3, [1, 2, 3], HASHES[:3])
+    assert w.ledger.request("r").saved_offset == 3 * kvprobes.BLOCK_SIZE
+
+
 def test_every_sub_batch_is_tried_after_a_failed_one():
     st = ProbeStore()
     w = rank(st, sub_batch=1)
