@@ -224,6 +224,24 @@ class Harness:
     def expected_output(self, prompt: list[int], max_tokens: int) -> list[int]:
         return expected_output(prompt, max_tokens)
 
+    def run_pass(self, prompts: list[list[int]], max_tokens: int, tag: str = "req") -> None:
+        """Add `<tag>-<i>` for every prompt, run to the end, and check: no KV read wrong (S7), at rest,
+        every output the model's."""
+        for i, p in enumerate(prompts):
+            self.add_request(f"{tag}-{i}", p, max_tokens)
+        self.run()
+        if self.garbage or self.check_at_rest():
+            raise AssertionError(f"pass {tag!r}: wrong KV {self.garbage[:3]}, not at rest {self.check_at_rest()}")
+        for i, p in enumerate(prompts):
+            if self.stats.outputs[f"{tag}-{i}"] != expected_output(p, max_tokens):
+                raise AssertionError(f"pass {tag!r}: {tag}-{i} output differs from the model's")
+
+    def block_hashes_of(self, prompt: list[int]) -> list[Any]:
+        """vLLM's block hashes of a prompt, as this engine's scheduler computes them."""
+        from vllm.v1.request import Request
+        return list(Request("probe", prompt, SamplingParams(max_tokens=1), None,
+                            block_hasher=self._hasher).block_hashes)
+
     # ------------------------------------------------------------------ one engine step
     def step(self) -> bool:
         """One engine step; False when the engine would stop (Scheduler.has_requests() is False)."""

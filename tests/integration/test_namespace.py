@@ -15,39 +15,24 @@ from testbed.harness import Harness, shared_prefix_prompts
 MAX_TOKENS = 8
 
 
-def _pass(h: Harness, prompts: list[list[int]]) -> None:
-    for i, p in enumerate(prompts):
-        h.add_request(f"req-{i}", p, MAX_TOKENS)
-    h.run()
-    assert h.garbage == [] and h.check_at_rest() == []
-    for i, p in enumerate(prompts):
-        assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
-
-
-def _hashes(h: Harness, prompt: list[int]) -> list[int]:
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-    return list(Request("probe", prompt, SamplingParams(max_tokens=1), None, block_hasher=h._hasher).block_hashes)
-
-
 def test_two_namespaces_never_share_keys_on_one_store(store_config: StoreConfig, tmp_path: Path):
     prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=8, seed=11)
     work = str(tmp_path / "model")  # one model directory: the engines differ in their namespace only
 
     # tenant-a's engine stays up throughout: the objects live in its workers' segments of the pool
     with Harness(store_config, workdir=work, extra={"namespace": "tenant-a"}) as a:
-        _pass(a, prompts)
+        a.run_pass(prompts, MAX_TOKENS)
         assert a.scheduler_connector.scheduler_side.ledger.num_jobs_opened > 0
-        a_keys = a.key_builders[0].keys(_hashes(a, prompts[0]))
+        a_keys = a.key_builders[0].keys(a.block_hashes_of(prompts[0]))
         assert all(k.startswith("tenant-a/kvl2/") for k in a_keys)
         assert a.workers[0].store.batch_is_exist(a_keys) == [1] * len(a_keys)  # tenant-a's blocks are stored
 
         with Harness(store_config, workdir=work, extra={"cache_prefix": "tenant-b"}) as b:
-            b_keys = b.key_builders[0].keys(_hashes(b, prompts[0]))
+            b_keys = b.key_builders[0].keys(b.block_hashes_of(prompts[0]))
             assert [k.split("/", 1)[1] for k in b_keys] == [k.split("/", 1)[1] for k in a_keys]  # same blocks
             assert not set(b_keys) & set(a_keys)  # ...under other keys
             assert b.workers[0].store.batch_is_exist(b_keys) == [0] * len(b_keys)
-            _pass(b, prompts)
+            b.run_pass(prompts, MAX_TOKENS)
             ss = b.scheduler_connector.scheduler_side
             assert ss.num_loads == 0  # nothing of tenant-a's is visible to tenant-b
             assert b.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == 0
@@ -55,7 +40,7 @@ def test_two_namespaces_never_share_keys_on_one_store(store_config: StoreConfig,
             assert b.workers[0].store.batch_is_exist(b_keys) == [1] * len(b_keys)  # and saved its own
 
         with Harness(store_config, workdir=work, extra={"namespace": "tenant-a"}) as a2:
-            _pass(a2, prompts)
+            a2.run_pass(prompts, MAX_TOKENS)
             assert a2.scheduler_connector.scheduler_side.num_loads > 0  # the control: same namespace, hits
 
 

@@ -180,3 +180,23 @@ def test_tail_pin_dropped_is_caught(store_config: StoreConfig, monkeypatch):
         while ss.has_pending_push_work() and time.monotonic() < deadline:
             h.step()
         assert exposed  # the unpinned tail block was free for reuse while its job was in flight
+
+
+def test_reset_cache_removes_tail_keys_too(store_config: StoreConfig, tmp_path):
+    """reset_cache's pattern (kvledger_connector/reset.py) covers the tail keys: after vLLM's
+    reset_prefix_cache(reset_connector=True) a repeated prompt finds neither its blocks nor its tail."""
+    from kvledger_connector.keys import partial_tail_hash
+
+    prompt = _prompt(56)
+    with Harness(store_config, tp_size=1, num_blocks=24, workdir=str(tmp_path / "m"),
+                 extra={"save_partial_tail": True, "namespace": "tails"}) as h:
+        h.run_pass([prompt], 2, "a")
+        k = len(prompt) // BS
+        hashes = h.block_hashes_of(prompt)
+        tail_key = h.key_builders[0].key(partial_tail_hash(hashes[k - 1], prompt[k * BS:]))
+        store = h.scheduler_connector.store
+        assert store.batch_is_exist([tail_key]) == [1]
+        assert h.scheduler.reset_prefix_cache(reset_connector=True) is True
+        removed = h.scheduler_connector.stats.totals.data["reset_removed_keys"]
+        assert removed == k + 1  # the full blocks and the tail of the one rank
+        assert store.batch_is_exist([tail_key]) == [0]

@@ -9,8 +9,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.v1.request import Request
 
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.keys import KeyBuilder, KeyLayout
@@ -22,21 +20,11 @@ from testbed.harness import Harness, shared_prefix_prompts
 MAX_TOKENS = 4
 
 
-def _pass(h: Harness, prompts: list[list[int]], tag: str) -> None:
-    for i, p in enumerate(prompts):
-        h.add_request(f"{tag}-{i}", p, MAX_TOKENS)
-    h.run()
-    assert h.garbage == [] and h.check_at_rest() == []
-    for i, p in enumerate(prompts):
-        assert h.stats.outputs[f"{tag}-{i}"] == h.expected_output(p, MAX_TOKENS)
-
-
 def _keys(h: Harness, prompts: list[list[int]]) -> list[str]:
     """Every key the engine saves for these prompts (full prompt blocks, every shard), without repeats."""
     keys: dict[str, None] = {}
     for p in prompts:
-        req = Request("probe", p, SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
-        hashes = req.block_hashes[:len(p) // h.block_size]
+        hashes = h.block_hashes_of(p)[:len(p) // h.block_size]
         for kb in h.key_builders:
             keys.update(dict.fromkeys(kb.keys(hashes)))
     return list(keys)
@@ -56,7 +44,7 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
             Harness(store_config, workdir=model_a, extra={"namespace": "tx1"}) as a2, \
             Harness(store_config, workdir=model_b, num_layers=3, extra={"namespace": "t.1"}) as b:
         for tag, h in (("a", a), ("a2", a2), ("b", b)):
-            _pass(h, prompts, tag)
+            h.run_pass(prompts, MAX_TOKENS, tag)
         ka, ka2, kb = _keys(a, prompts), _keys(a2, prompts), _keys(b, prompts)
         assert not (set(ka) & set(ka2)) and not (set(ka) & set(kb))
         for keys in (ka, ka2, kb):
@@ -74,13 +62,13 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
         # B still hits (its GPU cache reset first, so the hits come from the store)
         assert b.scheduler.reset_prefix_cache() is True
         loads_b = b.scheduler_connector.scheduler_side.num_loads
-        _pass(b, prompts, "b-again")
+        b.run_pass(prompts, MAX_TOKENS, "b-again")
         assert b.scheduler_connector.scheduler_side.num_loads > loads_b
 
         # A misses (vLLM reset its GPU pool too) and re-saves under the same keys
         loads_a, jobs_a = sa.num_loads, sa.ledger.num_jobs_opened
         hits_a = a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0)
-        _pass(a, prompts, "a-again")
+        a.run_pass(prompts, MAX_TOKENS, "a-again")
         assert sa.num_loads == loads_a
         assert a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == hits_a
         assert sa.ledger.num_jobs_opened > jobs_a
@@ -93,7 +81,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
     prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=9)
     gate = threading.Event()
     with Harness(store_config, extra={"namespace": "held"}) as h:
-        _pass(h, prompts[:1], "first")  # stored before: the refused reset must leave these
+        h.run_pass(prompts[:1], MAX_TOKENS, "first")  # stored before: the refused reset must leave these
         kept = _keys(h, prompts[:1])
         for w in h.workers:
             w.worker_side.store = HeldPuts(w.worker_side.store, gate)
