@@ -184,20 +184,31 @@ class WorkerSide:
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
             self.steps.receive(spec.req_id, spec.store_job_id, spec.generation)
-            try:
-                self._store_q.put_nowait((spec, event))
-            except queue.Full:  # bounded: report now, the save becomes a future cache miss
+            why = self._offer(self._store_q, (spec, event))
+            if why is not None:  # bounded, or shut down: report now, the save becomes a future cache miss
                 self.num_saves_rejected += 1
                 self.stats.add("rejected_jobs")
                 self.steps.report_save(spec.store_job_id)
 
     def _enqueue_load(self, spec: LoadSpec) -> None:
         self.num_loads += 1
-        try:
-            self._load_q.put_nowait(spec)
-        except queue.Full:  # bounded: every block reported failed, vLLM recomputes them
+        why = self._offer(self._load_q, spec)
+        if why is not None:  # bounded, or shut down: every block reported failed, vLLM recomputes them
             self.stats.add("rejected_jobs")
-            self.steps.reject_load(spec.req_id, spec.block_ids, f"load queue full ({self.config.load_queue_size})")
+            self.steps.reject_load(spec.req_id, spec.block_ids, why)
+
+    def _offer(self, q: queue.Queue[Any], item: Any) -> str | None:
+        """Queue `item` for a thread, or say why not. Under the shutdown lock: a job is either queued
+        before the threads' _STOP (so it runs and is reported) or refused here (the caller reports it);
+        none is left in a queue nobody drains."""
+        with self._shutdown_lock:
+            if self._closed:
+                return "worker shut down"
+            try:
+                q.put_nowait(item)
+            except queue.Full:
+                return f"queue full ({q.maxsize})"
+        return None
 
     def take_finished_loads(self) -> set[str]:
         return self.steps.take_finished_loads()

@@ -295,6 +295,23 @@ def test_full_load_queue_reports_every_block(engine, store, cfg, request):
         ws.shutdown()
 
 
+def test_jobs_after_shutdown_are_reported_at_once_not_queued(engine, store, cfg, request):
+    """A step that reaches a rank after its shutdown (the engine tearing down): no thread will drain the
+    queues any more, so a save is reported at once (its pins can be released) and a load's blocks are
+    reported failed, instead of sitting in a queue nobody reads."""
+    salt = request.node.name
+    ws = _worker(engine, store, cfg, salt=salt)
+    _register(ws, _caches(engine))
+    assert ws.shutdown()
+    ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("r", 7, 0, 0, 1, (1,), (_hash(0, salt),))],
+                                          loads=[LoadSpec("l", (2, 3), (_hash(1, salt), _hash(2, salt)))]))
+    assert ws.build_worker_meta().completed_saves == {7: 1}
+    assert ws.num_saves_rejected == 1
+    assert ws.take_finished_loads() == {"l"} and ws.take_load_errors() == {2, 3}
+    assert not ws.has_pending_work()
+    assert store.batch_is_exist(ws.keys.keys([_hash(0, salt)])) == [0]  # nothing ran
+
+
 def test_worker_metadata_aggregates_and_pickles():
     import pickle
     a = KVLedgerWorkerMetadata({1: 1})
