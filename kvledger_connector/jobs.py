@@ -97,7 +97,9 @@ class WorkerSteps:
         self.sub_batch = load_sub_batch_keys
         self.stats = stats or StatsRecorder()
         self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
-        self.finished_loads: set[str] = set()  # taken every step by the connector (bounded by loads in flight)
+        # loads finished and not yet reported, in order (bounded by loads in flight); a list, not a set: two
+        # loads of one reused req_id may finish before a step takes them, and each must be reported
+        self.finished_loads: list[str] = []
         self.counters = Counters()
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
 
@@ -268,7 +270,7 @@ class WorkerSteps:
         with self.lock:
             self.loads.fail_pending(load_id, reason)
             result = self.loads.finish_load(load_id)
-            self.finished_loads.add(result.req_id)
+            self.finished_loads.append(result.req_id)
         if result.failed:
             self.counters.load_blocks_failed += len(result.failed)
             self.stats.add("get_failed_keys", len(result.failed))
@@ -312,8 +314,18 @@ class WorkerSteps:
         return self.finish_load(load_id, reason)
 
     def take_finished_loads(self) -> set[str]:
+        """The req_ids whose load finished since the last call, each once: vLLM's finished_recving is a set,
+        so a second finished load of the same req_id waits for the next step (one report per load: the
+        scheduler releases one load pin per report, oldest first)."""
         with self.lock:
-            done, self.finished_loads = self.finished_loads, set()
+            done: set[str] = set()
+            later: list[str] = []
+            for req_id in self.finished_loads:
+                if req_id in done:
+                    later.append(req_id)
+                else:
+                    done.add(req_id)
+            self.finished_loads = later
         return done
 
     def take_load_errors(self) -> set[int]:

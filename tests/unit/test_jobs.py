@@ -66,6 +66,19 @@ def test_a_partial_tail_is_put_but_the_saved_offset_stops_before_it():
     assert w.ledger.request("r").saved_offset == 3 * kvprobes.BLOCK_SIZE
 
 
+def test_two_finished_loads_of_one_req_id_are_reported_in_two_steps():
+    """vLLM's finished_recving is a set: a reused req_id whose two loads both finished before a step takes
+    them is reported once per step, so the scheduler releases both load pins (one per report)."""
+    st = ProbeStore()
+    w = rank(st)
+    w.run_load("r", [4], HASHES[:1])
+    w.run_load("r", [5], HASHES[1:2])
+    w.run_load("q", [6], HASHES[2:3])
+    assert w.take_finished_loads() == {"r", "q"}
+    assert w.take_finished_loads() == {"r"}
+    assert w.take_finished_loads() == set()
+
+
 def test_every_sub_batch_is_tried_after_a_failed_one():
     st = ProbeStore()
     w = rank(st, sub_batch=1)
