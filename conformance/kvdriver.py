@@ -6,7 +6,8 @@ Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of v
                               free_blocks call prepends the blocks it frees, LIFO, a table tail first)
                               and a KV cache from vLLM's allocator (one block = one row): Compute
                               writes chunk <<r, c>>'s code into the block's row
-EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids)        (pins via BlockPool.touch)
+EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids, tail_block_ids)  (pins via BlockPool.touch;
+                             PartialTail: a job reaching the last chunk passes that block as the tail)
 Collect                   -> KVLedgerWorkerMetadata(WorkerSteps.take_reports()) of every rank, merged with
                              its aggregate (as vLLM's executor) -> SchedulerLedger.collect
                              (completed in ascending job id order: the model frees released jobs so)
@@ -57,7 +58,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.core.block_pool import BlockPool
 
-from conformance.replay import Refused
+from conformance.engine.replay import Refused
 from kvledger.errors import LedgerError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
@@ -197,7 +198,7 @@ _behaviour_ids = itertools.count()
 class KVDriver:
     """See the module doc. `backend` is a MooncakeBackend (replay, fuzz) or MemStoreBackend.
 
-    `consts`: the config's CONSTANTS (`conformance.export.cfg_constants`); the bounds the model puts on
+    `consts`: the config's CONSTANTS (`conformance.engine.export.cfg_constants`); the bounds the model puts on
     a behaviour (MaxGen, MaxJobs, PinCap, SubBatch) come from there. `trace`: a TraceSink shared by
     the ledgers (their own events) and this driver, which logs what vLLM's Scheduler and the store do
     (Admit, Compute, Preempt, Finish, Lookup, EmitLoad, HandleLoadErrors; Evict, StoreFail,
@@ -212,6 +213,8 @@ class KVDriver:
         self.sub_batch = int(consts.get("SubBatch", 1))
         self.cfg_max_jobs = consts.get("MaxJobs")
         self.late_notices = bool(consts.get("LateNotices", False))
+        # TRUE: the last chunk is the prompt's partial tail, pinned through open_job's tail_block_ids
+        self.partial_tail = bool(consts.get("PartialTail", False))
         # FALSE: the reset_prefix_cache(reset_running_requests=True) path, no preemption notice
         self.preempt_notices = bool(consts.get("PreemptNotices", True))
         # the fault injector's budget and kinds (the model's MaxFaults, FaultKinds)
@@ -379,7 +382,11 @@ class KVDriver:
         if self.sched.next_job_id > self.max_jobs:
             raise Refused(f"the model has only {self.max_jobs} job ids")
         ids = [b.block_id for b in self.table[r]]
-        j = self.sched.open_job(r, ids)
+        # PartialTail: the job that reaches the last chunk (the prompt's partial tail) pins that block as its
+        # tail, as the connector's scheduler does (block_ids = the full blocks, tail_block_ids = [block k]);
+        # all chunks computed means the table has num_chunks blocks
+        tail = ids[-1:] if self.partial_tail and self.ncomp[r] == self.num_chunks else []
+        j = self.sched.open_job(r, ids[:len(ids) - len(tail)], tail)
         if j is None:
             raise Refused("deferred: the pin cap is reached")
         self.jobs[j] = (r, self.gen[r], ids, self.emitted[r] + 1, self.ncomp[r])
@@ -693,7 +700,8 @@ class KVDriver:
         for j in range(1, next_job):
             jb = jobs[j - 1] if isinstance(jobs, list) else jobs[str(j)]
             if jb["left"] > 0:
-                pins[str(j)] = [list(jb["blocks"]), jb["left"]]
+                tail = [jb["tail"]] if jb.get("tail", 0) else []  # pinned after the job's blocks
+                pins[str(j)] = [list(jb["blocks"]) + tail, jb["left"]]
         jp = {w: {str(j): (row[j - 1] if isinstance(row, list) else row[str(j)])
                   for j in range(1, next_job)} for w, row in s["jp"].items()}
         ws = {}

@@ -7,6 +7,7 @@ HandleLoadErrors) plus, in a log of the conformance driver, what vLLM's Schedule
 `normalize` turns each event into the model's vocabulary:
 
     runtime                                   model (TraceKVLedger's event record)
+    EmitStore blocks (all pinned ids), tail   blocks, tail (when logged: the job's partial tail block)
     actor "w<i>"                              w = the i-th rank of the config (sorted)
     req_id                                    r (ids not in the config: the k-th new id -> k-th request)
     job ids                                   renumbered 1.. in order of first appearance (monotonic)
@@ -35,8 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from conformance import export as ex
-from conformance import tracecheck as tc
+from conformance.engine import export as ex
+from conformance.engine import tracecheck as tc
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
@@ -112,8 +113,11 @@ class Normalizer:
                 return None  # a rank's take_errors: its failed blocks are checked in its Load event
             return {"action": a, "r": self.r(ev["req_id"]), "keep": ev["keep"]}
         if a == "EmitStore":
-            return {"action": a, "r": self.r(ev["req_id"]), "job": self.j(ev["job"]),
-                    "blocks": list(ev["blocks"]), "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"]}
+            rec = {"action": a, "r": self.r(ev["req_id"]), "job": self.j(ev["job"]),
+                   "blocks": list(ev["blocks"]), "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"]}
+            if "tail" in ev:  # the partial tail's ids, pinned after the blocks (older logs lack the field)
+                rec["tail"] = list(ev["tail"])
+            return rec
         if a == "Collect":
             completed = {int(k): v for k, v in ev["completed"].items()}
             return {"action": a, "released": [self.j(x) for x in ev["released"]],
@@ -150,10 +154,10 @@ class Normalizer:
             return {"action": a, "k": [self.r(r), c]}
         if a in ("StoreFail", "StoreRestart"):
             return {"action": a}
-        raise tc.TraceCheckError(f"event seq {ev.get('seq')}: action {a!r} is not in the shared vocabulary")
+        raise tc.UnknownActionError(f"event seq {ev.get('seq')}: action {a!r} is not in the shared vocabulary")
 
 
-def check_events(events: list[dict[str, Any]], cfg: Path = DEFAULT_CFG, timeout: float = 300) -> tc.Verdict:
+def check_events(events: list[dict[str, Any]], cfg: Path = DEFAULT_CFG, timeout: float = 300) -> tc.TraceVerdict:
     """TLC's verdict on a runtime log (events as the runtime wrote them)."""
     consts = ex.cfg_constants(cfg)
     norm = Normalizer(consts)
@@ -164,7 +168,7 @@ def check_events(events: list[dict[str, Any]], cfg: Path = DEFAULT_CFG, timeout:
     return v
 
 
-def check_log(path: Path, cfg: Path = DEFAULT_CFG) -> tc.Verdict:
+def check_log(path: Path, cfg: Path = DEFAULT_CFG) -> tc.TraceVerdict:
     return check_events(tc.read_log(Path(path)), cfg)
 
 
@@ -172,7 +176,7 @@ def record_logs(exp: ex.Export, backend: Any, out_dir: Path, behaviours: Iterabl
     """Replay the given behaviours of `exp` with the ledgers (and the driver, for the scheduler's and
     the store's steps) logging NDJSON through `kvledger.trace.NdjsonTrace`; one log per behaviour.
     A behaviour that diverges is an error here (its log would prove nothing)."""
-    from conformance import replay as rp
+    from conformance.engine import replay as rp
     from conformance.kvdriver import KVDriver
     from kvledger.trace import NdjsonTrace
 

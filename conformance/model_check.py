@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from conformance.tlc import (REPO, Function, ModelValue, Record, TLCResult, TLCSetupError, TraceStep,
+from conformance.engine.tlc import (REPO, Function, ModelValue, Record, TLCResult, TLCSetupError, TraceStep,
                              run_tlc)
 
 SPEC = REPO / "tla" / "KVLedger.tla"
@@ -63,6 +63,8 @@ CI: list[Check] = [
     Check("MC_mutant_NoCap", "mutant", 12, "BoundedPins", "EmitStore ignores the pin cap", deadlock=False),
     Check("MC_mutant_LoadPinFirstRank", "mutant", 12, "LoadsPinned",
           "load pins dropped at the first rank's report (abort mid-load)", deadlock=False),
+    Check("MC_mutant_NoTailPin", "mutant", 12, "DmaReadsPinned",
+          "partial tail not pinned (finish frees it under the read)", deadlock=False),
 ]
 
 DEEP: list[Check] = [

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator
 
 import kvledger.codes
 import kvledger_connector.jobs
-from conformance import export as ex
+from conformance.engine import export as ex
 from conformance import kvprobes
-from conformance import replay as rp
+from conformance.engine import replay as rp
 from conformance.kvdriver import KVDriver, MemStoreBackend
 from kvledger.codes import NO_AVAILABLE_HANDLE, PutOutcome
 from kvledger.errors import LedgerInvariantError

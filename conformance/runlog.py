@@ -14,6 +14,8 @@ module for what is and is not compared). `normalize` maps the log into the model
                                             the runtime's). Keeps Req (and TLC's states) small: a log of
                                             hundreds of requests needs about max_num_seqs slots
     job id                                  job = id - (first EmitStore's id) + 1: ids must be consecutive
+    EmitStore blocks, tail                  blocks (without the tail), tail (the one partial tail block
+                                            pinned last, 0 = none or a log without the field)
     generation (0-based num_preemptions)    g = slot base + generation + 1 (the model counts admissions)
     DropGeneration                          matched to the rank's oldest pending notice of (req_id, g, kind)
     Collect completed {job: n}              reported <<job, n>>; ranks_left -> left; unknown -> a count
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance import tracecheck as tc
+from conformance.engine import tracecheck as tc
 
 SPEC = "TraceRuntime"
 _SCHED_ONLY = {"Admit", "Compute", "Lookup", "Evict", "StoreFail", "StoreRestart"}
@@ -146,8 +148,9 @@ class RunLogNormalizer:
             self.job_life[j] = life
             life.jobs.add(j)
             self.max_block = max([self.max_block, *ev["blocks"]])
-            return {"action": a, "r": life.slot, "g": self._gen(life, ev), "job": j, "blocks": list(ev["blocks"]),
-                    "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"],
+            blocks, tail = self._split_tail(ev)
+            return {"action": a, "r": life.slot, "g": self._gen(life, ev), "job": j, "blocks": blocks,
+                    "tail": tail, "left": ev["ranks_left"], "pinned_jobs": ev["pinned_jobs"],
                     "pinned_blocks": ev["pinned_blocks"]}
         if a == "EmitLoad":
             if self.world is None:
@@ -236,7 +239,17 @@ class RunLogNormalizer:
         if a in _SCHED_ONLY or a == "HandleLoadErrors":
             raise tc.TraceCheckError(f"{a}: an event of the conformance driver, not of a real run's log "
                                      "(check it with conformance.kvtrace)")
-        raise tc.TraceCheckError(f"action {a!r} is not in the shared vocabulary")
+        raise tc.UnknownActionError(f"action {a!r} is not in the shared vocabulary")
+
+    @staticmethod
+    def _split_tail(ev: dict[str, Any]) -> tuple[list[int], int]:
+        """An EmitStore's pinned ids as the model's job: its blocks, and its partial tail (0 = none), which
+        the ledger pins last. A log without the field (older connectors) has no tail."""
+        blocks, tail = list(ev["blocks"]), list(ev.get("tail", []))
+        if len(tail) > 1 or blocks[len(blocks) - len(tail):] != tail:
+            raise tc.TraceCheckError(f"EmitStore of job {ev['job']}: tail {tail} is not one block pinned last "
+                                     f"(blocks {blocks}); the model's job has at most one tail block")
+        return blocks[:len(blocks) - len(tail)], (tail[0] if tail else 0)
 
     def _all_ranks(self) -> list[str]:
         if self.world is None:
@@ -253,7 +266,7 @@ class RunLogNormalizer:
                 "NumChunks": 1, "MaxGen": self.max_gen, "MaxJobs": max_jobs,
                 "PinCap": pin_cap if pin_cap is not None else max_jobs, "MaxFaults": num_events + 1,
                 "FaultKinds": ["dma", "put", "pressure"], "SubBatch": 1, "PreemptNotices": True,
-                "LateNotices": True, "Legacy": False, "Mutant": "none"}
+                "LateNotices": True, "PartialTail": True, "Legacy": False, "Mutant": "none"}
 
 
 def normalize(events: list[dict[str, Any]], pin_cap: int | None = None) -> Normalized:
@@ -276,7 +289,7 @@ def trace_cfg(consts: dict[str, Any], expect_rest: bool) -> str:
 
 
 def check_events(events: list[dict[str, Any]], *, pin_cap: int | None = None, expect_rest: bool = True,
-                 timeout: float = 600) -> tc.Verdict:
+                 timeout: float = 600) -> tc.TraceVerdict:
     """TLC's verdict on a real run's log (events as the connector wrote them)."""
     nz = normalize(events, pin_cap)
     v = tc.check_events(nz.events, SPEC, f"{SPEC}.cfg", cfg_text=trace_cfg(nz.consts, expect_rest),
@@ -286,7 +299,7 @@ def check_events(events: list[dict[str, Any]], *, pin_cap: int | None = None, ex
     return v
 
 
-def check_log(path: Path, **kw: Any) -> tc.Verdict:
+def check_log(path: Path, **kw: Any) -> tc.TraceVerdict:
     return check_events(tc.read_log(Path(path)), **kw)
 
 

@@ -19,18 +19,24 @@ Then conformance, on a real Mooncake master on 127.0.0.1
              rejected at that event; `make test` checks every integration and engine test's log
   mutants    the runtime mutants' kill table (conformance.mutants)
 
-One summary line: behaviours replayed, edge coverage of the CI graph, logs validated, mutants killed.
-Gates: >= 1000 behaviours, coverage >= 95%, every behaviour conforms, every log accepted, every mutant
-killed.  Exit 0 only when every stage does.  `--skip-model-check` runs the conformance stages only
-(without the model check and the witnesses).
+Each stage is a function returning a `StageResult` (name, ok, figures, detail); the orchestrator passes
+a stage what it needs from earlier ones (the trace stage: the logs the replay stage recorded) and builds
+the summary from the results: one line per stage, then one line of the conformance figures (behaviours
+replayed, edge coverage of the CI graph, logs validated, mutants killed). Gates: >= 1000 behaviours,
+coverage >= 95%, every behaviour conforms, every log accepted, every mutant killed.  Exit 0 only when
+every stage passes.  `--skip-model-check` runs the conformance stages only (without the model check and
+the witnesses); `--only NAME` (repeatable: model-check, witnesses, replay, trace, real-run, mutants) runs
+those stages only (`trace` needs `replay`).
 """
 from __future__ import annotations
 
+import argparse
+import subprocess
 import sys
 import time
-from typing import Callable
-
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from conformance import model_check, witness
 
@@ -43,11 +49,67 @@ FAULTS_CFG = ROOT / "tests" / "conformance" / "kv" / "MC_replay_tiny.cfg"
 SIM_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
 MIN_BEHAVIOURS, MIN_COVERAGE = 1000, 0.95
 
-# filled by the conformance stages, printed in the summary
-FIGURES: dict[str, str] = {}
+
+class StageResultError(ValueError):
+    """A stage built an inconsistent result (passing with a failing exit code, or the reverse)."""
 
 
-def _mooncake():
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage found. `figures`: its numbers by name; `detail`: those figures in words for the
+    summary's conformance line ("" for the model-check stages, whose tables are printed as they run);
+    `exit_code`: the stage's own (a program's) exit status, 0 exactly when ok; `logs`: files it wrote
+    that a later stage reads."""
+
+    name: str
+    ok: bool
+    figures: Mapping[str, Any] = field(default_factory=dict)
+    detail: str = ""
+    exit_code: int | None = None  # None: 0 when ok, else 1
+    logs: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.exit_code is not None and (self.exit_code == 0) != self.ok:
+            raise StageResultError(f"stage {self.name!r}: ok={self.ok} with exit_code={self.exit_code}")
+
+    @property
+    def code(self) -> int:
+        if self.exit_code is not None:
+            return self.exit_code
+        return 0 if self.ok else 1
+
+
+Done = Mapping[str, StageResult]  # the results of the stages run so far, by stage key
+
+
+@dataclass(frozen=True)
+class Stage:
+    key: str  # for --only and for later stages' look-ups
+    name: str  # as printed
+    run: Callable[[Done], StageResult]
+    model: bool = False  # a model-check stage (skipped by --skip-model-check)
+
+
+def model_check_stage(_done: Done) -> StageResult:
+    name = "model check (TLC)"
+    t0 = time.monotonic()
+    rows = model_check.run_set(model_check.CI, out=lambda s: print(s, flush=True))
+    ok = model_check.report(rows, time.monotonic() - t0, out=lambda s: print(s, flush=True))
+    as_expected = sum(r.as_expected for r in rows)
+    distinct = sum((r.result.distinct or 0) for r in rows if r.result)
+    setup_errors = sum(1 for r in rows if r.error)
+    code = 2 if rows and setup_errors == len(rows) else (0 if ok else 1)
+    return StageResult(name, code == 0, {"rows": len(rows), "as_expected": as_expected, "distinct": distinct,
+                                         "setup_errors": setup_errors},
+                       exit_code=code)
+
+
+def witness_stage(_done: Done) -> StageResult:
+    code = witness.main([])
+    return StageResult("witnesses (TLC)", code == 0, {}, exit_code=code)
+
+
+def _mooncake() -> tuple[Any, Any, Any]:
     from conformance.kvdriver import MooncakeBackend
     from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
@@ -63,10 +125,10 @@ def _mooncake():
     return mc, store, MooncakeBackend(store)
 
 
-def replay_stage(_argv: list[str]) -> int:
-    from conformance import export as ex
+def replay_stage(_done: Done) -> StageResult:
     from conformance import kvtrace
-    from conformance import replay as rp
+    from conformance.engine import export as ex
+    from conformance.engine import replay as rp
     from conformance.kvdriver import KVDriver
 
     ci = ex.export(CI_CFG.parent, "KVLedger", CI_CFG.name, num=1000, depth=40, seed=1)
@@ -87,30 +149,35 @@ def replay_stage(_argv: list[str]) -> int:
         store.close()
         mc.stop()
     n = sum(r.behaviours for r in reps)
-    ok = sum(r.conforming for r in reps)
+    good = sum(r.conforming for r in reps)
     cov = taken / max(total, 1)
-    FIGURES["replay"] = (f"{ok}/{n} behaviours replayed and conforming; edge coverage {taken}/{total} = "
-                         f"{100 * cov:.1f}% of the CI graph ({CI_CFG.name}: {len(ci.graph.states)} states, "
-                         f"{len(ci.graph.edges)} edges, {len(ci.graph.init)} initial)")
-    FIGURES["_logs"] = "\n".join(str(p) for p in logs)
-    return 0 if ok == n and n >= MIN_BEHAVIOURS and cov >= MIN_COVERAGE else 1
+    figures = {"behaviours": n, "conforming": good, "edges_taken": taken, "edges_total": total,
+               "coverage": cov, "ci_states": len(ci.graph.states), "ci_edges": len(ci.graph.edges),
+               "ci_initial": len(ci.graph.init)}
+    detail = (f"{good}/{n} behaviours replayed and conforming; edge coverage {taken}/{total} = "
+              f"{100 * cov:.1f}% of the CI graph ({CI_CFG.name}: {len(ci.graph.states)} states, "
+              f"{len(ci.graph.edges)} edges, {len(ci.graph.init)} initial)")
+    ok = good == n and n >= MIN_BEHAVIOURS and cov >= MIN_COVERAGE
+    return StageResult("replay (real Mooncake)", ok, figures, detail, logs=tuple(Path(p) for p in logs))
 
 
-def trace_stage(_argv: list[str]) -> int:
+def trace_stage(done: Done) -> StageResult:
+    """TLC's verdict on each log the replay stage recorded."""
     from conformance import kvtrace
 
-    logs = [Path(p) for p in FIGURES.get("_logs", "").split("\n") if p]
+    name = "trace validation (TLC)"
+    logs = done["replay"].logs if "replay" in done else ()
     if not logs:
-        print("verify: no log was recorded (the replay stage failed)")
-        return 1
+        print("verify: no log was recorded (the replay stage failed or did not run)")
+        return StageResult(name, False, {"logs": 0, "accepted": 0})
     good = 0
     for log in logs:
         cfg = SIM_CFG if log.name.startswith(SIM_CFG.stem) else FAULTS_CFG
         v = kvtrace.check_log(log, cfg)
         print(v.line(log.name), flush=True)
         good += v.accepted
-    FIGURES["trace"] = f"{good}/{len(logs)} runtime logs validated by TLC"
-    return 0 if good == len(logs) else 1
+    return StageResult(name, good == len(logs), {"logs": len(logs), "accepted": good},
+                       f"{good}/{len(logs)} runtime logs validated by TLC")
 
 
 def _corrupt_copy(log: Path, out: Path) -> int:
@@ -126,76 +193,110 @@ def _corrupt_copy(log: Path, out: Path) -> int:
     return i + 1
 
 
-def real_run_stage(_argv: list[str]) -> int:
+def real_run_stage(_done: Done) -> StageResult:
     """The whole demo (240 requests twice, 2 ranks, preemption storms, evictions) logs its run and checks
-    the log with TLC; then a copy corrupted at one event must be rejected at that event."""
-    import subprocess
+    the log with TLC; then a copy corrupted at one event must be rejected at that event. The demo runs as
+    a child process (a crash in it is its own, not this orchestrator's) and hands back its `DemoResult`
+    as JSON."""
+    from conformance import runlog
+    from testbed.demo import DemoResult
 
+    name = "real-run log (TLC)"
     log = ROOT / ".tlc-out" / "traces" / "demo.ndjson"
+    result_path = log.with_name("demo-result.json")
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "testbed.demo", "--trace", str(log)]
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "testbed.demo", "--trace", str(log), "--result-json", str(result_path)]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=1200)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ") or ln in ("OK", "FAILED")]
-    print("\n".join(lines), flush=True)
-    tv = next((ln.split("TLC:", 1)[1].strip() for ln in lines if "trace validation" in ln), "no verdict")
-    ok = proc.returncode == 0 and tv.startswith("ACCEPTED")
+    if not result_path.exists():
+        print(proc.stdout[-3000:], flush=True)
+        print(f"verify: the demo wrote no result (exit {proc.returncode})", flush=True)
+        return StageResult(name, False, {"demo_exit": proc.returncode})
+    demo = DemoResult.from_json(result_path.read_text())
+    for row, value in demo.rows:
+        print(f"  {row:<20} {value}")
+    print("OK" if demo.ok else "FAILED", flush=True)
+    tv = demo.trace_verdict or "no verdict"
     bad = log.with_name("demo-corrupted.ndjson")
     at = _corrupt_copy(log, bad) if log.exists() else -1
-    res = subprocess.run([sys.executable, "-m", "conformance.runlog", str(bad), "--pin-cap", "3"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1200) if at > 0 else None
-    rej = next((ln for ln in (res.stdout if res else "").splitlines() if ln.startswith("REJECTED")), "")
-    caught = res is not None and res.returncode != 0 and f"(line {at} of the log)" in rej
-    print(f"  {'corrupted copy':<20} line {at} altered: {rej or 'NOT REJECTED'}", flush=True)
-    FIGURES["real run"] = (f"demo log (240 requests x 2, tp=2) {tv}; corrupted copy "
-                           f"{'rejected at the altered line' if caught else 'NOT rejected where altered'}")
-    return 0 if ok and caught else 1
+    v = runlog.check_log(bad, pin_cap=demo.cap_jobs) if at > 0 else None
+    caught = v is not None and not v.accepted and v.first_unmatched_seq == at
+    print(f"  {'corrupted copy':<20} line {at} altered: "
+          f"{v.line(bad.name) if v is not None and not v.accepted else 'NOT REJECTED'}", flush=True)
+    figures = {**demo.figures, "demo_exit": proc.returncode, "log_accepted": bool(demo.trace_accepted),
+               "corrupted_line": at, "corrupted_rejected_at": v.first_unmatched_seq if v else None}
+    detail = (f"demo log ({demo.requests} requests x 2, tp={demo.tp}) {tv}; corrupted copy "
+              f"{'rejected at the altered line' if caught else 'NOT rejected where altered'}")
+    ok = proc.returncode == 0 and demo.ok and bool(demo.trace_accepted) and caught
+    return StageResult(name, ok, figures, detail)
 
 
-def mutants_stage(_argv: list[str]) -> int:
+def mutants_stage(_done: Done) -> StageResult:
     from conformance import mutants
 
     res = mutants.kill_table(mutants.exports([str(c) for c in mutants.DEFAULT_CFGS], 100))
-    FIGURES["mutants"] = f"{sum(res.values())}/{len(res)} mutants killed"
-    return 0 if all(res.values()) else 1
+    killed = sum(res.values())
+    return StageResult("mutant kill table", all(res.values()), {"killed": killed, "mutants": len(res)},
+                       f"{killed}/{len(res)} mutants killed")
 
 
-Stage = tuple[str, Callable[[list[str]], int]]
 STAGES: list[Stage] = [
-    ("model check (TLC)", model_check.main),
-    ("witnesses (TLC)", witness.main),
-    ("replay (real Mooncake)", replay_stage),
-    ("trace validation (TLC)", trace_stage),
-    ("real-run log (TLC)", real_run_stage),
-    ("mutant kill table", mutants_stage),
+    Stage("model-check", "model check (TLC)", model_check_stage, model=True),
+    Stage("witnesses", "witnesses (TLC)", witness_stage, model=True),
+    Stage("replay", "replay (real Mooncake)", replay_stage),
+    Stage("trace", "trace validation (TLC)", trace_stage),
+    Stage("real-run", "real-run log (TLC)", real_run_stage),
+    Stage("mutants", "mutant kill table", mutants_stage),
 ]
 
-MODEL_STAGES = {"model check (TLC)", "witnesses (TLC)"}
+
+def run_stages(stages: Sequence[Stage]) -> list[tuple[StageResult, float]]:
+    """Run each stage in order, handing it the earlier results; a stage that crashes is a failed stage
+    (exit 2), reported in one line on stderr, and the later stages still run."""
+    done: dict[str, StageResult] = {}
+    out: list[tuple[StageResult, float]] = []
+    for st in stages:
+        print(f"== verify: {st.name}", flush=True)
+        t0 = time.monotonic()
+        try:
+            res = st.run(done)
+        except Exception as e:
+            print(f"verify: stage {st.name!r} crashed: {type(e).__name__}: {e}", file=sys.stderr)
+            res = StageResult(st.name, False, exit_code=2)
+        done[st.key] = res
+        out.append((res, time.monotonic() - t0))
+    return out
+
+
+def summary(results: Sequence[tuple[StageResult, float]]) -> list[str]:
+    """The summary's lines: one per stage, the conformance figures, the total and the verdict."""
+    lines = ["", "== verify summary"]
+    for res, secs in results:
+        lines.append(f"  {'PASS' if res.ok else 'FAIL'}  {res.name:<28} exit {res.code}  {secs:6.1f}s")
+    details = [res.detail for res, _ in results if res.detail]
+    if details:
+        lines.append("  conformance: " + "; ".join(details))
+    total = sum(s for _, s in results)
+    lines.append(f"  total {total:.1f}s -> {'PASS' if all(r.ok for r, _ in results) else 'FAIL'}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    results: list[tuple[str, int, float]] = []
-    stages = [s for s in STAGES if s[0] not in MODEL_STAGES] if "--skip-model-check" in argv else STAGES
-    for name, run in stages:
-        print(f"== verify: {name}", flush=True)
-        t0 = time.monotonic()
-        try:
-            code = run([])
-        except Exception as e:  # a stage that crashes is a failed stage, reported in one line
-            print(f"verify: stage {name!r} crashed: {type(e).__name__}: {e}", file=sys.stderr)
-            code = 2
-        results.append((name, code, time.monotonic() - t0))
-    print("\n== verify summary")
-    for name, code, secs in results:
-        print(f"  {'PASS' if code == 0 else 'FAIL'}  {name:<28} exit {code}  {secs:6.1f}s")
-    figs = [v for k, v in FIGURES.items() if not k.startswith("_")]
-    if figs:
-        print("  conformance: " + "; ".join(figs))
-    total = sum(s for _, _, s in results)
-    worst = max((c for _, c, _ in results), default=0)
-    print(f"  total {total:.1f}s -> {'PASS' if worst == 0 else 'FAIL'}")
-    return worst
+    ap = argparse.ArgumentParser(prog="python -m conformance.verify", description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-model-check", action="store_true",
+                    help="run the conformance stages only (not the model check and the witnesses)")
+    ap.add_argument("--only", action="append", default=[], metavar="STAGE",
+                    choices=[st.key for st in STAGES],
+                    help="run only these stages (repeatable): " + ", ".join(st.key for st in STAGES))
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    stages = [st for st in STAGES if not (args.skip_model_check and st.model)]
+    if args.only:
+        stages = [st for st in stages if st.key in args.only]
+    results = run_stages(stages)
+    for line in summary(results):
+        print(line)
+    return max((r.code for r, _ in results), default=0)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from conformance import model_check
-from conformance.tlc import REPO, TLC_OUT, TLCResult, TLCSetupError, run_tlc
+from conformance.engine.tlc import REPO, TLC_OUT, TLCResult, TLCSetupError, run_tlc
 
 TLA = REPO / "tla"
 SPEC = TLA / "Witness.tla"
@@ -61,6 +61,8 @@ class Witness:
 WITNESSES: list[Witness] = [
     Witness("S1", "NoPollution", "a queued live job pins a block its request released; a request must allocate"),
     Witness("S2", "DmaReadsPinned", "a DMA read in flight on a block its request released (only the pin holds it)"),
+    Witness("Tail", "DmaReadsPinned", "a DMA read of a job's partial tail its request released (only the tail pin)",
+            prefer=("MC_lag",), label="S2 DmaReadsPinned+"),
     Witness("S3", "RefCountExact", "a release drops one ref of a block another holder keeps", step=True),
     Witness("S4", "NoStaleEffect", "a rank reports an old generation's job after registering the new one (ABA)",
             step=True, prefer=("MC_lag", "MC_nonotice")),
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None, *, witnesses: Iterable[Witness] | None =
          configs: dict[str, Path] | None = None, spec: Path = SPEC, cfg_dir: Path = CFG_DIR) -> int:
     ap = argparse.ArgumentParser(prog="python -m conformance.witness", description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only these witnesses (S1..S9, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
+                    help="run only these witnesses (S1..S9, Tail, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
                          "RegisterOther: a branch no config takes, searched in full)")
     ap.add_argument("--stories", action="store_true", help="print each witness's behaviour")
     ap.add_argument("--xmx", default="1g", help="TLC heap (default 1g)")

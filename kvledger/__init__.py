@@ -45,7 +45,7 @@ the ``transitions`` machines, which are kept as the definition (diagrams, equiva
 ``transitions`` trigger costs ~21 µs, more than the scheduler's whole per-job budget.
 
 Tracing: pass ``trace=`` a :class:`~kvledger.trace.TraceSink` (e.g. :class:`~kvledger.trace.NdjsonTrace`)
-to get one event per action, schema in :mod:`kvledger.trace`.
+to get one event per action; the schema is data, ``kvledger.trace.EVENTS`` (``check_event`` validates one).
 """
 from .errors import INVARIANTS, LedgerError, LedgerInputError, LedgerInvariantError
 from .load import LoadLedger, LoadResult, load_order, rotation

@@ -133,8 +133,14 @@ class SchedulerLedger:
         if njobs >= self.peak_inflight_jobs:
             self.peak_inflight_jobs = njobs + 1
         if self._trace is not None:
+            # tail: the pinned ids that came from tail_block_ids only (ids is deduplicated, tail last)
+            tail: list[int] = []
+            if tail_block_ids:
+                full = set(block_ids)
+                tail = [b for b in ids if b not in full]
             self._trace.emit("sched", "EmitStore", {
                 "job": job_id, "req_id": req_id, "generation": generation, "blocks": list(ids),
+                "tail": tail,
                 "ranks_left": self._world_size,
                 "pinned_jobs": len(self._pinned), "pinned_blocks": pins})
         return job_id

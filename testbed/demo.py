@@ -15,22 +15,61 @@ Exit status 1 if any key holds KV that is not its own, any block leaked, any req
 produced a wrong output, or the log is not a behaviour of the model.
 
     python -m testbed.demo [--requests 240] [--blocks 48] [--tp 2] [--no-faults] [--trace PATH | --no-trace]
+                           [--result-json PATH]
+
+`run()` returns the figures as a `DemoResult`; `--result-json` writes it (`make verify` runs the demo as a
+child process and reads its figures from there, not from the printed table).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's C++ logs: errors only
 
 
+@dataclass(frozen=True)
+class DemoResult:
+    """What one demo run found: the verdict, the figures, the printed table and the log's TLC verdict."""
+
+    ok: bool
+    requests: int  # per pass (each pass adds every prompt again, with the same req_ids)
+    tp: int
+    cap_jobs: int  # the connector's max_inflight_jobs: the log check's pin cap
+    figures: dict[str, int | float]
+    rows: tuple[tuple[str, str], ...]  # the printed table, (name, value)
+    trace_path: str | None  # the NDJSON log (None: --no-trace)
+    trace_accepted: bool | None  # None when no log was checked
+    trace_verdict: str | None  # the checker's one line (ACCEPTED/REJECTED/ERROR ...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DemoResult":
+        d = json.loads(text)
+        missing = [f for f in cls.__dataclass_fields__ if f not in d]
+        if missing:
+            raise ValueError(f"demo result: field {missing[0]!r} is missing (fields given: {sorted(d)})")
+        d["rows"] = tuple((str(n), str(v)) for n, v in d["rows"])
+        return cls(**d)
+
+
 def main(argv: list[str] | None = None) -> int:
+    return 0 if run(argv).ok else 1
+
+
+def run(argv: list[str] | None = None) -> DemoResult:
+    """Run the demo as `python -m testbed.demo ARGV` does (printing its table) and return its figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=240)
     ap.add_argument("--blocks", type=int, default=48, help="GPU blocks in vLLM's pool (block size 16)")
@@ -41,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="log the run here and check the log with TLC")
     ap.add_argument("--no-trace", action="store_true", help="do not log or check the run")
     ap.add_argument("--kv-layout", default="LBNHC", help="vLLM KVCacheLayout of the workers' KV caches")
+    ap.add_argument("--result-json", type=Path, default=None, help="write the run's DemoResult here as JSON")
     args = ap.parse_args(argv)
     if args.no_trace:
         args.trace = None
@@ -96,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in w.stats.totals.data.items():
                 wtot[k] = wtot.get(k, 0) + v
         leaked_blocks = args.blocks - 1 - h.block_pool.get_num_free_blocks()
+        figures: dict[str, int | float] = {
+            "requests": 2 * len(prompts), "engine_steps": h.stats.steps,
+            "jobs_opened": ss.ledger.num_jobs_opened, "jobs_released": ss.ledger.num_jobs_released,
+            "stale_jobs": int(wtot.get("stale_jobs", 0)), "put_keys": int(wtot.get("put_keys", 0)),
+            "peak_jobs": ss.ledger.peak_inflight_jobs, "peak_block_pins": ss.ledger.peak_pinned_blocks,
+            "preemptions": h.stats.preemptions, "deferrals": ss.ledger.num_deferrals,
+            "saves_dropped": ss.num_saves_dropped, "loads": ss.num_loads,
+            "load_error_blocks": h.stats.load_error_blocks, "wrong_kv": len(h.garbage),
+            "wrong_outputs": bad_outputs, "polluted_keys": polluted, "checked_keys": checked,
+            "leaked_blocks": leaked_blocks,
+        }
         rows = [
             ("requests", f"{2 * len(prompts)} ({len(prompts)} per pass, req_ids reused), "
                          f"{h.stats.steps} engine steps, tp={args.tp}"),
@@ -119,18 +170,29 @@ def main(argv: list[str] | None = None) -> int:
         print("kvledger demo: vLLM 0.32.0 Scheduler + KVLedgerConnector + embedded Mooncake")
         for name, value in rows:
             print(f"  {name:<20} {value}")
-        print(f"  {'wall time':<20} {time.monotonic() - t0:.1f} s")
+        figures["wall_s"] = round(time.monotonic() - t0, 1)
+        rows.append(("wall time", f"{figures['wall_s']:.1f} s"))
+        print(f"  {'wall time':<20} {figures['wall_s']:.1f} s")
         ok = polluted == 0 and leaked_blocks == 0 and not leaks and not h.garbage and bad_outputs == 0
+    verdict: str | None = None
+    accepted: bool | None = None
     if args.trace:  # after close: every connector flushed and closed the log
         # the checker is a layer above the drivers: run it as a program, not an import
         cmd = [sys.executable, "-m", "conformance.runlog", args.trace, "--pin-cap", str(cap_jobs)]
         res = subprocess.run(cmd + (["--no-rest"] if leaks else []), capture_output=True, text=True)
         verdict = next((ln for ln in res.stdout.splitlines() if ln.startswith(("ACCEPTED", "REJECTED", "ERROR"))),
                        f"no verdict (exit {res.returncode}): {res.stderr.strip()[-300:]}")
+        accepted = res.returncode == 0
+        rows.append(("trace validation", f"TLC: {verdict}"))
         print(f"  {'trace validation':<20} TLC: {verdict}")
-        ok = ok and res.returncode == 0
+        ok = ok and accepted
     print("OK" if ok else "FAILED")
-    return 0 if ok else 1
+    result = DemoResult(ok=ok, requests=len(prompts), tp=args.tp, cap_jobs=cap_jobs, figures=figures,
+                        rows=tuple(rows), trace_path=args.trace, trace_accepted=accepted, trace_verdict=verdict)
+    if args.result_json is not None:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(result.to_json())
+    return result
 
 
 if __name__ == "__main__":

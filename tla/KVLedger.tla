@@ -17,7 +17,15 @@
 (*    sub-batch without reporting the rest.                                *)
 (* Mutant (a string) seeds one bug into the fixed design, so that we can   *)
 (* see the invariants are not vacuous: "none", "NoPin", "ReportTwice",     *)
-(* "KeyedByReqId", "NoCap", "LoadPinFirstRank".                            *)
+(* "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin".               *)
+(*                                                                         *)
+(* Partial tails (PartialTail = TRUE, the connector's save_partial_tail):  *)
+(* chunk NumChunks of every request is its prompt's partial last block.  A *)
+(* store job whose range reaches it records that block as its tail         *)
+(* (jobs[j].tail; blocks then holds table[r][1..NumChunks-1]), pins it and *)
+(* releases it first (SchedulerLedger.open_job's tail_block_ids).  Once    *)
+(* the request is preempted or finished, only that pin keeps the block     *)
+(* from reuse while ranks still read it (mutant "NoTailPin" drops it).     *)
 (*                                                                         *)
 (* Loads (fixed design): EmitLoad pins the load's destination blocks for   *)
 (* the load (ld[r].pin); a request may finish (abort) while its load runs, *)
@@ -47,11 +55,13 @@ CONSTANTS
     PreemptNotices, \* FALSE = the reset_prefix_cache path: workers never hear of a preemption
     LateNotices,    \* TRUE: a notice may arrive any time later (even after the next generation's
                     \* jobs); FALSE: by the next engine step, as vLLM's step metadata delivers it
+    PartialTail,    \* TRUE: chunk NumChunks is the prompt's partial tail, pinned as a job's tail (see above)
     Legacy,         \* TRUE = the upstream design before the fix
     Mutant          \* "none" or the name of one seeded bug (see above)
 
 ASSUME NumBlocks >= NumChunks /\ MaxGen >= 1 /\ PinCap >= 1 /\ SubBatch >= 1
-ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank"}
+ASSUME PartialTail \in BOOLEAN
+ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin"}
 
 Blocks  == 1..NumBlocks
 Chunks  == 1..NumChunks
@@ -60,7 +70,7 @@ Keys    == Req \X Chunks
 NoContent == <<NoReq, 0>>
 Content == (Req \X Chunks) \cup {NoContent}
 FirstReq == CHOOSE r \in Req : TRUE
-NoJob == [r |-> FirstReq, g |-> 0, blocks |-> <<>>, lo |-> 1, hi |-> 0, left |-> 0]
+NoJob == [r |-> FirstReq, g |-> 0, blocks |-> <<>>, tail |-> 0, lo |-> 1, hi |-> 0, left |-> 0]
 BusyPhases == {"running", "stored", "failed", "stale", "skipped"}   \* the rank's store thread holds a job
 OpenPhases == {"emitted", "queued"} \cup BusyPhases                   \* not yet reported
 
@@ -74,7 +84,8 @@ VARIABLES
     ld,       \* ld[r]: load state [ph, n (keys to load), st (rank -> per-key result), bad (reported invalid),
               \*        dst (destination blocks, key i -> dst[i]), pin (the load holds a pin on dst)]
     nextJob,  \* the global monotonic store_job_id counter
-    jobs,     \* jobs[j]: [r, g, blocks (pinned, in table order), lo..hi (chunks to save), left (ranks_left)]
+    jobs,     \* jobs[j]: [r, g, blocks (pinned, in table order), tail (the partial tail's block, pinned
+              \*          after blocks; 0 = none), lo..hi (chunks to save), left (ranks_left)]
     fs,       \* legacy only: fs[r] = ranks that reported finished_sending(r)
     \* ---- block pool
     ref,      \* ref[b]: reference count (requests holding b in their table + pinned jobs)
@@ -137,6 +148,12 @@ UnrefEach(calls, rf, fl) == FreeCalls(calls, rf, fl, <<>>)
 ReleaseTailFirst(bs) == Unref(Reverse(bs), ref, free)
 
 Pin(bs) == [b \in Blocks |-> IF b \in Range(bs) THEN ref[b] + 1 ELSE ref[b]]
+
+\* The blocks a job record jb pins, in pin order: its blocks, then its tail (SchedulerLedger.open_job's
+\* block_ids then tail_block_ids).  Mutant NoTailPin: the tail is neither pinned nor released.
+PinSeq(jb) == IF jb.tail = 0 \/ Mutant = "NoTailPin" THEN jb.blocks ELSE Append(jb.blocks, jb.tail)
+\* The block job j reads chunk c from: the tail for the last chunk when the job has one.
+JobBlock(j, c) == IF c = NumChunks /\ jobs[j].tail # 0 THEN jobs[j].tail ELSE jobs[j].blocks[c]
 
 Pinned(j) == j < nextJob /\ jobs[j].left > 0 /\ ~Legacy
 PinnedJobs == {j \in JobIds : Pinned(j)}
@@ -268,27 +285,32 @@ Compute(r) ==
 
 CapOK == Legacy \/ Mutant = "NoCap" \/ Cardinality(PinnedJobs) < PinCap
 
-\* The ledger's part of EmitStore (the scheduler ledger's open_job): the next id, pins on bs, every rank
-\* gets the job.  (TraceRuntime, which checks logs of real vLLM runs, uses it with the logged values.)
-OpenJob(r, g, bs, lo, hi) ==
+\* The ledger's part of EmitStore (the scheduler ledger's open_job): the next id, pins on bs and on the
+\* tail tl (0 = none), every rank gets the job.  (TraceRuntime, which checks logs of real vLLM runs, uses
+\* it with the logged values.)
+OpenJob(r, g, bs, tl, lo, hi) ==
     /\ nextJob <= MaxJobs
     /\ CapOK
-    /\ LET j == nextJob IN
-         /\ jobs' = [jobs EXCEPT ![j] = [r |-> r, g |-> g, blocks |-> bs, lo |-> lo, hi |-> hi,
-                                         left |-> IF Legacy THEN 0 ELSE Cardinality(Ranks)]]
-         /\ ref' = IF Legacy \/ Mutant = "NoPin" THEN ref ELSE Pin(bs)
+    /\ LET j == nextJob
+           jb == [r |-> r, g |-> g, blocks |-> bs, tail |-> tl, lo |-> lo, hi |-> hi,
+                  left |-> IF Legacy THEN 0 ELSE Cardinality(Ranks)] IN
+         /\ jobs' = [jobs EXCEPT ![j] = jb]
+         /\ ref' = IF Legacy \/ Mutant = "NoPin" THEN ref ELSE Pin(PinSeq(jb))
          /\ jp' = [w \in Ranks |-> [jp[w] EXCEPT ![j] = "emitted"]]
          /\ lastAction' = [name |-> "EmitStore", r |-> r, job |-> j, g |-> g, lo |-> lo, hi |-> hi]
     /\ nextJob' = nextJob + 1
 
 \* A new store job: fresh id, pins every block of the table (a rank resumes from its own offset,
 \* which can lag, so it may read any of them).  At the cap the save is deferred: emitted[r] stays
-\* behind ncomp[r], so EmitStore is enabled again once a pin is released.
+\* behind ncomp[r], so EmitStore is enabled again once a pin is released.  PartialTail: a job that
+\* reaches the last chunk (then the table has NumChunks blocks) pins that block as its tail.
 EmitStore(r) ==
     /\ EngineSynced
     /\ status[r] = "running" /\ ld[r].ph = "done"
     /\ emitted[r] < ncomp[r]
-    /\ OpenJob(r, gen[r], table[r], emitted[r] + 1, ncomp[r])
+    /\ LET tl == IF PartialTail /\ ncomp[r] = NumChunks THEN table[r][NumChunks] ELSE 0
+           bs == IF tl = 0 THEN table[r] ELSE SubSeq(table[r], 1, NumChunks - 1) IN
+       OpenJob(r, gen[r], bs, tl, emitted[r] + 1, ncomp[r])
     /\ emitted' = [emitted EXCEPT ![r] = ncomp[r]]
     /\ UNCHANGED <<status, gen, table, ncomp, ld, fs, content, free, ws, rep, notice, buf, store, up,
                    faults>>
@@ -339,10 +361,10 @@ Reported == {j \in JobIds : RepCount(j) > 0}
 LegacyDone == {r \in Req : Legacy /\ status[r] = "finished" /\ fs[r] = Ranks /\ table[r] # <<>>}
 
 \* The free calls of a Collect (for UnrefEach): one per released job, in the order of js, each its
-\* pinned blocks tail first (SchedulerLedger.collect calls free(reversed(blocks)) per job); legacy:
+\* pinned blocks tail first (SchedulerLedger.collect calls free(reversed(blocks + tail)) per job); legacy:
 \* one per delay-freed request table, tail first.
 RECURSIVE JobFrees(_)
-JobFrees(js) == IF js = <<>> THEN <<>> ELSE <<Reverse(jobs[Head(js)].blocks)>> \o JobFrees(Tail(js))
+JobFrees(js) == IF js = <<>> THEN <<>> ELSE <<Reverse(PinSeq(jobs[Head(js)]))>> \o JobFrees(Tail(js))
 RECURSIVE TableFrees(_)
 TableFrees(rs) == IF rs = {} THEN <<>>
                   ELSE LET r == CHOOSE r \in rs : TRUE IN <<Reverse(table[r])>> \o TableFrees(rs \ {r})
@@ -445,7 +467,7 @@ DmaReadJob(w, j) ==
     /\ \A i \in JobIds : i < j => jp[w][i] # "queued"
     /\ LET s == ws[w][jobs[j].r]
            from == IF Legacy THEN jobs[j].lo ELSE s.off + 1
-           read == {<<c, content[jobs[j].blocks[c]]>> : c \in from..jobs[j].hi}
+           read == {<<c, content[JobBlock(j, c)]>> : c \in from..jobs[j].hi}
            out == IF ~Live(w, j) THEN {"stale"}
                   ELSE IF s.skip THEN {"skipped"}
                   ELSE {"running"} \cup (IF Fault("dma") THEN {"failed"} ELSE {}) IN
@@ -625,6 +647,7 @@ TypeOK ==
     /\ status \in [Req -> {"waiting", "running", "preempted", "finished"}]
     /\ nextJob \in 1..MaxJobs + 1
     /\ \A b \in Blocks : ref[b] \in Nat /\ content[b] \in Content
+    /\ \A j \in JobIds : jobs[j].tail \in Blocks \cup {0}
     /\ \A w \in Ranks : \A j \in JobIds : jp[w][j] \in StoreJob_States \cup {"none"}
     /\ \A w \in Ranks : \A r \in Req : ws[w][r].phase \in StoreRequest_States
     /\ \A k \in Keys : store[k] \in Content
@@ -637,11 +660,11 @@ DmaReadsPinned ==
     \A w \in Ranks : \A j \in JobIds : jp[w][j] = "running" =>
         /\ Pinned(j)
         /\ \A p \in buf[w] : /\ p[2] = <<jobs[j].r, p[1]>>
-                             /\ content[jobs[j].blocks[p[1]]] = p[2]
+                             /\ content[JobBlock(j, p[1])] = p[2]
 
 \* S3: a block's ref count equals its holders (request tables + pinned jobs); free <=> ref = 0.
 Holders(b) == Cardinality({r \in Req : b \in Range(table[r])})
-              + Cardinality({j \in PinnedJobs : b \in Range(jobs[j].blocks)})
+              + Cardinality({j \in PinnedJobs : b \in Range(PinSeq(jobs[j]))})
               + Cardinality({r \in Req : ld[r].pin /\ b \in Range(ld[r].dst)})
 RefCountExact ==
     /\ \A b \in Blocks : ref[b] = Holders(b) /\ (ref[b] = 0 <=> b \in Range(free))

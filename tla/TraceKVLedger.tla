@@ -4,15 +4,17 @@
 (* behaviour of the model.  TraceData.tla (`Trace`, one record per event,  *)
 (* in the model's vocabulary) is written by conformance.kvtrace.           *)
 (*                                                                         *)
-(* The cursor i counts matched events.  Each step is the model action the  *)
-(* next event names, with the event's parameters, and the event's observed *)
-(* values (pins, ranks_left, live sets, offsets, outcomes) must equal the  *)
-(* model's after the step.  A runtime Load event folds one rank's whole    *)
-(* load: the model's Load sub-batches of that rank match it, the cursor    *)
-(* moves on the last one.  NotFullyMatched is a trap: TLC violates it (exit *)
-(* 12) exactly when the whole log was matched.  Furthest keeps the largest *)
-(* cursor reached in TLC register 1 and prints it when it grows, so the    *)
-(* first event the model cannot match is furthest + 1.                     *)
+(* The cursor i counts matched events.  Each step is the model action the   *)
+(* next event names, with the event's parameters, and the event's observed  *)
+(* values (pins, ranks_left, live sets, offsets, outcomes) must equal the   *)
+(* model's after the step (an EmitStore's blocks are all its pins, its      *)
+(* partial tail last; its tail, when logged, is the model job's tail). A    *)
+(* runtime Load event folds one rank's whole load: the model's Load sub-    *)
+(* batches of that rank match it, the cursor moves on the last one.         *)
+(* NotFullyMatched is a trap: TLC violates it (exit 12) exactly when the    *)
+(* whole log was matched.  Furthest keeps the largest cursor reached in TLC *)
+(* register 1 and prints it when it grows, so the first event the model     *)
+(* cannot match is furthest + 1.                                            *)
 (***************************************************************************)
 EXTENDS KVLedger, TraceData, Naturals, Sequences, FiniteSets, TLC
 
@@ -25,6 +27,9 @@ SetOf(s) == {s[k] : k \in DOMAIN s}
 LA == lastAction'
 PinnedCount == Cardinality({j \in JobIds : j < nextJob' /\ jobs'[j].left > 0})
 
+\* A job's partial tail as the log lists it: the block, or none.
+TailSeq(jb) == IF jb.tail = 0 THEN <<>> ELSE <<jb.tail>>
+
 \* The state of the job's own generation on rank w (after the step), if it is still the one kept.
 SameGen(w, j) == ws'[w][jobs[j].r].g = jobs[j].g
 
@@ -36,7 +41,8 @@ Step(e) ==
     \/ e.action = "HandleLoadErrors" /\ HandleLoadErrors(e.r) /\ LA.keep = e.keep
     \/ e.action = "Compute" /\ Compute(e.r) /\ LA.c = e.c /\ LA.b = e.b
     \/ e.action = "EmitStore" /\ EmitStore(e.r)
-         /\ LA.job = e.job /\ jobs'[e.job].blocks = e.blocks /\ jobs'[e.job].left = e.left
+         /\ LA.job = e.job /\ PinSeq(jobs'[e.job]) = e.blocks /\ jobs'[e.job].left = e.left
+         /\ ("tail" \in DOMAIN e => e.tail = TailSeq(jobs'[e.job]))   \* logs before the field: pins only
          /\ PinnedCount = e.pinned_jobs
     \/ e.action = "Preempt" /\ Preempt(e.r) /\ LA.g = e.g
     \/ e.action = "Finish" /\ Finish(e.r) /\ LA.g = e.g

@@ -11,10 +11,11 @@
 (* checks the log against the model's job lifecycle: every ledger event is *)
 (* the model's own action on the model's own state (OpenJob, ReceiveJob,   *)
 (* DropNotice, DmaReadJob, PutJob, ReportJob, CollectTaken), with the       *)
-(* request's generation and pinned blocks taken from the EmitStore event   *)
-(* instead of from the (unlogged) scheduler; and the observed values after  *)
-(* each step (live sets, verdicts, ranks_left, pin counts) must equal the   *)
-(* model's.  The model's invariants on that part (ReportedOnce,            *)
+(* request's generation, pinned blocks and partial tail (pinned last)     *)
+(* taken from the EmitStore event instead of from the (unlogged)          *)
+(* scheduler; and the observed values after each step (live sets,         *)
+(* verdicts, ranks_left, pin counts) must equal the model's.  The model's *)
+(* invariants on that part (ReportedOnce,                                 *)
 (* BoundedPins, DmaReadsPinned, TypeOK) and its action properties          *)
 (* (NoStaleEffect, LifecycleConforms) are checked on every step.  Offsets  *)
 (* are not compared (the chunk ranges of a job are not in the log).        *)
@@ -80,7 +81,7 @@ CollectObs(e) ==
 
 Step(e) ==
     \/ e.action = "EmitStore" /\ e.job = nextJob
-         /\ OpenJob(e.r, e.g, e.blocks, 1, 0)
+         /\ OpenJob(e.r, e.g, e.blocks, e.tail, 1, 0)
          /\ e.left = Cardinality(Ranks) /\ PinnedCount = e.pinned_jobs /\ PinSum = e.pinned_blocks
          /\ UNCHANGED <<Sched, ws, rep, notice>>
     \/ e.action = "Preempt" /\ Announce(e.r, e.g, "preempt")

@@ -23,14 +23,22 @@ Witness_S1 ==
                       /\ ncomp[r] < NumChunks /\ ncomp[r] >= Len(table[r])
     /\ \E j \in PinnedJobs, w \in Ranks :
          /\ jp[w][j] = "queued" /\ j \in ws[w][jobs[j].r].live
-         /\ \E b \in Range(jobs[j].blocks) : b \notin Range(table[jobs[j].r])
+         /\ \E b \in Range(PinSeq(jobs[j])) : b \notin Range(table[jobs[j].r])
 
 \* S2 DmaReadsPinned (#52360): a rank's DMA read is in flight on a block its request no longer holds
 \* (preempted or finished): only the job's pin keeps the block from being reallocated under the read.
 Witness_S2 ==
     \E w \in Ranks, j \in JobIds :
         /\ jp[w][j] = "running"
-        /\ \E p \in buf[w] : jobs[j].blocks[p[1]] \notin Range(table[jobs[j].r])
+        /\ \E p \in buf[w] : JobBlock(j, p[1]) \notin Range(table[jobs[j].r])
+
+\* S2 DmaReadsPinned, partial tails (mutant NoTailPin): a rank's DMA read is in flight on a job's tail
+\* block (the prompt's partial last block) while the job's request no longer holds it (preempted or
+\* finished): only the job's tail pin keeps the block from reuse, and the read goes under the tail's key.
+Witness_Tail ==
+    \E w \in Ranks, j \in JobIds :
+        /\ jp[w][j] = "running" /\ jobs[j].tail # 0
+        /\ \E p \in buf[w] : p[1] = NumChunks /\ jobs[j].tail \notin Range(table[jobs[j].r])
 
 \* S3 RefCountExact (#43742, double free) [step]: a release drops one reference to a block another
 \* holder keeps (a request table and a pin, or two pins): it must neither free it nor skip the decrement.
@@ -82,7 +90,7 @@ Witness_Lifecycle ==
 Witness_TwoPins == Cardinality(PinnedJobs) >= 2
 
 \* One block pinned by two jobs (a job and its successor of the same generation both hold it).
-Witness_SharedPin == \E b \in Blocks : Cardinality({j \in PinnedJobs : b \in Range(jobs[j].blocks)}) >= 2
+Witness_SharedPin == \E b \in Blocks : Cardinality({j \in PinnedJobs : b \in Range(PinSeq(jobs[j]))}) >= 2
 
 \* A DMA read finds its job stale because the rank registered the request's newer generation: on the
 \* reset_prefix_cache path (no preemption notice) only the job's generation tells old from new.
@@ -102,6 +110,7 @@ Witness_RegisterOther ==
 \* What TLC checks: a state witness as an invariant, a step witness as an action property.
 NotWitness_S1 == ~Witness_S1
 NotWitness_S2 == ~Witness_S2
+NotWitness_Tail == ~Witness_Tail
 NotWitness_S3 == [][~Witness_S3]_vars
 NotWitness_S4 == [][~Witness_S4]_vars
 NotWitness_S5 == ~Witness_S5

@@ -23,23 +23,25 @@ The coverage line counts the graph's distinct (state, action) edges that the exp
 take. With `lastAction` in the state, a (state, successor) pair names its action, so an edge is
 identified by (src, dst).
 
-    python -m conformance.export [--cfg tla/MC_conformance.cfg] [--num 1000] [--depth 40] [--seed 1]
+    python -m conformance.engine.export [--cfg tla/MC_conformance.cfg] [--num 1000] [--depth 40] [--seed 1]
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import re
 import shutil
 import sys
+import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from conformance import tlc
+from conformance.engine import tlc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is conformance/engine/)
 OUT = ROOT / ".tlc-out"
 
 
@@ -49,7 +51,7 @@ class ExportError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ values
 def plain(v: Any) -> Any:
-    """A TLC value (as conformance.tlc parses it) made plain JSON (see module doc)."""
+    """A TLC value (as conformance.engine.tlc parses it) made plain JSON (see module doc)."""
     if isinstance(v, frozenset):
         return sorted((plain(x) for x in v), key=_sort_key)
     if isinstance(v, tuple):
@@ -69,7 +71,8 @@ def _sort_key(v: Any) -> str:
     return json.dumps(v, sort_keys=True)
 
 
-def parse_value(text: str) -> Any:
+def parse_plain_value(text: str) -> Any:
+    """`tlc.parse_value`, made plain JSON (see `plain`); bad syntax is an ExportError."""
     try:
         return plain(tlc.parse_value(text))
     except tlc.TLCValueError as e:
@@ -85,15 +88,16 @@ def _expand_intervals(text: str) -> str:
                                                                         int(m.group(2)) + 1)) + "}", text)
 
 
-def parse_state(text: str) -> dict[str, Any]:
+def parse_plain_state(text: str) -> dict[str, Any]:
+    """`tlc.parse_state` after expanding `a..b` intervals, values made plain; bad syntax is an ExportError."""
     try:
         return {k: plain(v) for k, v in tlc.parse_state(_expand_intervals(text)).items()}
     except tlc.TLCValueError as e:
         raise ExportError(str(e)) from None
 
 
-def run_tlc(spec_dir: Path, module: str, cfg: str, *extra: str, xmx: str = "1g",
-            timeout: float = 900) -> tlc.TLCResult:
+def run_tlc_ok(spec_dir: Path, module: str, cfg: str, *extra: str, xmx: str = "1g",
+               timeout: float = 900) -> tlc.TLCResult:
     """TLC on one core, bounded heap; a verdict other than ok is an ExportError."""
     cfg_path = Path(cfg) if Path(cfg).is_absolute() else spec_dir / cfg
     res = tlc.run_tlc(spec_dir / f"{module}.tla", cfg_path, xmx=xmx, timeout=timeout,
@@ -105,10 +109,11 @@ def run_tlc(spec_dir: Path, module: str, cfg: str, *extra: str, xmx: str = "1g",
 
 
 def _scratch(name: str) -> Path:
-    work = OUT / name
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    """A fresh directory for one TLC run's output, unique to this call: two processes exporting the same
+    config at once (a test run beside `make verify`) must not delete each other's files. Removed at exit."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=OUT))
+    atexit.register(shutil.rmtree, work, True)
     return work
 
 
@@ -138,7 +143,7 @@ def cfg_constants(path: Path) -> dict[str, Any]:
         if in_consts and "=" in line and "<-" not in line:
             name, _, value = line.partition("=")
             try:
-                consts[name.strip()] = parse_value(value.strip())
+                consts[name.strip()] = parse_plain_value(value.strip())
             except ExportError as e:
                 raise ExportError(f"{Path(path).name}: constant {name.strip()}: {e}") from None
     return consts
@@ -195,7 +200,7 @@ def parse_dot(path: Path) -> Graph:
             if fp in fp_to_i:
                 continue
             fp_to_i[fp] = len(states)
-            states.append(parse_state(_undot(m.group(2))))
+            states.append(parse_plain_state(_undot(m.group(2))))
             if "style = filled" in m.group(3):
                 init.append(fp_to_i[fp])
     if not states:
@@ -219,7 +224,7 @@ def parse_dot(path: Path) -> Graph:
 
 def dump_graph(spec_dir: Path, module: str, cfg: str, xmx: str = "1g") -> tuple[Graph, tlc.TLCResult]:
     work = _scratch(f"graph-{module}-{Path(cfg).stem}")
-    run = run_tlc(spec_dir, module, cfg, "-dump", "dot,actionlabels", str(work / "graph.dot"), xmx=xmx)
+    run = run_tlc_ok(spec_dir, module, cfg, "-dump", "dot,actionlabels", str(work / "graph.dot"), xmx=xmx)
     return parse_dot(work / "graph.dot"), run
 
 
@@ -230,7 +235,7 @@ _SIM_STATE = re.compile(r"^STATE_(\d+) ==\s*$", re.M)
 def parse_sim_file(path: Path) -> list[dict[str, Any]]:
     parts = _SIM_STATE.split(path.read_text())[1:]
     states = sorted((int(n), body.split("\n=====")[0]) for n, body in zip(parts[0::2], parts[1::2]))
-    return [parse_state(body) for _, body in states]
+    return [parse_plain_state(body) for _, body in states]
 
 
 def simulate(spec_dir: Path, module: str, cfg: str, graph: Graph, num: int, depth: int,
@@ -238,8 +243,8 @@ def simulate(spec_dir: Path, module: str, cfg: str, graph: Graph, num: int, dept
     """`num` random behaviours of up to `depth` states, each mapped onto graph positions."""
     work = _scratch(f"sim-{module}-{Path(cfg).stem}")
     (work / "sim").mkdir()
-    run = run_tlc(spec_dir, module, cfg, "-simulate", f"file={work / 'sim' / 'b'},num={num}",
-                  "-depth", str(depth), "-seed", str(seed), xmx=xmx)
+    run = run_tlc_ok(spec_dir, module, cfg, "-simulate", f"file={work / 'sim' / 'b'},num={num}",
+                     "-depth", str(depth), "-seed", str(seed), xmx=xmx)
     files = sorted((work / "sim").iterdir(), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)])
     behaviours = []
     for f in files:
@@ -264,8 +269,8 @@ def simulated_export(spec_dir: Path, module: str, cfg: str, num: int, depth: int
     consts = cfg_constants(Path(cfg) if Path(cfg).is_absolute() else spec_dir / cfg)
     work = _scratch(f"simonly-{module}-{Path(cfg).stem}")
     (work / "sim").mkdir()
-    run = run_tlc(spec_dir, module, cfg, "-simulate", f"file={work / 'sim' / 'b'},num={num}",
-                  "-depth", str(depth), "-seed", str(seed), xmx=xmx)
+    run = run_tlc_ok(spec_dir, module, cfg, "-simulate", f"file={work / 'sim' / 'b'},num={num}",
+                     "-depth", str(depth), "-seed", str(seed), xmx=xmx)
     files = sorted((work / "sim").iterdir(), key=lambda p: [int(x) for x in re.findall(r"\d+", p.name)])
     states: list[dict[str, Any]] = []
     index: dict[str, int] = {}

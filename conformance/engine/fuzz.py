@@ -25,8 +25,8 @@ from typing import Any, Callable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from conformance.export import Export
-from conformance.replay import Refused, action_str, diff
+from conformance.engine.export import Export
+from conformance.engine.replay import Refused, action_str, diff
 
 
 class OracleError(AssertionError):

@@ -1,6 +1,6 @@
 """Replay TLC behaviours against the real system and report the first divergence.
 
-A behaviour is a list of model states (from `conformance.export`); step k is the action named by
+A behaviour is a list of model states (from `conformance.engine.export`); step k is the action named by
 state k's `lastAction` (name and parameters). A *driver* maps each model action onto the real system
 (kvledger's ledgers, vLLM's `BlockPool`, torch tensors, Mooncake) and maps both sides onto one
 abstract state:
@@ -27,7 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from conformance.export import Export
+from conformance.engine.export import Export
 
 
 class Refused(RuntimeError):

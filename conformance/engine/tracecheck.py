@@ -1,7 +1,7 @@
 """Check the runtime's NDJSON event logs against the model with TLC (trace validation).
 
 Pattern (as CCF and etcd do it, with only TLC 2.15): the log is compiled into a TLA+ module
-`TraceData` (`Trace == << [action |-> ..., ...], ... >>`); a trace spec (`tla/TraceKVLedger.tla`)
+`TraceData` (`Trace == << [action |-> ..., ...], ... >>`); a trace spec (e.g. `tla/TraceKVLedger.tla`)
 extends the model with a cursor `i` whose step is "the model action the next logged event names,
 with the logged parameters, and the logged observed values after it" and advances `i`. The model may
 take silent steps between events for what the runtime does not log. The invariant
@@ -12,23 +12,23 @@ first event the model could not match is `furthest + 1`.
 
 TLC writes next to the spec, so each check runs in a scratch copy under `.tlc-out/`.
 
-    python -m conformance.tracecheck LOG.ndjson [LOG2.ndjson ...]
+The engine knows no event vocabulary: a caller passes its normalizer (the KV ledger's are
+`conformance.kvtrace`, for replayed logs, and `conformance.runlog`, for real runs; each is a program:
+`python -m conformance.kvtrace LOG ...`, `python -m conformance.runlog LOG ...`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from conformance import tlc
+from conformance.engine import tlc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is conformance/engine/)
 TLA = ROOT / "tla"
 OUT = ROOT / ".tlc-out"
 
@@ -37,6 +37,10 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 class TraceCheckError(RuntimeError):
     """The log could not be checked at all (unreadable line, value with no TLA+ form, TLC set-up)."""
+
+
+class UnknownActionError(TraceCheckError):
+    """An event names an action outside the log's vocabulary (a normalizer's schema)."""
 
 
 def to_tla(v: Any) -> str:
@@ -92,7 +96,7 @@ def trace_module(events: list[dict[str, Any]]) -> str:
 
 
 @dataclass
-class Verdict:
+class TraceVerdict:
     accepted: bool
     events: int
     matched: int  # events the model could match, in order
@@ -132,12 +136,12 @@ class Verdict:
 _CURSOR = re.compile(r'<<"cursor", (\d+)>>')
 
 
-def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger",
-                 cfg: str = "TraceKVLedger.cfg", spec_dirs: Iterable[Path] = (TLA,),
+def check_events(events: list[dict[str, Any]], trace_spec: str, cfg: str, spec_dirs: Iterable[Path] = (TLA,),
                  normalize: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
                  xmx: str = "1g", timeout: float = 600, cfg_text: str | None = None,
-                 done_marker: str | None = None) -> Verdict:
-    """Run TLC's trace check of `events` (already normalized when `normalize` is None).
+                 done_marker: str | None = None) -> TraceVerdict:
+    """Run TLC's trace check of `events` (already normalized when `normalize` is None) with the trace spec
+    `trace_spec` (a module in `spec_dirs`, extending the model with the cursor) and its config `cfg`.
     `cfg_text`: the trace config to use instead of the file `cfg` (written into the scratch copy).
     `done_marker`: the spec prints <<marker, n>> when the whole log is matched and has no trap invariant;
     then accepted = TLC exit 0 with the marker printed (no counterexample of thousands of states)."""
@@ -168,11 +172,11 @@ def check_events(events: list[dict[str, Any]], trace_spec: str = "TraceKVLedger"
     else:
         accepted = res.exit_code == 0 and f'<<"{done_marker}",' in res.output
     matched = len(events) if accepted else max(cursors, default=0)
-    return Verdict(accepted, len(events), matched, res.exit_code, res.seconds, res.distinct,
+    return TraceVerdict(accepted, len(events), matched, res.exit_code, res.seconds, res.distinct,
                    violated=res.violated)
 
 
-def check_many(logs: list[Path], check: Callable[[Path], Verdict]) -> int:
+def check_many(logs: list[Path], check: Callable[[Path], TraceVerdict]) -> int:
     """Check each log, print one line each; the number of logs not accepted (errors included)."""
     bad = 0
     for log in logs:
@@ -186,15 +190,3 @@ def check_many(logs: list[Path], check: Callable[[Path], Verdict]) -> int:
         bad += not v.accepted
     return bad
 
-
-def main(argv: list[str] | None = None) -> int:
-    from conformance import kvtrace  # the KVLedger event mapping (its main has more options)
-
-    ap = argparse.ArgumentParser(description="Check runtime NDJSON logs against the model with TLC")
-    ap.add_argument("logs", nargs="+", type=Path)
-    a = ap.parse_args(argv)
-    return 1 if check_many(a.logs, kvtrace.check_log) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

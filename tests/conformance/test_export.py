@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import export as ex
+from conformance.engine import export as ex
 
 TINY = Path(__file__).parent / "tiny"
 
@@ -77,7 +77,7 @@ def test_same_seed_same_behaviours(tmp_path: Path) -> None:
 
 
 def test_value_parser() -> None:
-    v = ex.parse_value('[a |-> {2, 1}, b |-> <<"x", TRUE>>, c |-> (r1 :> 0 @@ r2 :> -3)]')
+    v = ex.parse_plain_value('[a |-> {2, 1}, b |-> <<"x", TRUE>>, c |-> (r1 :> 0 @@ r2 :> -3)]')
     assert v == {"a": [1, 2], "b": ["x", True], "c": {"r1": 0, "r2": -3}}
     with pytest.raises(ex.ExportError):
-        ex.parse_value("[a |-> ")
+        ex.parse_plain_value("[a |-> ")

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance import export as ex
+from conformance.engine import export as ex
 from conformance import mutants
-from conformance.fuzz import OracleError, oracle_machine
+from conformance.engine.fuzz import OracleError, oracle_machine
 from conformance.kvdriver import KVDriver
 from kvledger.errors import LedgerInvariantError
 

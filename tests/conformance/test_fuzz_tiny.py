@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from conformance import export as ex
-from conformance.fuzz import OracleError, oracle_machine
+from conformance.engine import export as ex
+from conformance.engine.fuzz import OracleError, oracle_machine
 from kvledger.worker import WorkerLedger
 from tiny_driver import TinyPinDriver
 

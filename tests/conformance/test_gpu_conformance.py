@@ -10,9 +10,9 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance import export as ex
-from conformance import replay as rp
-from conformance.fuzz import oracle_machine
+from conformance.engine import export as ex
+from conformance.engine import replay as rp
+from conformance.engine.fuzz import oracle_machine
 from conformance.kvdriver import KVDriver
 
 pytestmark = [pytest.mark.gpu,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import export as ex
+from conformance.engine import export as ex
 from conformance import kvtrace
-from conformance import tracecheck as tc
+from conformance.engine import tracecheck as tc
 from kvledger.trace import ListTrace
 from kvledger.worker import WorkerLedger
 
@@ -55,6 +55,9 @@ CORRUPTIONS = {
     # a Receive that registered the job live logs an empty live set
     "receive_live": (lambda e: e["action"] == "Receive" and e["live"],
                      lambda e: {**e, "live": []}),
+    # a job that pinned the prompt's partial tail logs none (PartialTail = TRUE in the config)
+    "emit_tail": (lambda e: e["action"] == "EmitStore" and e.get("tail"),
+                  lambda e: {**e, "tail": []}),
     # Collect released nothing although a job's last report came in
     "collect_released": (lambda e: e["action"] == "Collect" and e["released"],
                          lambda e: {**e, "released": []}),
@@ -74,6 +77,13 @@ def test_corrupted_log_rejected_at_the_event(logs: list[Path], kind: str) -> Non
     assert f"seq {evs[k]['seq']} of the log" in v.line(kind)
 
 
+def test_log_without_tail_field_still_checked(logs: list[Path]) -> None:
+    evs = _events(logs[0])
+    assert any(e["action"] == "EmitStore" and e["tail"] for e in evs)  # the config's jobs carry tails
+    older = [{k: v for k, v in e.items() if k != "tail"} for e in evs]  # as a log before the field
+    assert kvtrace.check_events(older, CFG).accepted
+
+
 def test_duplicate_report_rejected(logs: list[Path]) -> None:
     evs = _events(logs[0])
     k = _first(evs, lambda e: e["action"] == "Report")
@@ -86,7 +96,7 @@ def test_log_file_round_trip_and_cli(logs: list[Path], capsys) -> None:
     assert kvtrace.main([str(logs[0]), "--cfg", str(CFG)]) == 0
     out = capsys.readouterr().out
     assert "ACCEPTED" in out and "[trace] 1/1 logs accepted" in out
-    assert tc.main([str(logs[0])]) == 0  # tracecheck's CLI uses the same mapping
+    assert kvtrace.main([str(logs[0])]) == 0  # the default --cfg is the config the logs ran under
 
 
 def test_unknown_action_and_missing_field_named(logs: list[Path]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance import export as ex
+from conformance.engine import export as ex
 from conformance import mutants
 
 ROOT = Path(__file__).resolve().parents[2]

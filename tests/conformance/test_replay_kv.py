@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance import export as ex
-from conformance import replay as rp
+from conformance.engine import export as ex
+from conformance.engine import replay as rp
 from conformance.kvdriver import KVDriver, MooncakeBackend
 
 ROOT = Path(__file__).resolve().parents[2]

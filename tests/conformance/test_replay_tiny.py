@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance import export as ex
-from conformance import replay as rp
+from conformance.engine import export as ex
+from conformance.engine import replay as rp
 from vllm.v1.core.block_pool import BlockPool
 
 from tiny_driver import TinyPinDriver  # tests/conformance is on sys.path (rootdir mode)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import tracecheck as tc
+from conformance.engine import tracecheck as tc
 
 TINY = Path(__file__).parent / "tiny"
 

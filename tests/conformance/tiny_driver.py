@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
-from conformance.replay import Refused
+from conformance.engine.replay import Refused
 from kvledger.errors import LedgerError
 from kvledger.metadata import aggregate_into
 from kvledger.scheduler import SchedulerLedger

@@ -36,7 +36,9 @@ from typing import Any
 
 import pytest
 
-from conformance import runlog, tracecheck
+from conformance import runlog
+from conformance.engine import tracecheck
+from kvledger.trace import validate_events
 from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
 from testbed.emu_model import VOCAB, expected_output
 from testbed.procs import alive, processes_matching
@@ -159,6 +161,7 @@ def _check_at_rest(res: dict[str, Any]) -> None:
 
 def _check_trace(trace: Path) -> list[dict[str, Any]]:
     events = tracecheck.read_log(trace)
+    validate_events(events, runtime=True)  # kvledger.trace's schema, only events a real run logs
     v = runlog.check_events(events, pin_cap=PIN_CAP, expect_rest=True)
     assert v.accepted, f"{v.line(trace.name)} [log kept: {trace}]"
     return events
@@ -210,19 +213,25 @@ def test_tp2_mp_engine_loads_prefixes_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]],
         tmp_path: Path) -> None:
     """MultiprocExecutor with 2 worker processes (gloo TP group), EngineCore in its own process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=1): three processes append to ONE trace file. Their events interleave
+    (VLLM_ENABLE_V1_MULTIPROCESSING=1): three processes append to ONE trace file. With `save_partial_tail`:
+    pass 2 loads each prompt's partial tail too (all but the last token). Their events interleave
     in the file in real-time order; each process writes and flushes an event before any message that
     depends on it leaves the process, so the file order respects causality (`seq` restarts per process
     and is not used by the check)."""
     trace = tmp_path / "trace.ndjson"
+    conn = _connector(mooncake, trace)
+    conn["extra"]["save_partial_tail"] = True  # every prompt is 3 full blocks + 4 tokens: its tail is saved too
     # vLLM's client gives EngineCore 5 s to exit; its workers need about 4 s here (interpreter teardown,
     # with or without a connector), after which EngineCore still has to shut the scheduler-side connector
     # down: a longer bound lets it (else vLLM force-kills EngineCore mid-teardown)
-    res = run_engine(_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace), shutdown_timeout_s=30),
+    res = run_engine(_spec(tmp_path, tp=2, mp=1, connector=conn, shutdown_timeout_s=30),
                      timeout_s=300, name="tp2")
     print(f"tp2: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
           f"metrics {res['metrics']}")
     _check_run(res, tp=2, trace=trace, baseline=baseline)
+    # partial tails: pass 2 (empty local cache) has every prompt but its last token from the cache and the
+    # store, and both ranks checked the loaded tail slots (wrong_kv == 0 in _check_run)
+    assert res["passes"][1]["num_cached_tokens"] == [len(p) - 1 for p in PROMPTS], res["passes"][1]
     assert res["engine_mooncake"] == {"startup": [], "end": []}, "a configured master: the engine starts none"
 
 

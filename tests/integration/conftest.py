@@ -111,12 +111,18 @@ def runlog_checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     marker = request.node.get_closest_marker("runlog_unchecked")
     if marker is not None or request.node.stash.get(_CALL_FAILED, True):
         return
-    from conformance import runlog, tracecheck
+    from conformance import runlog
+    from conformance.engine import tracecheck
+    from kvledger.trace import TraceSchemaError, validate_events
     for h in opened:
         path = h.trace_path
         if path is None or not os.path.exists(path):
             continue
         events = tracecheck.read_log(Path(path))
+        try:  # every event in kvledger.trace's schema, none only the conformance driver logs
+            validate_events(events, runtime=True)
+        except TraceSchemaError as e:
+            pytest.fail(f"{os.path.basename(path)}: {e} [log kept: {path}]", pytrace=False)
         if not any(e["action"] == "EmitStore" for e in events):
             continue  # nothing was saved: no job lifecycle to check
         v = runlog.check_events(events, pin_cap=h.max_inflight_jobs, expect_rest=h.rested)

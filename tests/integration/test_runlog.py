@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from conformance import runlog, tracecheck
+from conformance import runlog
+from conformance.engine import tracecheck
 from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, shared_prefix_prompts
 
@@ -31,7 +32,7 @@ def real_log(tmp_path_factory: pytest.TempPathFactory, mooncake: Any) -> tuple[l
     return tracecheck.read_log(Path(path)), cap
 
 
-def _check(events: list[dict[str, Any]], cap: int) -> tracecheck.Verdict:
+def _check(events: list[dict[str, Any]], cap: int) -> tracecheck.TraceVerdict:
     return runlog.check_events(events, pin_cap=cap, expect_rest=True)
 
 
@@ -150,6 +151,49 @@ def test_event_of_a_job_never_emitted_is_refused_by_name():
             "live": [9], "stale_on_arrival": False, "superseded": []}
     with pytest.raises(tracecheck.TraceCheckError, match="job 9 was never emitted"):
         runlog.normalize([emit, recv])
+
+
+def test_emit_store_tail_becomes_the_model_jobs_tail():
+    emit = {"seq": 0, "actor": "sched", "action": "EmitStore", "job": 0, "req_id": "a", "generation": 0,
+            "blocks": [3, 1], "tail": [1], "ranks_left": 1, "pinned_jobs": 1, "pinned_blocks": 2}
+    (rec,) = runlog.normalize([emit]).events
+    assert rec["blocks"] == [3] and rec["tail"] == 1
+    older = {k: v for k, v in emit.items() if k != "tail"}  # a log before the field: no tail
+    (rec,) = runlog.normalize([older]).events
+    assert rec["blocks"] == [3, 1] and rec["tail"] == 0
+    with pytest.raises(tracecheck.TraceCheckError, match="not one block pinned last"):
+        runlog.normalize([{**emit, "tail": [3]}])
+
+
+def _tail_job_log(pool: Any) -> list[dict[str, Any]]:
+    """The ledgers' log of one job that pins a partial tail, saved after its request finished."""
+    from kvledger.scheduler import SchedulerLedger
+    from kvledger.trace import ListTrace
+    from kvledger.worker import WorkerLedger
+
+    tr = ListTrace(check=True)
+    s = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=16, trace=tr)
+    w = WorkerLedger(0, max_live_jobs=4, trace=tr)
+    t = [b.block_id for b in pool.get_new_blocks(3)]
+    j = s.open_job("a", t[:2], tail_block_ids=t[2:], generation=0)
+    w.register("a", j, generation=0)
+    tr.emit("sched", "Finish", {"req_id": "a", "generation": 0})  # as the connector's scheduler side
+    pool.free_blocks(reversed([pool.blocks[b] for b in t]))  # the table goes: the pins keep the blocks
+    w.drop_generation("a", finished=True, generation=0)
+    w.begin(j)
+    w.record_saved(j, 48)
+    w.finish(j)
+    s.collect(w.take_completed())
+    return tr.events
+
+
+def test_job_with_a_partial_tail_is_accepted_with_and_without_the_field():
+    from vllm.v1.core.block_pool import BlockPool
+
+    events = _tail_job_log(BlockPool(num_gpu_blocks=6, enable_caching=False, hash_block_size=16))
+    assert events[0]["tail"] == events[0]["blocks"][2:]
+    assert _check(events, 4).accepted
+    assert _check([{k: v for k, v in e.items() if k != "tail"} for e in events], 4).accepted
 
 
 def _load_collect(events: list[dict[str, Any]]) -> tuple[int, int]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conformance import model_check as mc
-from conformance.tlc import ModelValue, Record, TraceStep, run_tlc
+from conformance.engine.tlc import ModelValue, Record, TraceStep, run_tlc
 
 HERE = Path(__file__).parent / "tla"
 FAILING = [c for c in mc.CI if c.design != "fixed"]
@@ -37,7 +37,7 @@ def test_fixed_design_passes_where_legacy_pollutes():
 
 def test_row_verdict_compares_code_and_name():
     c = mc.Check("X", "legacy", 12, "NoPollution", "test")
-    from conformance.tlc import TLCResult
+    from conformance.engine.tlc import TLCResult
     good = mc.Row(c, TLCResult("s", "c", 12, "invariant", 1.0, violated="NoPollution"))
     wrong_name = mc.Row(c, TLCResult("s", "c", 12, "invariant", 1.0, violated="RefCountExact"))
     passed = mc.Row(c, TLCResult("s", "c", 0, "ok", 1.0))

@@ -1,10 +1,10 @@
-"""conformance.tlc: TLC's value syntax, -tool messages and exit codes, on tiny specs with real TLC."""
+"""conformance.engine.tlc: TLC's value syntax, -tool messages and exit codes, on tiny specs with real TLC."""
 from pathlib import Path
 
 import pytest
 
-from conformance import tlc
-from conformance.tlc import (Function, ModelValue, Record, TLCSetupError, TLCValueError, parse_state,
+from conformance.engine import tlc
+from conformance.engine.tlc import (Function, ModelValue, Record, TLCSetupError, TLCValueError, parse_state,
                              parse_value, run_tlc)
 
 HERE = Path(__file__).parent / "tla"

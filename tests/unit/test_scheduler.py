@@ -223,6 +223,17 @@ def test_trace_events_carry_the_abstract_state(pool):
     assert e2["released"] == [j] and e2["pinned_jobs"] == 0
 
 
+def test_emit_store_event_lists_the_tail_pinned_last(pool):
+    tr = ListTrace(check=True)
+    s = ledger(pool, trace=tr)
+    t, tail = alloc(pool, 2), alloc(pool, 1)
+    s.open_job("r", t, tail_block_ids=[0, t[0]] + tail)  # null and a table block are not the tail
+    s.open_job("q", t)
+    e0, e1 = tr.events
+    assert e0["blocks"] == t + tail and e0["tail"] == tail
+    assert e1["blocks"] == t and e1["tail"] == []
+
+
 def test_stats(pool):
     s = ledger(pool)
     s.open_job("r", alloc(pool, 2))

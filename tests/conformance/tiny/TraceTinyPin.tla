@@ -1,6 +1,6 @@
 --------------------------- MODULE TraceTinyPin ---------------------------
 (* Trace validation of TinyPin: cursor + trap invariant. TraceData.tla is  *)
-(* written by conformance.tracecheck from an NDJSON log.                    *)
+(* written by conformance.engine.tracecheck from an NDJSON log.             *)
 EXTENDS TinyPin, TraceData, Naturals, Sequences, TLC
 VARIABLE i
 tvars == <<vars, i>>
