@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 
@@ -69,6 +70,15 @@ class KVContent:
     @staticmethod
     def token_after(h: int) -> int:
         return 10 + (h * 0x5851F42D) % (VOCAB - 20)
+
+
+def shared_prefix_prompts(n: int, *, num_prefixes: int, prefix_len: int, suffix_len: int,
+                          seed: int = 0) -> list[list[int]]:
+    """`n` prompts: one of `num_prefixes` shared prefixes + a unique suffix (deterministic)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, VOCAB - 10) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + [rng.randrange(10, VOCAB - 10) for _ in range(suffix_len)]
+            for i in range(n)]
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,39 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testbed.procs import alive, kill_group
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "ENGINE_RUN_RESULT "  # testbed.engine_run's (not imported: it would load vLLM here)
 PROGRESS_PREFIX = "ENGINE_RUN_PROGRESS "
 BLOCK_SIZE = 16
 CAP_JOBS, CAP_BLOCKS = 4, 16  # tight pin caps (max_inflight_jobs, max_pinned_blocks)
-
-
-def shared_prefix_prompts(n: int, *, num_prefixes: int, prefix_len: int, suffix_len: int,
-                          seed: int) -> list[list[int]]:
-    from testbed.emu_model import VOCAB
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(10, VOCAB - 10) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    return [prefixes[i % num_prefixes] + [rng.randrange(10, VOCAB - 10) for _ in range(suffix_len)]
-            for i in range(n)]
-
-
-def _kill_group(pid: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        time.sleep(5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def run_engine(spec: dict[str, Any], *, env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any] | None:
@@ -83,7 +55,7 @@ def run_engine(spec: dict[str, Any], *, env: dict[str, str], log: Path, timeout_
     tty = sys.stdout.isatty()
     with open(log, "w") as out:
         import threading
-        timer = threading.Timer(timeout_s, _kill_group, args=(proc.pid,))
+        timer = threading.Timer(timeout_s, kill_group, args=(proc.pid,), kwargs={"grace_s": 5.0})
         timer.daemon = True
         timer.start()
         try:
@@ -105,7 +77,7 @@ def run_engine(spec: dict[str, Any], *, env: dict[str, str], log: Path, timeout_
         finally:
             timer.cancel()
             if proc.poll() is None or time.monotonic() > deadline:
-                _kill_group(proc.pid)
+                kill_group(proc.pid, grace_s=5.0, done=lambda: proc.poll() is not None)
     if proc.returncode != 0:
         print(f"\nengine exited {proc.returncode}; log {log}:\n" +
               "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
@@ -130,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(trace):
             os.remove(trace)  # the connector appends: one run per log
 
-    from testbed.emu_model import expected_output
+    from testbed.emu_model import expected_output, shared_prefix_prompts
 
     t0 = time.monotonic()
     prompts = shared_prefix_prompts(args.requests, num_prefixes=6, prefix_len=48, suffix_len=16, seed=2026)
@@ -183,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     log_text = log.read_text(errors="replace")
     recovered_mark = "Recovered from KV load failure" in log_text
     servers = {s["pid"]: s["cmdline"] for when in ("startup", "end") for s in res["engine_mooncake"][when]}
-    servers_left = [p for p in servers if _alive(p)]
+    servers_left = [p for p in servers if alive(p)]
     rendezvous_left = [p.name for p in runtime.iterdir() if p.name.startswith("embedded-")]
     stores = {(c.get("store") or {}).get("master_server_address") for c in conns}
     rows = [

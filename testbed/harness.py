@@ -64,7 +64,8 @@ from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
 from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
 from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
 from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
-from testbed.emu_model import EOS, VOCAB, KVContent, expected_output, write_model_dir  # noqa: E402
+from testbed.emu_model import (EOS, VOCAB, KVContent, expected_output, shared_prefix_prompts,  # noqa: E402
+                               write_model_dir)
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config, layer_names  # noqa: E402
 
 
@@ -520,16 +521,6 @@ def _store_extra(cfg: StoreConfig) -> dict[str, Any]:
     default = StoreConfig()
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if getattr(cfg, f.name) != getattr(default, f.name)}
-
-
-def shared_prefix_prompts(n: int, *, num_prefixes: int, prefix_len: int, suffix_len: int,
-                          seed: int = 0) -> list[list[int]]:
-    """`n` prompts: one of `num_prefixes` shared prefixes + a unique suffix (deterministic)."""
-    import random
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(10, VOCAB - 10) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    return [prefixes[i % num_prefixes] + [rng.randrange(10, VOCAB - 10) for _ in range(suffix_len)]
-            for i in range(n)]
 
 
 __all__ = ["EOS", "VOCAB", "Harness", "HarnessStallError", "KVContent", "RunStats", "expected_output",

@@ -1,8 +1,14 @@
 """Processes on this host, read from /proc (Linux): what the engine tests use to say that a run left nothing
-behind and which Mooncake servers an engine's processes started."""
+behind and which Mooncake servers an engine's processes started; stopping a process group; the Mooncake
+servers a test module or a demo starts and stops by pid."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 def proc_stat(pid: int) -> tuple[int, int, int] | None:
@@ -96,3 +102,44 @@ def session_processes(sid: int) -> list[dict[str, object]]:
     """pid, ppid, command line and loopback peer ports of every live process of session `sid`."""
     return [{"pid": p, "ppid": st[0], "cmdline": cmdline(p)[:200], "peer_ports": loopback_peer_ports(p)}
             for p in _pids() if (st := proc_stat(p)) is not None and st[2] == sid]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` is still there (zombies count: not yet reaped)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def kill_group(pgid: int, *, grace_s: float = 10.0, done: Callable[[], bool] | None = None) -> None:
+    """SIGTERM to process group `pgid`, SIGKILL to what is left after `grace_s`. `done` (e.g. the leader's
+    ``poll() is not None``, which also reaps it) must hold too before a signal counts as enough."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if (done is None or done()) and not group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def mooncake_servers(**kw: Any) -> Iterator[Any]:
+    """A `mooncake_master` and metadata server on 127.0.0.1 (kvledger_connector.embedded.EmbeddedMooncake,
+    `kw` passed on), stopped by pid on exit; a RuntimeError if either outlives the stop."""
+    from kvledger_connector.embedded import EmbeddedMooncake
+
+    mc = EmbeddedMooncake(**kw)
+    try:
+        yield mc
+    finally:
+        mc.stop()
+    if mc.master_pid is not None or mc.metadata_pid is not None:
+        raise RuntimeError(f"mooncake servers still running: {mc.master_pid}, {mc.metadata_pid}")

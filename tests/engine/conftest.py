@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvledger_connector.embedded import EmbeddedMooncake
-from testbed.procs import session_members
+from testbed.procs import group_alive, kill_group, mooncake_servers, session_members
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "ENGINE_RUN_RESULT "  # testbed.engine_run.RESULT_PREFIX (not imported: it would load vLLM here)
@@ -44,36 +43,13 @@ ENGINE_ENV = {
 def mooncake() -> Iterator[EmbeddedMooncake]:
     """One master + metadata server for the module's engines (each test uses its own model dir, which
     is part of every key, so tests never share keys)."""
-    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
-    try:
+    with mooncake_servers(rpc_timeout_ms=2000) as mc:
         yield mc
-    finally:
-        mc.stop()
-    if mc.master_pid is not None or mc.metadata_pid is not None:
-        raise RuntimeError(f"mooncake servers still running: {mc.master_pid}, {mc.metadata_pid}")
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM to the engine's process group, SIGKILL to what is left after `grace_s` (vLLM's own
-    shutdown gives workers 5 s)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(proc.pid):
-                return
-            time.sleep(0.1)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    """The engine's whole process group (vLLM's own shutdown gives workers 5 s)."""
+    kill_group(proc.pid, grace_s=grace_s, done=lambda: proc.poll() is not None)
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -122,7 +98,7 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[s
         deadline = time.monotonic() + 3.0
         while (stragglers := session_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if stragglers or _group_alive(proc.pid):
+        if stragglers or group_alive(proc.pid):
             _kill_group(proc)
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_PREFIX)]
         if rc != 0 or not lines:

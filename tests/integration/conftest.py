@@ -25,19 +25,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kvledger_connector.config import StoreConfig  # noqa: E402
 from kvledger_connector.embedded import EmbeddedMooncake  # noqa: E402
 from kvledger_connector.store import MooncakeStore  # noqa: E402
+from testbed.procs import mooncake_servers  # noqa: E402
 
 TEST_SEGMENT = 128 << 20
 
 
 @pytest.fixture(scope="session")
 def mooncake() -> Iterator[EmbeddedMooncake]:
-    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
-    try:
+    with mooncake_servers(rpc_timeout_ms=2000) as mc:
         yield mc
-    finally:
-        mc.stop()
-    if mc.master_pid is not None or mc.metadata_pid is not None:
-        raise RuntimeError(f"mooncake servers still running: {mc.master_pid}, {mc.metadata_pid}")
 
 
 @pytest.fixture
