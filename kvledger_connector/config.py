@@ -45,6 +45,8 @@ ENV_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"
 ENV_REQUESTER_HOSTNAME = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
 #: upstream's placement hint from the environment; refused when set (no placement hints here)
 ENV_PREFERRED_SEGMENT = "MOONCAKE_PREFERRED_SEGMENT"
+#: upstream's load thread count per rank (vLLM envs); mapped onto load_threads, below an explicit setting
+ENV_LOAD_RECV_THREADS = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
 
 # Upstream names of our fields: Mooncake config files call the RDMA device list `device_name` (setup() calls
 # it rdma_devices); upstream's extra config calls the key namespace `cache_prefix`.
@@ -598,11 +600,22 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], *, store: StoreConfig, block_size: int, world_size: int,
-                   save_enabled: bool, load_enabled: bool) -> ConnectorConfig:
-        """The connector's keys of `extra` (upstream names already mapped), each validated here once."""
+                   save_enabled: bool, load_enabled: bool,
+                   env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """The connector's keys of `extra` (upstream names already mapped), each validated here once; upstream's
+        ``VLLM_MOONCAKE_LOAD_RECV_THREADS`` (from `env`, default the process environment) sets `load_threads`
+        when `extra` does not."""
         known = {"save_decode", "save_partial_tail", "load_threads", "max_lookup_cache", "max_kv_events",
                  "trace_path"}
         kw = {k: extra[k] for k in known if k in extra}
+        env = os.environ if env is None else env
+        raw_threads = env.get(ENV_LOAD_RECV_THREADS, "").strip()
+        if raw_threads and "load_threads" not in kw:
+            n = int(raw_threads) if raw_threads.isdigit() else 0
+            if n < 1:  # upstream clamps to 1; a value that asks for no loads is refused, not guessed at
+                raise ConfigError(ENV_LOAD_RECV_THREADS, raw_threads, "must be an int >= 1 (or set load_threads "
+                                  "in kv_connector_extra_config)", "environment")
+            kw["load_threads"] = n
         if not kw.get("trace_path"):  # "" or null: off
             kw.pop("trace_path", None)
         elif not isinstance(kw["trace_path"], str):

@@ -27,6 +27,23 @@ def test_bad_extra_config_names_the_field(store_config: StoreConfig, extra, fiel
     assert field in str(e.value) and repr(next(iter(extra.values()))) in str(e.value)
 
 
+def test_upstream_load_recv_threads_env_sets_load_threads(store_config: StoreConfig,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """vLLM's VLLM_MOONCAKE_LOAD_RECV_THREADS (upstream's load threads per rank) reaches the worker side of
+    the connector vLLM builds; an explicit load_threads wins; a value that is not an int >= 1 is refused."""
+    monkeypatch.setenv("VLLM_MOONCAKE_LOAD_RECV_THREADS", "3")
+    for extra, want in (({}, 3), ({"load_threads": 2}, 2)):
+        with Harness(store_config, extra=extra) as h:
+            ws = h.workers[0].worker_side
+            assert ws.connector_config.load_threads == want
+            assert sum(t.name.startswith("kvledger-load") for t in ws._threads) == want, ws._threads
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("VLLM_MOONCAKE_LOAD_RECV_THREADS", bad)
+        with pytest.raises(ConfigError) as e:
+            Harness(store_config)
+        assert e.value.field == "VLLM_MOONCAKE_LOAD_RECV_THREADS" and repr(bad) in str(e.value)
+
+
 def test_stats_merge_ranks_and_bound_failure_codes():
     a, b = KVLedgerStats(), KVLedgerStats()
     a.add("puts", 2), a.add("put_s", 0.5), a.gauge("pins_in_flight", 3)
