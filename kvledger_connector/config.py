@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvledger_connector.scheduler_steps import max_job_blocks
+
 ENV_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"
 #: upstream's override of the advertised address (vLLM 0.32 mooncake rdma_utils); mapped onto local_hostname
 ENV_REQUESTER_HOSTNAME = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
@@ -214,14 +216,13 @@ class StoreConfig:
                               "'standalone-store' mode has an external mooncake_client own the pool; set "
                               "global_segment_size 0 (this worker contributes no memory)", source)
 
-    def for_engine(self, *, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
-                   tail_blocks: int = 0) -> StoreConfig:
+    def for_engine(self, *, max_model_len: int, block_size: int, num_gpu_blocks: int | None) -> StoreConfig:
         """This config with ``max_pinned_blocks`` derived for the engine when it is unset (`derive_pin_cap`);
         unchanged when it is set (the connector then checks it against the longest request)."""
         if self.max_pinned_blocks is not None:
             return self
         cap = derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                             max_inflight_jobs=self.max_inflight_jobs, tail_blocks=tail_blocks)
+                             max_inflight_jobs=self.max_inflight_jobs)
         return dataclasses.replace(self, max_pinned_blocks=cap)
 
     # -- use -----------------------------------------------------------------------------------------
@@ -373,10 +374,10 @@ if set(_FIELDS) != set(_PARSERS):  # a new field without a parser would skip val
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
-                   max_inflight_jobs: int, tail_blocks: int = 0) -> int:
-    """The default ``max_pinned_blocks``: ``max(L, min(P // 2, J * L))`` with L = ceil(max_model_len /
-    block_size) + tail_blocks (the longest request's blocks, plus any copy-on-write tail block a store job
-    pins outside the table), P the GPU block pool, J = max_inflight_jobs.
+                   max_inflight_jobs: int) -> int:
+    """The default ``max_pinned_blocks``: ``max(L, min(P // 2, J * L))`` with L the most blocks one store
+    job pins (`scheduler_steps.max_job_blocks`: the longest request's table), P the GPU block pool,
+    J = max_inflight_jobs.
 
     Why: a store job pins the blocks it reads until every rank reported. While its request runs they are
     the request's own blocks; after the request finishes or is preempted they stay out of the free pool.
@@ -391,9 +392,7 @@ def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int |
                                        or num_gpu_blocks < 1):
         raise ConfigError("num_gpu_blocks", num_gpu_blocks, "must be an int >= 1 to derive max_pinned_blocks",
                           "engine")
-    if isinstance(tail_blocks, bool) or not isinstance(tail_blocks, int) or tail_blocks < 0:
-        raise ConfigError("tail_blocks", tail_blocks, "must be an int >= 0", "engine")
-    longest = -(-max_model_len // block_size) + tail_blocks
+    longest = max_job_blocks(max_model_len, block_size)
     upper = max_inflight_jobs * longest
     if num_gpu_blocks is not None:
         upper = min(upper, num_gpu_blocks // 2)

@@ -48,6 +48,7 @@ from kvledger_connector.metadata import KVLedgerConnectorMetadata
 from kvledger_connector.events import StoreEvents
 from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
+from kvledger_connector.scheduler_steps import max_job_blocks
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
 from kvledger_connector.store import KVStore, MooncakeStore
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, KVLayoutError, plan_block_copies
@@ -65,10 +66,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-#: blocks outside the block table that a store job pins (none: a partial tail is the table's own last block,
-#: read in place, so the longest request's table bounds every job's pins)
-_PINNED_TAIL_BLOCKS = 0
 
 _EMBEDDED_LOCK = threading.Lock()
 _EMBEDDED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake, refcount]
@@ -183,8 +180,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         extra = map_upstream_connector_keys(self._kv_transfer_config.kv_connector_extra_config or {})
         self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS).for_engine(
             max_model_len=vllm_config.model_config.max_model_len, block_size=vllm_config.cache_config.block_size,
-            num_gpu_blocks=getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks,
-            tail_blocks=_PINNED_TAIL_BLOCKS)
+            num_gpu_blocks=getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
@@ -252,7 +248,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
             return
         max_model_len = vllm_config.model_config.max_model_len
         bs = vllm_config.cache_config.block_size
-        longest = -(-max_model_len // bs) + _PINNED_TAIL_BLOCKS
+        longest = max_job_blocks(max_model_len, bs)
         if cfg.max_pinned_blocks < longest:
             raise ConfigError("max_pinned_blocks", cfg.max_pinned_blocks,
                               f"smaller than the {longest} blocks of the longest request (max_model_len="
