@@ -65,10 +65,13 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger
 from kvledger_connector.jobs import WorkerSteps, no_lock
-from kvledger_connector.metadata import KVLedgerWorkerMetadata
+from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.scheduler_steps import SchedulerSteps, tail_hash
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
+BS = 4  # tokens per block: a chunk of the model is one block; 4 leaves room for a partial tail of 2 tokens
 CODE_NO_CONTENT = 0.0
 STORE_DOWN = -900
 XFER_FAIL = -800
@@ -90,6 +93,30 @@ class Consts:
         ranks = sorted(init["ws"])
         jobs = init["jobs"]
         return cls(req, ranks, len(init["ref"]), 0, len(jobs) if isinstance(jobs, list) else len(jobs), 0)
+
+
+@dataclass
+class DriverRequest:
+    """A request as vLLM's Scheduler would hold it, in plain values (`scheduler_steps.RequestLike`): the
+    model's NumChunks chunks are its blocks. The prompt has BS * NumChunks + 1 tokens (a lookup never
+    hits the whole prompt, so one extra token lets it hit every chunk), or with PartialTail
+    BS * (NumChunks - 1) + 2 (chunk NumChunks is the 2-token partial tail). ``num_preemptions`` counts
+    from 1, as the model's generations do (the connector only compares generations)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    block_hashes: list[bytes]
+    num_preemptions: int = 1
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
 
 
 class MemStoreBackend:
@@ -259,6 +286,12 @@ class KVDriver:
         self.sched = SchedulerLedger(self.pool, world_size=len(self.ranks), max_inflight_jobs=self.pin_cap,
                                      max_pinned_blocks=self.pin_cap * self.num_blocks, first_job_id=1,
                                      trace=tr)
+        # the model's store has one key per chunk that every rank writes (first writer wins): every rank
+        # and the scheduler's lookup share one key layout (a tp_size 1 layout)
+        self.kb = KeyBuilder(KeyLayout(model="kvdriver", tp_rank=0, tp_size=1, block_size=BS,
+                                       dtype="torch.float32", kv_layout="LBNHC", num_layers=1, num_kv_heads=1,
+                                       head_size=ROW // 2))
+        self.requests = {r: self._request(r) for r in self.req}
         self.workers = {w: WorkerLedger(i, max_live_jobs=self.max_jobs + 1, trace=tr)
                         for i, w in enumerate(self.ranks)}
         self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req), trace=tr)
@@ -267,14 +300,20 @@ class KVDriver:
         self.store = DriverStore(self.backend)
         self.store.rows = {b: self.kv[b] for b in range(1, self.num_blocks + 1)}
         self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
-                                     buffers=_buffers, tp_rank=i, block_size=1, key_bytes=ROW_BYTES,
-                                     lock=no_lock())
+                                     buffers=_buffers, tp_rank=i, block_size=BS, key_bytes=ROW_BYTES,
+                                     keys=self.kb, lock=no_lock())
                       for i, w in enumerate(self.ranks)}
+        # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
+        self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
+                                 store=self.store, max_pinned_blocks=self.pin_cap * self.num_blocks,
+                                 save_partial_tail=self.partial_tail, trace=tr)
+        self.ss.bind_ledger(self.sched)
+        self.specs: dict[int, SaveSpec] = {}  # the SaveSpec of each emitted job
+        self.emitted_at_finish: dict[str, int] = {}
         self.status = {r: "waiting" for r in self.req}
         self.gen = {r: 0 for r in self.req}
         self.table: dict[str, list[Any]] = {r: [] for r in self.req}
         self.ncomp = {r: 0 for r in self.req}
-        self.emitted = {r: 0 for r in self.req}
         self.jobs: dict[int, tuple[str, int, list[int], int, int]] = {}  # j -> (r, g, blocks, lo, hi)
         self.inbox: dict[str, list[int]] = {w: [] for w in self.ranks}  # emitted, not yet received
         self.queue: dict[str, list[int]] = {w: [] for w in self.ranks}  # received, not yet read
@@ -316,8 +355,27 @@ class KVDriver:
             return ["NoReq", 0]
         return [self.req[int(v) // 1000 - 1], int(v) % 1000]
 
+    def _request(self, r: str) -> DriverRequest:
+        n = self.num_chunks
+        length = BS * (n - 1) + 2 if self.partial_tail else BS * n + 1
+        base = 1000 * (self.req.index(r) + 1)
+        return DriverRequest(r, length, [base + t for t in range(length)],
+                             [f"{r}/{c}".encode() for c in range(1, length // BS + 1)])
+
+    def tokens(self, r: str, c: int) -> int:
+        """Tokens of r's first c chunks: the last chunk holds the rest of the prompt."""
+        return self.requests[r].num_prompt_tokens if c == self.num_chunks else c * BS
+
     def skey(self, r: str, c: int) -> str:
-        return f"{r}/{c}"
+        """The store key of chunk c of r: its block's key, or with PartialTail the last chunk's tail key
+        (both as the connector builds them)."""
+        req = self.requests[r]
+        if self.partial_tail and c == self.num_chunks:
+            th = tail_hash(req, req.num_prompt_tokens, req.prompt_token_ids, BS)
+            if th is None:
+                raise ValueError(f"{r}: the prompt has no partial tail")
+            return self.kb.key(th)
+        return self.kb.key(req.block_hashes[c - 1])
 
     # ------------------------------------------------------------------ actions
     def apply(self, a: dict[str, Any], pre: dict[str, Any], post: dict[str, Any]) -> None:
@@ -350,6 +408,8 @@ class KVDriver:
         self.status[r] = "running"
         self.gen[r] += 1
         self.ld[r] = self._ld_idle()
+        if self.gen[r] == 1:  # vLLM's add_request
+            self.ss.on_new_request(self.requests[r])
         self._emit("sched", "Admit", req_id=r, generation=self.gen[r])
 
     def _running_done(self, r: str) -> None:
@@ -372,25 +432,22 @@ class KVDriver:
             self.table[r].append(blk)
         self.kv[blk.block_id].fill_(self.code(r, c))
         self.ncomp[r] = c
+        self.requests[r].num_computed_tokens = self.tokens(r, c)
         self._emit("sched", "Compute", req_id=r, chunk=c, block=blk.block_id)
 
     def do_EmitStore(self, a: dict[str, Any]) -> None:
+        """vLLM's build_connector_meta with r scheduled: the connector's EmitStore step decides the job."""
         r = a["r"]
         self._running_done(r)
-        if self.emitted[r] >= self.ncomp[r]:
-            raise Refused(f"{r}: nothing new to save")
         if self.sched.next_job_id > self.max_jobs:
             raise Refused(f"the model has only {self.max_jobs} job ids")
-        ids = [b.block_id for b in self.table[r]]
-        # PartialTail: the job that reaches the last chunk (the prompt's partial tail) pins that block as its
-        # tail, as the connector's scheduler does (block_ids = the full blocks, tail_block_ids = [block k]);
-        # all chunks computed means the table has num_chunks blocks
-        tail = ids[-1:] if self.partial_tail and self.ncomp[r] == self.num_chunks else []
-        j = self.sched.open_job(r, ids[:len(ids) - len(tail)], tail)
-        if j is None:
-            raise Refused("deferred: the pin cap is reached")
-        self.jobs[j] = (r, self.gen[r], ids, self.emitted[r] + 1, self.ncomp[r])
-        self.emitted[r] = self.ncomp[r]
+        saves = self.ss.emit_stores({r: 0}, lambda q: [b.block_id for b in self.table[q]])
+        if len(saves) != 1:
+            raise Refused(f"the connector's EmitStore step opened {len(saves)} jobs for {r}")
+        (spec,) = saves
+        j = spec.store_job_id
+        self.specs[j] = spec
+        self.jobs[j] = (r, self.gen[r], list(spec.block_ids), spec.start_block + 1, spec.end_block)
         for w in self.ranks:
             self.inbox[w].append(j)
 
@@ -405,11 +462,16 @@ class KVDriver:
             raise Refused(f"the model bounds generations (MaxGen={self.max_gen})")
         self._free_table(r)
         self.status[r] = "preempted"
-        self.ncomp[r] = self.emitted[r] = 0
-        if self.preempt_notices:
+        self.ncomp[r] = 0
+        req = self.requests[r]
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1  # vLLM counts the preemption at once
+        if self.preempt_notices:  # the connector's notice (and its Preempt event)
+            g = self.ss.notices([], [r]).get(r)
             for w in self.ranks:
-                self.notice[w].add((r, self.gen[r], "preempt"))
-        self._emit("sched", "Preempt", req_id=r, generation=self.gen[r])
+                self.notice[w].add((r, g, "preempt"))
+        else:  # reset_prefix_cache(reset_running_requests=True): the connector is not told
+            self._emit("sched", "Preempt", req_id=r, generation=self.gen[r])
 
     def do_Finish(self, a: dict[str, Any]) -> None:
         r = a["r"]
@@ -418,14 +480,16 @@ class KVDriver:
             self._engine_synced()  # an abort during the async load: the load's pins keep its blocks
         else:
             self._running_done(r)
-            if self.ncomp[r] != self.num_chunks or (self.emitted[r] != self.ncomp[r]
+            if self.ncomp[r] != self.num_chunks or (self.ss.emitted_blocks(r) != self.ncomp[r]
                                                     and self.sched.next_job_id <= self.max_jobs):
                 raise Refused(f"{r} has work left")
         self._free_table(r)
         self.status[r] = "finished"
+        self.emitted_at_finish[r] = self.ss.emitted_blocks(r)  # the model keeps it; vLLM forgets the request
+        self.ss.request_finished(self.requests[r])
+        g = self.ss.notices([r], []).get(r)  # the connector's notice (and its Finish event)
         for w in self.ranks:
-            self.notice[w].add((r, self.gen[r], "finish"))
-        self._emit("sched", "Finish", req_id=r, generation=self.gen[r])
+            self.notice[w].add((r, g, "finish"))
 
     def do_Collect(self, a: dict[str, Any]) -> None:
         # each rank's worker metadata, merged as vLLM's executor does (KVLedgerWorkerMetadata.aggregate)
@@ -436,9 +500,7 @@ class KVDriver:
         if not merged:
             raise Refused("no report to collect")
         self.uncollected.clear()
-        # collect frees each released job with its own free_blocks call, in the order of `completed`;
-        # the model's Collect releases in ascending job id order (the free queue order depends on it)
-        self.sched.collect(dict(sorted(merged.items())))
+        self.ss.collect(merged)  # vLLM's update_connector_output
 
     def do_Receive(self, a: dict[str, Any]) -> None:
         w = a["w"]
@@ -519,7 +581,7 @@ class KVDriver:
             self.store.fault = None
             for c in chunks:
                 del self.store.rows[STAGED + c]
-        self.steps[w].record_put(j, codes, len(chunks), hi)
+        self.steps[w].record_put(j, codes, len(chunks), self.specs[j].full_end_block * BS)
 
     def do_Report(self, a: dict[str, Any]) -> None:
         w = a["w"]
@@ -558,11 +620,9 @@ class KVDriver:
         self._engine_synced()
         if self.status[r] != "running" or self.ld[r]["ph"] != "idle":
             raise Refused(f"{r}: no lookup now")
-        h = 0
-        if self.up:
-            while h < self.num_chunks and self.backend.exists(self.skey(r, h + 1)):
-                h += 1
-        self.ld[r].update(ph="done" if h == 0 else "looked", n=h, bad=set())
+        ext = self.ss.lookup(self.requests[r], 0)  # vLLM's get_num_new_matched_tokens(req, 0)
+        h = -(-ext // BS)  # chunks: the tail's tokens round up to its block
+        self.ld[r].update(ph="done" if h == 0 else "looked", n=h, bad=set(), ext=ext)
         self._emit("sched", "Lookup", req_id=r, hits=h)
 
     def do_EmitLoad(self, a: dict[str, Any]) -> None:
@@ -575,9 +635,12 @@ class KVDriver:
             raise Refused("not enough free blocks")
         self.table[r] = self.pool.get_new_blocks(ld["n"])
         ids = [b.block_id for b in self.table[r]]
-        self.sched.pin_load(r, ids)  # EmitLoad: the ledger pins the destination blocks and logs the event
-        ld["blocks"], ld["pin"] = ids, True
-        ld["load_ids"] = {w: self.steps[w].begin_load(r, ids) for w in self.ranks}
+        # vLLM's update_state_after_alloc, then build_connector_meta hands the pinned load to the ranks
+        self.ss.emit_load(self.requests[r], ids, ld["ext"])
+        (spec,) = self.ss.take_loads()
+        ld["spec"] = spec
+        ld["blocks"], ld["pin"] = list(spec.block_ids), True
+        ld["load_ids"] = {w: self.steps[w].begin_load(r, spec.block_ids) for w in self.ranks}
         ld["done"] = {w: 0 for w in self.ranks}
         ld["ph"] = "loading"
 
@@ -592,7 +655,7 @@ class KVDriver:
         if self.up and any(i in model_failed and self.backend.exists(self.skey(r, i)) for i in batch):
             self._fault("load")  # a transfer failure of a key the store has
         ids = [ld["blocks"][i - 1] for i in batch]  # the load's destination (its request may be gone)
-        keys = [self.skey(r, i) for i in batch]
+        keys = self.kb.keys([ld["spec"].block_hashes[i - 1] for i in batch])
         # injected transfer failure (the model's xfail) of a key the store has
         self.store.xfail = {k for i, k in zip(batch, keys) if i in model_failed and self.backend.exists(k)}
         steps = self.steps[w]
@@ -614,7 +677,7 @@ class KVDriver:
         ld = self.ld[r]
         if ld["ph"] != "loaded" or not ld["pin"]:
             raise Refused(f"{r}: no finished load holding pins")
-        self.sched.collect_loads({r: len(self.ranks)})
+        self.ss.collect_loads([r])  # vLLM's finished_recving (every rank finished it)
         ld["pin"] = False
         if self.status[r] == "finished":  # aborted during the load: its bookkeeping ends here
             self.ld[r] = {**self._ld_idle(), "ph": "done"}
@@ -631,7 +694,9 @@ class KVDriver:
         ids = [b.block_id for b in self.table[r]]
         bad_chunks = {ids.index(b) + 1 for b in errors if b in ids}
         keep = min(bad_chunks) - 1 if bad_chunks else ld["n"]
-        self.ncomp[r] = self.emitted[r] = keep
+        self.ncomp[r] = keep  # vLLM's recompute policy: the kept prefix counts as computed
+        self.requests[r].num_computed_tokens = self.tokens(r, keep)
+        self.ss.load_done(self.requests[r])
         # the load is over: its bookkeeping is cleared (as the model does)
         self.ld[r] = {**self._ld_idle(), "ph": "done"}
         self._emit("sched", "HandleLoadErrors", req_id=r, bad=sorted(bad_chunks), keep=keep)
@@ -659,7 +724,7 @@ class KVDriver:
             for r in self.req:
                 s = wl.request(r) or self._closing(wl, r)
                 row[r] = ({"phase": "closed"} if s is None else
-                          {"phase": s.state, "live": sorted(s.live), "off": s.saved_offset,
+                          {"phase": s.state, "live": sorted(s.live), "off": s.saved_offset // BS,
                            "skip": s.pressure_skip and wl.under_pressure})
             ws[w] = row
         store = {}
@@ -670,7 +735,8 @@ class KVDriver:
             store[k] = self.decode(out) if code >= 0 else ["NoReq", 0]
         return {
             "status": dict(self.status), "gen": dict(self.gen), "ncomp": dict(self.ncomp),
-            "emitted": dict(self.emitted),
+            "emitted": {r: self.emitted_at_finish[r] if r in self.emitted_at_finish else self.ss.emitted_blocks(r)
+                        for r in self.req},
             "table": {r: [b.block_id for b in t] for r, t in self.table.items()},
             "ref": [blocks[b].ref_cnt for b in range(1, self.num_blocks + 1)],
             "free": [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()],

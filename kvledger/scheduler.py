@@ -318,6 +318,9 @@ class SchedulerLedger:
     def num_load_pinned_blocks(self) -> int:
         return len(self._load_dest)
 
+    def has_pinned_load(self, req_id: str) -> bool:
+        return req_id in self._loads
+
     def load_pinned_block_ids(self, req_id: str) -> list[int]:
         """Destination blocks of the oldest pinned load of ``req_id``, in order (introspection)."""
         fifo = self._loads.get(req_id)

@@ -1,11 +1,66 @@
 """The scheduler side's decisions as synchronous, thread-free step functions over plain values.
 
-The twin of kvledger_connector/jobs.py (the worker side's steps). No vLLM object and no thread in here:
-the connector's SchedulerSide (kvledger_connector/scheduler.py) adapts vLLM's Request, SchedulerOutput
-and KVConnectorOutput to these calls, and the conformance driver (conformance/kvdriver.py) calls the same
-functions one model action at a time, bringing only the schedule and the store.
+The twin of kvledger_connector/jobs.py (the worker side's steps). Nothing here imports vLLM or starts a
+thread: a request is read through :class:`RequestLike` (vLLM's ``Request`` is one; the conformance driver
+brings its own), block tables and scheduled token counts arrive as plain ids and ints. The connector's
+:class:`~kvledger_connector.scheduler.SchedulerSide` adapts vLLM's ``SchedulerOutput`` and
+``KVConnectorOutput`` to these calls; the replay driver (conformance/kvdriver.py) makes the same calls one
+model action at a time, bringing only the schedule and the store. There is no second copy of a rule::
+
+    model action      step                                  decision
+    Lookup(r)         SchedulerSteps.lookup(req, n)          longest run of blocks every shard holds, plus
+                                                             the prompt's partial tail (opt-in); cached
+    EmitLoad(r)       SchedulerSteps.emit_load(req, ids, n)  destination blocks -> SchedulerLedger.pin_load
+    EmitStore(r)      SchedulerSteps.emit_stores(sched, tbl) `save_end`, `StoreRange`: which blocks a job pins (the
+                                                             table's full blocks, then the tail block);
+                                                             DEFER at the caps, retried in later steps
+    Preempt / Finish  SchedulerSteps.notices(fin, pre)       the generation each DropGeneration closes
+    Collect           SchedulerSteps.collect(completed)      pins released, ascending job id order
+    CollectLoad(r)    SchedulerSteps.collect_loads(req_ids)  load pins released (every rank reported)
+
+State: one `_RequestState` per live request (on_new_request .. request_finished) in `_RequestTable`, which
+keeps two indexes over it (requests with a deferred save; the lookup cache's LRU order) so a step costs
+O(scheduled + deferred), not O(live requests). The generation is ``request.num_preemptions``, read in one
+place (`generation_of`); a preemption starts a new generation (`_RequestState.new_generation`). Outboxes
+(loads pinned this step, requests finished since the last step) are not per-request state: a pinned load
+must reach the workers even if its request finishes first, or its pin would never be released.
+
+Every table is bounded: request states by the scheduler's live requests (dropped at finish), the deferred
+index by them, cached lookups by ``max_lookup_cache`` (oldest evicted; a miss only costs a repeated
+``batch_is_exist``), the load outbox by the requests admitted in a step; load pins (in the ledger) by the
+pool: a block is the destination of at most one pinned load.
+
+Partial tails (``save_partial_tail``, off by default, as upstream's): a prompt of L tokens with
+r = L mod block_size >= 2 and at least one full block keeps r tokens of KV in its table block k = L // bs.
+Once the prompt is computed, the store job that reaches it also puts block k under the tail's own key
+(`keys.partial_tail_hash`: the parent block's hash and the r token ids), pinned through the ledger's
+``tail_block_ids``. A later request with the same prompt then loads L - 1 tokens instead of k * bs: vLLM
+computes the last token itself and overwrites slot r - 1; slots r.. of the loaded block are never read
+before decode writes them. The table block is read in place (no copy-on-write): while a job's pin holds
+it, nothing rewrites its first r slots — decode writes only slots r.., and a preempted or finished
+request's block stays out of the free queue until every rank reported (S1 NoPollution, model: the tail of
+tla/KVLedger.tla, mutant NoTailPin). Requests whose hashes carry more than token ids (multimodal inputs,
+prompt embeddings) never save or hit a tail: the tail key holds token ids only.
+
+Loaded blocks count as saved: a load from block 0 whose blocks vLLM kept (its ``num_computed_tokens``
+after the load, failed blocks already cut off by ``kv_load_failure_policy``) came from keys the store
+holds, so no store job re-reads them (the model's HandleLoadErrors: emitted := kept).
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+from kvledger.errors import LedgerInputError
+from kvledger.scheduler import SchedulerLedger
+from kvledger.trace import TraceSink
+from kvledger_connector.keys import KeyBuilder, partial_tail_hash
+from kvledger_connector.metadata import LoadSpec, SaveSpec
+from kvledger_connector.stats import StatsRecorder
+
+#: the code a lookup counts when the store call itself raised (a raising test double, a client bug)
+LOOKUP_RAISED = -9003
 
 
 def max_job_blocks(max_model_len: int, block_size: int) -> int:
@@ -13,3 +68,544 @@ def max_job_blocks(max_model_len: int, block_size: int) -> int:
     block_size). A partial tail is the table's own last block (read in place, never a copy-on-write
     block outside the table), so it adds nothing."""
     return -(-max_model_len // block_size)
+
+
+class RequestLike(Protocol):
+    """What the steps read of a request (vLLM's ``vllm.v1.request.Request`` has each field)."""
+
+    request_id: str
+    num_preemptions: int
+    num_computed_tokens: int
+    num_tokens: int
+    num_prompt_tokens: int
+    block_hashes: Sequence[bytes]
+    all_token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int] | None
+
+
+def generation_of(request: RequestLike) -> int:
+    """The request's generation as the connector counts it: admissions that were preempted so far."""
+    return int(request.num_preemptions)
+
+
+def tail_hash(request: RequestLike, num_tokens: int, tokens: Sequence[int] | None, block_size: int
+              ) -> bytes | None:
+    """The key hash of the first ``num_tokens`` tokens' partial last block, or None when it has none worth
+    saving: fewer than 2 tokens past the last full block (a hit must leave one to compute), no full block
+    before it (the parent hash carries the cache salt and LoRA of the chain), its full blocks not hashed
+    yet, or hashes that cover more than token ids (multimodal, prompt embeddings)."""
+    k, r = divmod(num_tokens, block_size)
+    if r < 2 or k < 1 or len(request.block_hashes) < k or tokens is None:
+        return None
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    return partial_tail_hash(request.block_hashes[k - 1], tokens[k * block_size:num_tokens])
+
+
+@dataclass(frozen=True)
+class StoreRange:
+    """What EmitStore pins and puts for one request: the table's blocks [0, end) (every one: a rank resumes
+    from its own saved offset, which can lag), then, when ``tail`` is set, table block ``end``, the
+    prompt's partial tail, stored under the tail key ``tail``."""
+
+    start: int  # full blocks already covered by earlier jobs of this generation (the wire's start_block)
+    end: int
+    tail: bytes | None
+    tail_tokens: int
+
+    @property
+    def reach(self) -> int:
+        """Table blocks the job reads."""
+        return self.end + (self.tail is not None)
+
+
+def save_end(*, token_len: int, num_prompt_tokens: int, num_tokens: int, num_hashes: int, block_size: int,
+             save_decode: bool) -> int:
+    """EmitStore's end: the full blocks whose KV exists once ``token_len`` tokens are computed (the
+    prompt's, or every token's with ``save_decode``) and have a hash."""
+    limit = num_tokens if save_decode else num_prompt_tokens
+    return min(min(token_len, limit) // block_size, num_hashes)
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    generation: int
+    num_computed_tokens: int
+    hit_tokens: int
+    tail_hash: bytes | None = None  # the partial tail counted in hit_tokens, if it was
+
+
+@dataclass
+class _RequestState:
+    """What the scheduler side knows of one live request. The save fields are per generation."""
+
+    request: Any
+    generation: int  # the generation the save fields below describe
+    saved_blocks: int = 0  # full blocks covered by emitted store jobs (this generation)
+    tail_done: bool = False  # the prompt's partial tail was saved, loaded or given up (this generation)
+    tail_stored: bool = False  # ... and it is in the store (saved or loaded): the model's chunk NumChunks
+    deferred: bool = False  # the cap deferred its next save: retried in later steps
+    lookup: _Lookup | None = None
+    loaded_blocks: int = 0  # blocks [0, n) of a load from block 0 (this generation); see `load_done`
+    loaded_tail: bool = False  # ... whose last block was the prompt's partial tail
+    load_pending: bool = False  # that load's outcome is not applied yet
+
+    def new_generation(self) -> None:
+        self.saved_blocks = 0
+        self.tail_done = self.tail_stored = False
+        self.deferred = False
+        self.lookup = None
+        self.loaded_blocks = 0
+        self.loaded_tail = self.load_pending = False
+
+
+class _RequestTable:
+    """The live requests' states, plus the deferred index and the lookup LRU order (both derived: only
+    these methods change them)."""
+
+    def __init__(self, max_lookups: int) -> None:
+        self._states: dict[str, _RequestState] = {}
+        self._deferred: dict[str, None] = {}  # insertion order = retry order
+        self._lookup_lru: OrderedDict[str, None] = OrderedDict()
+        self.max_lookups = max_lookups
+        self.peak_lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._states
+
+    def get(self, req_id: str) -> _RequestState | None:
+        return self._states.get(req_id)
+
+    def ensure(self, request: Any) -> _RequestState:
+        st = self._states.get(request.request_id)
+        if st is None:
+            st = self._states[request.request_id] = _RequestState(request, generation_of(request))
+        return st
+
+    def current(self, st: _RequestState) -> _RequestState:
+        """``st`` with its save fields of the request's current generation: a preemption the connector was
+        not told of (``reset_prefix_cache(reset_running_requests=True)`` preempts outside ``schedule()``)
+        still starts a new generation, seen here by the generation itself."""
+        if st.generation != generation_of(st.request):
+            self.new_generation(st.request.request_id)
+        return st
+
+    def items(self) -> Iterator[tuple[str, _RequestState]]:
+        return iter(list(self._states.items()))
+
+    def drop(self, req_id: str) -> _RequestState | None:
+        self._deferred.pop(req_id, None)
+        self._lookup_lru.pop(req_id, None)
+        return self._states.pop(req_id, None)
+
+    def new_generation(self, req_id: str) -> None:
+        st = self._states.get(req_id)
+        if st is not None:
+            st.new_generation()
+            st.generation = generation_of(st.request)
+        self._deferred.pop(req_id, None)
+        self._lookup_lru.pop(req_id, None)
+
+    def set_deferred(self, st: _RequestState, deferred: bool) -> None:
+        st.deferred = deferred
+        if deferred:
+            self._deferred[st.request.request_id] = None
+        else:
+            self._deferred.pop(st.request.request_id, None)
+
+    def deferred_ids(self) -> list[str]:
+        return list(self._deferred)
+
+    def set_lookup(self, st: _RequestState, hit: _Lookup) -> None:
+        req_id = st.request.request_id
+        st.lookup = hit
+        self._lookup_lru[req_id] = None
+        self._lookup_lru.move_to_end(req_id)
+        while len(self._lookup_lru) > self.max_lookups:
+            old, _ = self._lookup_lru.popitem(last=False)
+            old_st = self._states.get(old)
+            if old_st is not None:
+                old_st.lookup = None
+        self.peak_lookups = max(self.peak_lookups, len(self._lookup_lru))
+
+    def take_lookup(self, st: _RequestState) -> _Lookup | None:
+        hit, st.lookup = st.lookup, None
+        self._lookup_lru.pop(st.request.request_id, None)
+        return hit
+
+    def forget_lookups_and_saves(self) -> None:
+        """After the store was wiped (reset_cache): cached answers and save progress describe keys that
+        no longer exist."""
+        for st in self._states.values():
+            st.lookup = None
+            st.saved_blocks = 0
+            st.tail_done = st.tail_stored = False
+            st.deferred = False
+            st.loaded_blocks = 0
+            st.loaded_tail = st.load_pending = False
+        self._deferred.clear()
+        self._lookup_lru.clear()
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred)
+
+    @property
+    def num_lookups(self) -> int:
+        return len(self._lookup_lru)
+
+
+#: a request's block table (group 0) by req_id, or None when the scheduler has none for it now
+TableOf = Callable[[str], "Sequence[int] | None"]
+
+
+class SchedulerSteps:
+    """The scheduler side's state and decisions. Called from one thread (vLLM's scheduler, or the replay
+    driver): no lock. ``ledger`` is bound once the block pool is known (`bind_ledger`)."""
+
+    def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
+                 store: Any, max_pinned_blocks: int, save_enabled: bool = True, load_enabled: bool = True,
+                 save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
+                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+        for name, v in (("block_size", block_size), ("world_size", world_size),
+                        ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
+            if v.__class__ is not int or v < 1:
+                raise LedgerInputError(name, v, "must be an int >= 1")
+        self.block_size = block_size
+        self.world_size = world_size
+        self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
+        self.store = store
+        self.max_pinned_blocks = max_pinned_blocks
+        self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
+        self.load_enabled = load_enabled  # kv_role kv_consumer | kv_both
+        self.save_decode = save_decode
+        self.save_partial_tail = save_partial_tail
+        self.max_lookup_cache = max_lookup_cache
+        self.stats = stats or StatsRecorder()
+        self.trace = trace
+        self.ledger: SchedulerLedger | None = None
+        self._reqs = _RequestTable(max_lookup_cache)
+        # outboxes, drained once per step
+        self._loads_out: list[LoadSpec] = []  # loads pinned since the last step
+        self._finished_out: dict[str, int] = {}  # req_id -> generation, finished since the last step
+        # whole-run counters (demo report, tests)
+        self.num_lookups = 0
+        self.num_match_calls = 0  # lookups asked (repeats for a waiting request are answered from the cache)
+        self.num_store_queries = 0
+        self.num_loads = 0
+        self.num_tail_saves = 0  # store jobs that carried a partial tail
+        self.num_tail_hits = 0  # lookups answered with a partial tail
+        self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
+        self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
+        # KV events for routers (kvledger_connector/events.py); set by the connector when kv events are enabled
+        self.events: Any = None
+
+    # ------------------------------------------------------------------ binding
+    def bind_ledger(self, ledger: SchedulerLedger) -> None:
+        self.ledger = ledger
+
+    def _ledger(self) -> SchedulerLedger:
+        if self.ledger is None:
+            raise LedgerInputError("block_pool", None, "bind_gpu_block_pool was not called")
+        return self.ledger
+
+    def on_new_request(self, request: RequestLike) -> None:
+        self._reqs.ensure(request)
+
+    def _due_tail(self, st: _RequestState, token_len: int, end: int) -> bytes | None:
+        """The prompt's partial tail hash when this job should carry it: tails on, not done this generation,
+        the prompt computed by the end of this step. Gives the tail up (done) when there is none or decode
+        already filled block k (saved whole instead)."""
+        request = st.request
+        if not self.save_partial_tail or st.tail_done or token_len < request.num_prompt_tokens:
+            return None
+        k = request.num_prompt_tokens // self.block_size
+        tail = tail_hash(request, request.num_prompt_tokens, request.prompt_token_ids, self.block_size)
+        if tail is None or end > k:
+            st.tail_done = True
+            return None
+        return tail
+
+    # ------------------------------------------------------------------ Lookup
+    def lookup(self, request: RequestLike, num_computed_tokens: int) -> int:
+        """Lookup: tokens beyond ``num_computed_tokens`` that the store holds for every shard (block aligned
+        unless a partial tail hits; never the whole prompt: vLLM must compute at least one token). Same
+        question, same answer: cached per (req_id, generation, num_computed_tokens) while it waits."""
+        self.num_match_calls += 1
+        st = self._reqs.ensure(request)
+        gen = generation_of(request)
+        hit = st.lookup
+        if hit is None or hit.generation != gen or hit.num_computed_tokens != num_computed_tokens:
+            hit = self._query(request, gen, num_computed_tokens)
+            self._reqs.set_lookup(st, hit)
+        return max(hit.hit_tokens - num_computed_tokens, 0)
+
+    def _query(self, request: RequestLike, gen: int, num_computed_tokens: int) -> _Lookup:
+        self.num_lookups += 1
+        bs = self.block_size
+        miss = _Lookup(gen, num_computed_tokens, num_computed_tokens)
+        if self.store is None or not self.load_enabled:
+            return miss
+        start = num_computed_tokens // bs
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        hashes = list(request.block_hashes[start:end]) if end > start else []
+        tail = None
+        if self.save_partial_tail and end == request.num_tokens // bs:  # every full block is asked for
+            tail = tail_hash(request, request.num_tokens, request.all_token_ids, bs)
+        if not hashes and tail is None:
+            return miss
+        asked = hashes + ([tail] if tail is not None else [])
+        keys = [k for kb in self.key_builders for k in kb.keys(asked)]
+        self.num_store_queries += 1
+        self.stats.add("lookups")
+        try:
+            res = self.store.batch_is_exist(keys)
+        except Exception:  # the store wrapper returns codes; a raising test double must not kill the step
+            self.stats.fail_code(LOOKUP_RAISED, len(keys))
+            return miss
+        n, m = len(hashes), len(asked)
+        shards = range(len(self.key_builders))
+        run = 0
+        while run < n and all(res[s * m + run] == 1 for s in shards):
+            run += 1
+        if self.events is not None and n:  # an announced block found missing: BlockRemoved
+            self.events.looked_up(hashes, [res[s * m + i] for s in shards for i in range(n)])
+        if tail is not None and run == n and all(res[s * m + n] == 1 for s in shards):
+            self.num_tail_hits += 1
+            self.stats.add("lookup_hit_tokens", request.num_tokens - 1 - num_computed_tokens)
+            return _Lookup(gen, num_computed_tokens, request.num_tokens - 1, tail)
+        self.stats.add("lookup_hit_tokens", run * bs)
+        return _Lookup(gen, num_computed_tokens, (start + run) * bs)
+
+    # ------------------------------------------------------------------ EmitLoad
+    def emit_load(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
+                  ) -> LoadSpec | None:
+        """EmitLoad: the destination blocks of the lookup's external hit (``block_ids``: the request's table,
+        as allocated for it), pinned in the ledger before any worker can be told (S9 LoadsPinned); the
+        LoadSpec waits in the outbox for the step's metadata. None when there is nothing to load."""
+        if num_external_tokens <= 0:
+            return None
+        req_id = request.request_id
+        st = self._reqs.get(req_id)
+        hit = self._reqs.take_lookup(st) if st is not None else None
+        if st is None or hit is None or hit.generation != generation_of(request):
+            raise LedgerInputError("num_external_tokens", num_external_tokens,
+                                   f"no lookup answered an external hit for {req_id!r}")
+        bs = self.block_size
+        first = hit.num_computed_tokens // bs
+        last = -(-(hit.num_computed_tokens + num_external_tokens) // bs)
+        hashes = list(request.block_hashes[first:last])
+        tail = hit.tail_hash is not None and last == len(request.block_hashes) + 1
+        if tail:
+            hashes.append(hit.tail_hash)  # the partial last block loads from the tail's key
+        if last > len(block_ids) or len(hashes) != last - first:
+            raise LedgerInputError("num_external_tokens", num_external_tokens,
+                                   f"{req_id!r} has {len(block_ids)} blocks, {len(request.block_hashes)} hashes")
+        dest = tuple(block_ids[first:last])
+        self._reqs.current(st)
+        self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
+        spec = LoadSpec(req_id, dest, tuple(hashes))
+        self._loads_out.append(spec)
+        if first == 0:  # blocks before `first` are local prefix-cache hits, not known to be stored
+            st.loaded_blocks, st.loaded_tail, st.load_pending = last, tail, True
+        self.num_loads += 1
+        self.stats.add("loaded_tokens", num_external_tokens)
+        return spec
+
+    def take_loads(self) -> list[LoadSpec]:
+        """The loads pinned since the last step, for this step's metadata."""
+        out, self._loads_out = self._loads_out, []
+        return out
+
+    def load_done(self, request: RequestLike) -> None:
+        """The load's outcome is applied: vLLM cut the failed blocks off (``kv_load_failure_policy``), so
+        ``num_computed_tokens`` counts only the loaded blocks it kept. Those came from keys the store holds:
+        they count as saved (no store job re-reads them; the model's HandleLoadErrors: emitted := kept).
+        The connector calls it at the request's first save after its load pin was released (vLLM
+        applies the outcome in the step that reports the load finished, before it schedules the request
+        again); the replay driver where the model handles the load's errors."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not self._reqs.current(st).load_pending:
+            return
+        kept = min(st.loaded_blocks, request.num_computed_tokens // self.block_size)
+        if st.loaded_tail and request.num_computed_tokens >= request.num_prompt_tokens - 1:
+            st.tail_done = st.tail_stored = True  # the tail was loaded whole: nothing to save again
+        st.saved_blocks = max(st.saved_blocks, kept)
+        st.loaded_blocks, st.loaded_tail, st.load_pending = 0, False, False
+
+    def emitted_blocks(self, req_id: str) -> int:
+        """Blocks of the request's current generation in the store or on their way: full blocks, plus the
+        partial tail (the model's ``emitted``)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return 0
+        st = self._reqs.current(st)
+        return st.saved_blocks + st.tail_stored
+
+    # ------------------------------------------------------------------ Preempt / Finish
+    def notices(self, finished_req_ids: Sequence[str], preempted_req_ids: Sequence[str]) -> dict[str, int]:
+        """The generation each DropGeneration notice of this step closes: a finished req_id's as it was
+        when it finished (`request_finished`), a preempted one's the generation that just ended (vLLM
+        counted the preemption already). A preempted request starts a new generation that saves from
+        block 0. A finished req_id is not forgotten here: `request_finished` did that when it finished, and
+        forgetting again would wipe a NEW request reusing the id, admitted in this very step."""
+        trace = self.trace
+        drops: dict[str, int] = {}
+        for req_id in finished_req_ids:
+            if req_id in self._finished_out:
+                drops[req_id] = self._finished_out[req_id]
+            if trace is not None:  # the notice every rank gets (a DropGeneration each)
+                trace.emit("sched", "Finish", {"req_id": req_id, "generation": drops.get(req_id)})
+        self._finished_out.clear()
+        for req_id in preempted_req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                drops[req_id] = max(generation_of(st.request) - 1, 0)
+            if trace is not None:
+                trace.emit("sched", "Preempt", {"req_id": req_id, "generation": drops.get(req_id)})
+            self._reqs.new_generation(req_id)
+        return drops
+
+    def request_finished(self, request: RequestLike) -> None:
+        """Forget the request; its notice goes out with the next step. Never delays the free: every store
+        job pinned its own blocks."""
+        req_id = request.request_id
+        st = self._reqs.drop(req_id)
+        if st is not None and st.deferred:
+            self.num_saves_dropped += 1
+        self._finished_out[req_id] = generation_of(request)
+
+    # ------------------------------------------------------------------ EmitStore
+    def emit_stores(self, scheduled: Mapping[str, int], table_of: TableOf) -> list[SaveSpec]:
+        """EmitStore for this step: first the saves the cap deferred, of requests not scheduled now, then
+        every scheduled request (``scheduled``: req_id -> tokens scheduled this step)."""
+        saves: list[SaveSpec] = []
+        if self.save_enabled:
+            for req_id in self._reqs.deferred_ids():
+                if req_id not in scheduled:
+                    self.emit_store(saves, req_id, 0, table_of)
+            for req_id, n in scheduled.items():
+                self.emit_store(saves, req_id, n, table_of)
+        ledger = self._ledger()
+        self.stats.gauge("pins_in_flight", ledger.num_inflight_jobs)
+        self.stats.gauge("pinned_blocks", ledger.num_pinned_blocks)
+        return saves
+
+    def emit_store(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf) -> None:
+        """One request's EmitStore: `save_end` and the due tail make the `StoreRange`, its blocks pinned by `SchedulerLedger.open_job`
+        (the tail block as ``tail_block_ids``), or DEFER at the caps (the blocks stay the request's;
+        retried in a later step), or dropped when the job could never be admitted (a cache miss)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        request = st.request
+        bs = self.block_size
+        token_len = request.num_computed_tokens + num_scheduled  # KV that exists after this step
+        end = save_end(token_len=token_len, num_prompt_tokens=request.num_prompt_tokens,
+                       num_tokens=request.num_tokens, num_hashes=len(request.block_hashes), block_size=bs,
+                       save_decode=self.save_decode)
+        if st.load_pending and not self._ledger().has_pinned_load(req_id):
+            self.load_done(request)  # first: a loaded tail is done
+        saved = self._reqs.current(st).saved_blocks
+        tail = self._due_tail(st, token_len, end)
+        if end <= saved and tail is None:
+            return
+        rng = StoreRange(saved, end, tail, request.num_prompt_tokens % bs if tail is not None else 0)
+        table = table_of(req_id)
+        if table is None or len(table) < rng.reach:
+            return
+        block_ids = list(table[:rng.end])
+        tail_ids = list(table[rng.end:rng.reach])
+        if rng.reach > self.max_pinned_blocks:  # could never be admitted: a cache miss, not an error
+            self.num_saves_dropped += 1
+            st.saved_blocks, st.tail_done = rng.end, True
+            return
+        gen = generation_of(request)
+        job_id = self._ledger().open_job(req_id, block_ids, tail_ids, generation=gen)
+        if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
+            if not st.deferred:
+                self.stats.add("deferrals")
+            self._reqs.set_deferred(st, True)
+            return
+        self._reqs.set_deferred(st, False)
+        hashes = tuple(request.block_hashes[:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
+        saves.append(SaveSpec(req_id, job_id, gen, rng.start, rng.reach, tuple(block_ids + tail_ids), hashes,
+                              tail_tokens=rng.tail_tokens))
+        if self.events is not None and rng.end > rng.start:  # routers hear of full blocks only
+            self.events.job_opened(job_id, request, rng.start, rng.end)
+        st.saved_blocks = rng.end
+        if rng.tail is not None:
+            st.tail_done = st.tail_stored = True
+            self.num_tail_saves += 1
+            self.stats.add("tail_saves")
+        self.stats.add("store_jobs")
+
+    # ------------------------------------------------------------------ Collect / CollectLoad
+    def collect(self, completed_saves: Mapping[int, int]) -> int:
+        """Collect: the ranks' merged reports ``{job: ranks}`` released in ascending job id order (each
+        released job frees its blocks with its own free call, so the order is the free queue's)."""
+        if not completed_saves:
+            return 0
+        ledger = self._ledger()
+        released = ledger.collect(dict(sorted(completed_saves.items())))
+        if self.events is not None:  # jobs every rank reported: BlockStored for what the store holds
+            inflight = set(ledger.inflight_jobs())
+            self.events.jobs_collected(completed_saves, inflight.__contains__)
+        return released
+
+    def collect_loads(self, finished_recving: Sequence[str] | set[str]) -> int:
+        """CollectLoad: vLLM reports a req_id in ``finished_recving`` once every rank finished its load, so
+        each counts all ranks at once; its load pins are released."""
+        if not finished_recving:
+            return 0
+        world = self.world_size
+        return self._ledger().collect_loads({req_id: world for req_id in finished_recving})
+
+    # ------------------------------------------------------------------ queries, shutdown
+    def has_pending_push_work(self) -> bool:
+        return self.ledger is not None and self.ledger.has_pending_work()
+
+    def release_all(self) -> None:
+        """Shutdown (workers stopped first): drop every store and load pin."""
+        if self.ledger is not None:
+            self.ledger.release_all()
+        if self.events is not None:
+            self.events.forget_jobs()
+
+    def has_pending_loads(self) -> bool:
+        """A load pinned but not yet sent to the workers, or one still pinned (in flight)."""
+        return bool(self._loads_out) or (self.ledger is not None and self.ledger.num_pinned_loads > 0)
+
+    def requests_with_computed_kv(self) -> list[str]:
+        return [r for r, st in self._reqs.items() if getattr(st.request, "num_computed_tokens", 0) > 0]
+
+    def forget_store_knowledge(self) -> None:
+        self._reqs.forget_lookups_and_saves()
+
+    @property
+    def num_load_pins(self) -> int:
+        return 0 if self.ledger is None else self.ledger.num_pinned_loads
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def num_deferred(self) -> int:
+        return self._reqs.num_deferred
+
+    @property
+    def num_cached_lookups(self) -> int:
+        return self._reqs.num_lookups
+
+    @property
+    def peak_lookup_cache(self) -> int:
+        return self._reqs.peak_lookups
+
+    @property
+    def num_tracked(self) -> int:
+        """Live request states plus the indexes over them (0 once the engine drained)."""
+        return len(self._reqs) + self._reqs.num_deferred + self._reqs.num_lookups

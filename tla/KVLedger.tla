@@ -300,16 +300,17 @@ OpenJob(r, g, bs, tl, lo, hi) ==
          /\ lastAction' = [name |-> "EmitStore", r |-> r, job |-> j, g |-> g, lo |-> lo, hi |-> hi]
     /\ nextJob' = nextJob + 1
 
-\* A new store job: fresh id, pins every block of the table (a rank resumes from its own offset,
-\* which can lag, so it may read any of them).  At the cap the save is deferred: emitted[r] stays
-\* behind ncomp[r], so EmitStore is enabled again once a pin is released.  PartialTail: a job that
-\* reaches the last chunk (then the table has NumChunks blocks) pins that block as its tail.
+\* A new store job: fresh id, pins every computed block of the table, from the first (a rank resumes
+\* from its own offset, which can lag, so it may read any of them; blocks past ncomp[r] -- left by a
+\* load whose later keys failed -- hold nothing to save).  At the cap the save is deferred: emitted[r]
+\* stays behind ncomp[r], so EmitStore is enabled again once a pin is released.  PartialTail: a job
+\* that reaches the last chunk (then the table has NumChunks blocks) pins that block as its tail.
 EmitStore(r) ==
     /\ EngineSynced
     /\ status[r] = "running" /\ ld[r].ph = "done"
     /\ emitted[r] < ncomp[r]
     /\ LET tl == IF PartialTail /\ ncomp[r] = NumChunks THEN table[r][NumChunks] ELSE 0
-           bs == IF tl = 0 THEN table[r] ELSE SubSeq(table[r], 1, NumChunks - 1) IN
+           bs == SubSeq(table[r], 1, IF tl = 0 THEN ncomp[r] ELSE NumChunks - 1) IN
        OpenJob(r, gen[r], bs, tl, emitted[r] + 1, ncomp[r])
     /\ emitted' = [emitted EXCEPT ![r] = ncomp[r]]
     /\ UNCHANGED <<status, gen, table, ncomp, ld, fs, content, free, ws, rep, notice, buf, store, up,
@@ -480,6 +481,10 @@ DmaReadJob(w, j) ==
                    rep, notice, store, up>>
 DmaRead(w) == \E j \in JobIds : DmaReadJob(w, j)
 
+\* Where a stored job moves the rank's saved offset: its last chunk, or the chunk before a partial tail
+\* (the tail has its own key; a job reaching a block boundary saves that block whole).
+SavedTo(j) == IF jobs[j].tail # 0 THEN jobs[j].hi - 1 ELSE jobs[j].hi
+
 PutKeys(r, rd) == [k \in Keys |-> IF k[1] = r /\ store[k] = NoContent /\ \E p \in rd : p[1] = k[2]
                                   THEN (CHOOSE p \in rd : p[1] = k[2])[2]
                                   ELSE store[k]]
@@ -496,7 +501,7 @@ PutJob(w, j) ==
          \E o \in outs :
            /\ store' = IF o = "ok" THEN PutKeys(r, buf[w]) ELSE store
            /\ ws' = IF ~Live(w, j) \/ o = "fail" THEN ws
-                    ELSE IF o = "ok" THEN [ws EXCEPT ![w][r].off = Max2(@, jobs[j].hi)]
+                    ELSE IF o = "ok" THEN [ws EXCEPT ![w][r].off = Max2(@, SavedTo(j))]
                     ELSE [ws EXCEPT ![w][r].skip = TRUE]
            /\ jp' = [jp EXCEPT ![w][j] = IF o = "ok" THEN "stored" ELSE "failed"]
            /\ faults' = IF up /\ o # "ok" THEN faults + 1 ELSE faults
