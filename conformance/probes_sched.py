@@ -1,0 +1,343 @@
+"""Scheduler-side probes and mutants: small deterministic scenarios on the connector's own scheduler steps
+(kvledger_connector/scheduler_steps.py, the functions SchedulerSide runs in vLLM's scheduler thread), for
+what the replay's small configs cannot show (two shards, a second job of one generation, a deferral, two
+jobs released in one step, a req_id reused in the step its old request's finish is reported).
+
+Each probe raises :class:`ProbeFailed` naming what it saw; `PROBES` runs in the mutant table
+(conformance/mutants.py) and, unmutated, in tests/unit/test_sched_probes.py. `MUTANTS` are the seeded bugs
+of the scheduler side (each patches a function on the shipped path) and `SHOWS` the direct observation
+that each changes what its name says. Requests here are plain values (`Req`), as the steps take them;
+BlockPool is vLLM's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from vllm.v1.core.block_pool import BlockPool
+
+from conformance.kvprobes import ProbeStore, check
+from kvledger.scheduler import SchedulerLedger
+from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.metadata import SaveSpec
+from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable
+
+BS = 4  # tokens per block
+
+
+@dataclass
+class Req:
+    """A request in plain values (`scheduler_steps.RequestLike`); blocks hashed by their index."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_preemptions: int = 0
+    num_computed_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = [7 + t for t in range(self.num_prompt_tokens)]
+        self.block_hashes = [f"{self.request_id}:{i}".encode() for i in range(self.num_prompt_tokens // BS)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+def _kb(tp_rank: int = 0, tp_size: int = 1) -> KeyBuilder:
+    return KeyBuilder(KeyLayout(model="probe", tp_rank=tp_rank, tp_size=tp_size, block_size=BS,
+                                dtype="torch.float32", kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8))
+
+
+@dataclass
+class Sched:
+    steps: SchedulerSteps
+    ledger: SchedulerLedger
+    pool: Any  # vLLM's BlockPool
+    store: ProbeStore
+    table: dict[str, list[int]]  # req_id -> block ids, allocated by vLLM's BlockPool
+
+    def alloc(self, req_id: str, n: int) -> list[int]:
+        t = self.table.setdefault(req_id, [])
+        if len(t) < n:
+            t.extend(b.block_id for b in self.pool.get_new_blocks(n - len(t)))
+        return t
+
+    def step(self, scheduled: dict[str, int]) -> list[SaveSpec]:
+        return self.steps.emit_stores(scheduled, self.table.get)
+
+    def stored(self, req: Req, n: int, shards: Sequence[int] = (0,)) -> None:
+        """Blocks [0, n) of ``req`` in the store, for the given shards."""
+        for s in shards:
+            for k in self.steps.key_builders[s].keys(req.block_hashes[:n]):
+                self.store.data[k] = 1
+
+
+def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False) -> Sched:
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
+    store = ProbeStore()
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
+                           store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail)
+    steps.bind_ledger(led)
+    return Sched(steps, led, pool, store, {})
+
+
+def _run(s: Sched, req: Req, tokens: int) -> list[SaveSpec]:
+    """One engine step computing ``tokens`` more tokens of ``req`` (blocks allocated first)."""
+    s.alloc(req.request_id, -(-(req.num_computed_tokens + tokens) // BS))
+    saves = s.step({req.request_id: tokens})
+    req.num_computed_tokens += tokens
+    return saves
+
+
+# ---------------------------------------------------------------- probes (they kill)
+def probe_second_job_pins_from_block_0() -> None:
+    """A request's second store job pins every block from block 0 (a rank whose put failed resumes from its
+    own saved offset, which lags), not only the blocks new since the first job."""
+    s = sched()
+    req = Req("a", 3 * BS + 1)
+    s.steps.on_new_request(req)
+    (j1,) = _run(s, req, 2 * BS)
+    (j2,) = _run(s, req, BS + 1)
+    want = s.table["a"][:3]
+    check(list(j2.block_ids) == want and s.ledger.pinned_block_ids(j2.store_job_id) == want,
+          f"the second job pins {s.ledger.pinned_block_ids(j2.store_job_id)}, sends {list(j2.block_ids)}; "
+          f"the table's first 3 blocks are {want}")
+    check(j1.end_block == 2 and j2.start_block == 2 and j2.end_block == 3,
+          f"job ranges [{j1.start_block}, {j1.end_block}) and [{j2.start_block}, {j2.end_block})")
+
+
+def probe_tail_only_once_the_prompt_is_computed() -> None:
+    """The partial tail rides on the job that computes the prompt's end, never earlier (its last slots
+    would not be written yet), and it is pinned as the job's tail."""
+    s = sched(partial_tail=True)
+    req = Req("a", 2 * BS + 2)
+    s.steps.on_new_request(req)
+    s.alloc("a", 3)  # the prompt's blocks, all allocated up front
+    (j1,) = _run(s, req, BS)
+    check(j1.tail_tokens == 0 and j1.end_block == 1, f"the first job (1 block computed) carries a tail: {j1}")
+    (j2,) = _run(s, req, BS + 2)
+    t = s.table["a"]
+    check(j2.tail_tokens == 2 and list(j2.block_ids) == t[:3], f"the prompt-completing job: {j2}")
+    check(s.ledger.pinned_block_ids(j2.store_job_id) == t[:3], "the tail block is not pinned")
+
+
+def probe_deferred_save_is_retried() -> None:
+    """At the job cap a save is deferred (nothing pinned); once a pin is released the next step opens it,
+    even when the request is not scheduled then."""
+    s = sched(jobs_cap=1)
+    a, b = Req("a", BS + 1), Req("b", BS + 1)
+    for r in (a, b):
+        s.steps.on_new_request(r)
+    (ja,) = _run(s, a, BS + 1)
+    check(_run(s, b, BS + 1) == [], "a job over the cap of 1 was opened")
+    check(s.steps.num_deferred == 1, f"{s.steps.num_deferred} saves deferred, expected 1")
+    s.steps.collect({ja.store_job_id: 1})
+    saves = s.step({})
+    check([x.req_id for x in saves] == ["b"], f"after the release the next step opened {saves}")
+
+
+def probe_collect_frees_in_job_order() -> None:
+    """Two jobs released in one step free their blocks in ascending job id order, whatever the order of the
+    merged reports (the free queue's order is the model's)."""
+    order = []
+    for reports in ((1, 2), (2, 1)):
+        s = sched()
+        reqs = [Req("a", BS + 1), Req("b", BS + 1)]
+        for r in reqs:
+            s.steps.on_new_request(r)
+        jobs = [_run(s, r, BS + 1)[0].store_job_id for r in reqs]
+        for r in reqs:  # the requests finish: only the pins hold their blocks
+            s.steps.request_finished(r)
+            s.pool.free_blocks(s.pool.blocks[x] for x in s.table[r.request_id])
+        s.steps.collect({jobs[i - 1]: 1 for i in reports})
+        order.append([b.block_id for b in s.pool.free_block_queue.get_all_free_blocks()])
+    check(order[0] == order[1], f"the free queue depends on the reports' order: {order[0]} vs {order[1]}")
+
+
+def probe_finish_notice_keeps_a_reused_id() -> None:
+    """vLLM reports a finish in the step that may already admit the id's next request: the notice closes the
+    old generation and leaves the new request's lookup, load and saves alone."""
+    s = sched()
+    old = Req("a", 2 * BS + 1)
+    s.steps.on_new_request(old)
+    _run(s, old, 2 * BS + 1)
+    s.steps.request_finished(old)
+    new = Req("a", 2 * BS + 1)
+    s.stored(new, 2)
+    s.steps.on_new_request(new)
+    ext = s.steps.lookup(new, 0)
+    check(ext == 2 * BS, f"the new request's lookup hit {ext} tokens, expected {2 * BS}")
+    s.steps.emit_load(new, s.alloc("a (new)", 3), ext)
+    drops = s.steps.notices(["a"], [])
+    check(drops == {"a": 0}, f"the finish notice closes {drops}")
+    loads = s.steps.take_loads()
+    check(len(loads) == 1 and s.steps.num_live_requests == 1,
+          f"after the notice: {len(loads)} loads to send, {s.steps.num_live_requests} live requests")
+
+
+def probe_unannounced_preemption_saves_from_block_0() -> None:
+    """A preemption the connector is not told of (reset_prefix_cache(reset_running_requests=True)) still
+    starts a new generation: its first job covers the blocks from 0 again."""
+    s = sched()
+    req = Req("a", 2 * BS + 1)
+    s.steps.on_new_request(req)
+    _run(s, req, 2 * BS)
+    req.num_preemptions += 1  # vLLM preempted it outside schedule(): no notice reaches the connector
+    req.num_computed_tokens = 0
+    saves = _run(s, req, 2 * BS)
+    check(len(saves) == 1 and saves[0].start_block == 0 and saves[0].generation == 1,
+          f"the new generation's first step opened {saves}")
+
+
+def probe_failed_load_blocks_are_saved() -> None:
+    """Blocks whose load failed are recomputed and saved: only the loaded blocks vLLM kept count as saved."""
+    s = sched()
+    req = Req("a", 2 * BS + 1)
+    s.stored(req, 2)
+    s.steps.on_new_request(req)
+    ext = s.steps.lookup(req, 0)
+    s.steps.emit_load(req, s.alloc("a", 3), ext)
+    s.steps.take_loads()
+    s.steps.collect_loads(["a"])
+    # the policy kept block 0 only (block 1 failed): vLLM recomputes from there
+    req.num_computed_tokens = BS
+    saves = _run(s, req, BS + 1)
+    check(len(saves) == 1 and (saves[0].start_block, saves[0].end_block) == (1, 2),
+          f"after a load that kept 1 of 2 blocks the next step opened {saves}")
+
+
+def probe_lookup_needs_every_shard() -> None:
+    """A block is a hit only when every tensor-parallel shard's key exists."""
+    s = sched(shards=2)
+    req = Req("a", 2 * BS + 1)
+    s.stored(req, 2, shards=(0,))
+    s.steps.on_new_request(req)
+    ext = s.steps.lookup(req, 0)
+    check(ext == 0, f"a lookup hit {ext} tokens with shard 1's keys missing")
+
+
+def probe_preempt_notice_names_the_ended_generation() -> None:
+    """The preemption notice closes the generation that just ended (vLLM counted the preemption already)."""
+    s = sched()
+    req = Req("a", BS + 1)
+    s.steps.on_new_request(req)
+    _run(s, req, BS)
+    req.num_preemptions += 1
+    drops = s.steps.notices([], ["a"])
+    check(drops == {"a": 0}, f"the preemption notice closes {drops}, expected generation 0")
+
+
+PROBES: list[Callable[[], None]] = [
+    probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
+    probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
+    probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
+    probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
+]
+
+
+# ---------------------------------------------------------------- mutants of the scheduler steps
+def _pins_from_saved_offset(orig):  # a job pins only the blocks new since the last job (lagging rank unpinned)
+    def emit_store(self, saves, req_id, num_scheduled, table_of):
+        st = self._reqs.get(req_id)
+        skip = st.saved_blocks if st is not None else 0
+
+        def table(q: str) -> Any:
+            t = table_of(q)
+            return None if t is None else [0] * min(skip, len(t)) + list(t[skip:])  # 0: vLLM's null block
+        return orig(self, saves, req_id, num_scheduled, table)
+    return emit_store
+
+
+def _tail_before_prompt_end(orig):  # the tail rides on any job, before the prompt's last slots exist
+    def _due_tail(self, st, token_len, end):
+        return orig(self, st, max(token_len, st.request.num_prompt_tokens), end)
+    return _due_tail
+
+
+def _deferral_forgotten(orig):  # a deferred save is not indexed: never retried
+    def set_deferred(self, st, deferred):
+        return orig(self, st, False)
+    return set_deferred
+
+
+def _collect_in_report_order(orig):  # the merged reports released in the order they arrived
+    def collect(self, completed_saves):
+        return self._ledger().collect(dict(completed_saves)) if completed_saves else 0
+    return collect
+
+
+def _finish_notice_wipes_reused_id(orig):  # the finish notice forgets the req_id again (the reuse stall)
+    def notices(self, finished_req_ids, preempted_req_ids):
+        drops = orig(self, finished_req_ids, preempted_req_ids)
+        for r in finished_req_ids:
+            self._reqs.drop(r)
+        self._loads_out = [x for x in self._loads_out if x.req_id not in finished_req_ids]
+        return drops
+    return notices
+
+
+def _generation_not_checked(orig):  # save state survives a preemption the connector was not told of
+    def current(self, st):
+        return st
+    return current
+
+
+def _load_counted_whole(orig):  # every block of a load counts as saved, failed ones too
+    def load_done(self, request):
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.load_pending:
+            request.num_computed_tokens, real = st.loaded_blocks * self.block_size, request.num_computed_tokens
+            try:
+                orig(self, request)
+            finally:
+                request.num_computed_tokens = real
+    return load_done
+
+
+def _lookup_own_shard_only(orig):  # the lookup asks its own shard's keys only
+    def _query(self, request, gen, num_computed_tokens):
+        kbs, self.key_builders = self.key_builders, self.key_builders[:1]
+        try:
+            return orig(self, request, gen, num_computed_tokens)
+        finally:
+            self.key_builders = kbs
+    return _query
+
+
+def _preempt_notice_off_by_one(orig):  # the notice names the new generation, not the one that ended
+    def notices(self, finished_req_ids, preempted_req_ids):
+        drops = orig(self, finished_req_ids, preempted_req_ids)
+        for r in preempted_req_ids:
+            if r in drops:
+                drops[r] += 1
+        return drops
+    return notices
+
+
+Patch = tuple[Any, str, Callable[[Any], Any]]
+MUTANTS: dict[str, list[Patch]] = {
+    "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
+    "sched_tail_before_prompt_end": [(SchedulerSteps, "_due_tail", _tail_before_prompt_end)],
+    "sched_deferral_forgotten": [(_RequestTable, "set_deferred", _deferral_forgotten)],
+    "sched_collect_in_report_order": [(SchedulerSteps, "collect", _collect_in_report_order)],
+    "sched_finish_notice_wipes_reused_id": [(SchedulerSteps, "notices", _finish_notice_wipes_reused_id)],
+    "sched_generation_not_checked": [(_RequestTable, "current", _generation_not_checked)],
+    "sched_failed_load_counted_saved": [(SchedulerSteps, "load_done", _load_counted_whole)],
+    "sched_lookup_own_shard_only": [(SchedulerSteps, "_query", _lookup_own_shard_only)],
+    "sched_preempt_notice_off_by_one": [(SchedulerSteps, "notices", _preempt_notice_off_by_one)],
+}
+
+#: the shows-probe of each mutant: the probe that observes the patched function directly
+SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
+    probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
+    probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
+    probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
+    probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
+]))
