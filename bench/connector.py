@@ -1,4 +1,4 @@
-"""Connector benchmarks (issue 4 §Performance). Each suite prints same-run ratios only.
+"""Connector benchmarks. Each suite prints same-run ratios only.
 
 Suite `store`: store throughput through `MooncakeStore` (our wrapper: input checks, per-key codes, health
 backoff, duplicate-key rounds) against the raw Mooncake batch calls it wraps

@@ -1,4 +1,4 @@
-"""Worker data-path benchmark (issue 9 item 4, "speed, side by side, same run"): save and load GB/s of a
+"""Worker data-path benchmark, side by side in one run: save and load GB/s of a
 batch of KV blocks, three paths measured in one run on the same Mooncake client, rotating order.
 
 Caches come from vLLM's own allocator (testbed.kvcache: `build_kv_cache_config` + `allocate`) for a

@@ -1,4 +1,4 @@
-"""Connector overhead in vLLM 0.32's real engine (issue 10 item 5). Same-run ratios only, nothing asserted.
+"""Connector overhead in vLLM 0.32's real engine. Same-run ratios only, nothing asserted.
 
 The same workload (shared-prefix prompts, 2 passes with the same request ids, reset_prefix_cache()
 between them: pass 1 saves, pass 2 loads from the store) and the same stand-in model worker

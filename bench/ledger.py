@@ -18,7 +18,7 @@ dict-of-sets worker, the definition machine (transitions) against the compiled t
 the memory of one request state.
 
 Run: ``make bench`` (or ``python -m bench.ledger [--quick]``). Prints µs per job and same-run ratios.
-Targets (issue 3): ours <= 0.75x upstream and <= 1.15x plain at every size.
+Targets: ours <= 0.75x upstream and <= 1.15x plain at every size.
 """
 from __future__ import annotations
 

@@ -12,17 +12,16 @@ Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
 
   scheduler process                                  worker rank w (one WorkerLedger, one LoadLedger)
   -----------------                                  ------------------------------------------------
-  schedule() / build_connector_meta
+  schedule() / build_connector_meta                  start_load_kv (WorkerSide.start_step), drops first:
+    preempted / finished req ids  ─────────────────────►  WorkerLedger.drop_generation(req_id) DropGeneration
     update_state_after_alloc: SchedulerLedger.pin_load(req_id, block_ids)     EmitLoad: pool.touch(dest)
-    SchedulerLedger.open_job(req_id, block_ids)  ──► ReqMeta(store_job_id) ──► wait_for_save:
+    SchedulerLedger.open_job(req_id, block_ids)  ──► SaveSpec(store_job_id) ──► wait_for_save (end_step):
       EmitStore: job id, pool.touch(blocks)              WorkerLedger.register(req_id, job)    Receive
       None = DEFER (cap reached): retry next step      store thread:
-    preempted / finished req ids  ─────────────────────►  WorkerLedger.begin(job) RUN|STALE|SKIP  DmaRead
+                                                          WorkerLedger.begin(job) RUN|STALE|SKIP  DmaRead
                                                           ... put ... record_saved / record_failed  Put
                                                           WorkerLedger.finish(job)  (finally)   Report
-                                                       get_finished:
-                                                          WorkerLedger.drop_generation(req_id) DropGeneration
-                                                       recv thread:
+                                                       load thread(s):
                                                           LoadLedger.begin_load / record_results /
                                                           fail_pending / finish_load            Load
                                                        get_block_ids_with_load_errors:
@@ -33,7 +32,7 @@ Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
   update_connector_output
     SchedulerLedger.collect({job: count})   Collect: ranks_left -= count; at 0 free_blocks(reversed)
     SchedulerLedger.collect_loads({req_id: world_size})   CollectLoad (finished_recving: every rank)
-  has_requests(): SchedulerLedger.has_pending_work()
+  has_pending_push_work(): SchedulerLedger.has_pending_work()
 
 Safety in one sentence per rule: a job's pin owns its blocks until every rank reported it (S2, S3); a
 job outside its request's live set is stale and changes nothing (S4) but is reported exactly once (S5);

@@ -6,15 +6,16 @@ offset (tokens persisted by live jobs), its pressure-skip flag and its StoreRequ
 one's leftover jobs are *stale*: they run nothing and change nothing, but are still reported, so the
 scheduler releases their pins.
 
-Per job, on the rank's store thread (the connector holds one lock around every call; no lock inside)::
+Per job and per notice (the connector holds one lock around every call; no lock inside)::
 
+    start_load_kv ─► drop_generation(req_id, finished=)   DropGeneration  open -> closed | closing
+                     (WorkerSide.start_step: a step's notices before its jobs)
     wait_for_save ─► register(req_id, job_id)            Receive   emitted -> queued      (before enqueue)
     store thread ──► begin(job_id) -> RUN|STALE|SKIP      DmaRead   queued -> running|stale|skipped
                      saved_offset(job_id)                 where the put resumes
                      record_saved(job_id, num_tokens)     Put       running -> stored  (offset, if live)
                      record_failed(job_id, pressure=..)   Put/DmaRead -> failed
                      finish(job_id)   (in a finally)      Report    -> reported  (exactly once)
-    get_finished ──► drop_generation(req_id, finished=)   DropGeneration  open -> closed | closing
     build_connector_worker_meta ─► take_completed()       {job_id: 1} for the scheduler's collect
 
 Every lifecycle change goes through the compiled StoreJob / StoreRequest tables (:mod:`kvledger.machines`).

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue: KV caches on CUDA, shaped as vLLM's allocator shapes them).
+# The prepared GPU check: the connector's KV copy plan on CUDA caches shaped as vLLM's allocator shapes them.
 #   scripts/gpu-check.sh pack   here (needs .venv with vLLM): writes $GPU_CHECK_DIR (default .gpu-check/):
-#                               kvledger_connector/kvlayout.py, the test, geometry.json recorded from vLLM (< 1 MiB)
+#                               kvledger_connector/kvlayout.py, the test, geometry.json recorded from vLLM
 #   scripts/gpu-check.sh run    on the CUDA machine (torch + CUDA, pytest; no vLLM, no Mooncake, no network),
-#                               from the repository root; one verdict line at the end; < 10 minutes
-# The folder is git-ignored: hand it to the device runner as a carried path.
+#                               from the repository root; one verdict line at the end
+# The folder is git-ignored and self-contained: copy it with the checkout to the CUDA machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${GPU_CHECK_DIR:-.gpu-check}
@@ -14,13 +14,13 @@ case "${1:-}" in
     cp kvledger_connector/kvlayout.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
     .venv/bin/python -m scripts.gpu_check.record_geometry > "$DIR/geometry.json" 2>"$DIR/record.log"
     bytes=$(du -sb "$DIR" | cut -f1)
-    [ "$bytes" -lt $((64 << 20)) ] || { echo "gpu-check: pack is $bytes bytes, over 64 MiB" >&2; exit 1; }
     echo "gpu-check: packed $DIR ($bytes bytes, $(grep -o '"layout"' "$DIR/geometry.json" | wc -l) cases)"
     ;;
   run)
     [ -f "$DIR/geometry.json" ] || { echo "GPU-CHECK FAIL: $DIR/geometry.json missing (run pack first)"; exit 2; }
     PY=${PYTHON:-python3}
     set +e
+    # bounded, so that a hung device call still ends in a verdict line
     out=$(cd "$DIR" && timeout 540 "$PY" -m pytest -q -p no:cacheprovider test_gpu_kv.py 2>&1)
     rc=$?
     set -e

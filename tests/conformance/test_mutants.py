@@ -21,7 +21,7 @@ def test_every_mutant_killed(tmp_path: Path) -> None:
     survivors = [n for n, killed in res.items() if not killed]
     assert survivors == [], "\n".join(lines)
     assert lines[-1].startswith(f"[mutants] {len(res)}/{len(res)} killed")
-    # the weak places of the issue each have their own mutant
+    # the weak places of the data path and the orchestration each have their own mutant
     for name in ("put_partial_batch_ok", "get_short_read_loaded", "cow_tail_unpinned", "rank_reports_overwritten",
                  "reports_counted_twice", "pin_cap_admits_one_over", "pin_block_cap_one_short",
                  "register_generation_dropped", "load_ids_not_rotated", "save_report_skipped_on_exception",

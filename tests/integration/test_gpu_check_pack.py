@@ -10,13 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_packs_under_64_mib_and_passes_on_cpu(tmp_path: Path) -> None:
+def test_gpu_check_packs_and_passes_on_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path / "pack"), "GPU_CHECK_DEVICE": "cpu",
            "PYTHON": sys.executable}
     subprocess.run(["scripts/gpu-check.sh", "pack"], cwd=ROOT, env=env, check=True, timeout=300)
     shipped = sorted(p.name for p in (tmp_path / "pack").iterdir())
-    assert {"kvlayout.py", "test_gpu_kv.py", "geometry.json"} <= set(shipped)
-    assert sum(p.stat().st_size for p in (tmp_path / "pack").iterdir()) < 64 << 20
+    assert set(shipped) == {"kvlayout.py", "test_gpu_kv.py", "geometry.json", "record.log"}
     # the pack must not reach back into the project: run it from a copy's own folder with no PYTHONPATH
     env.pop("PYTHONPATH", None)
     res = subprocess.run(["scripts/gpu-check.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True,

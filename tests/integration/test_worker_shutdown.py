@@ -1,8 +1,8 @@
-"""Shutting the worker side down under load never crashes the process (issue 12, item 3).
+"""Shutting the worker side down under load never crashes the process.
 
 Measured on mooncake-transfer-engine-non-cuda: closing a `MooncakeDistributedStore` while another thread is
-inside one of its calls, or calling it after `close()`, kills the process inside Mooncake (SIGSEGV here;
-issue 12 saw a SIGABRT in the same teardown), so the connector must never do either. `WorkerSide.shutdown`
+inside one of its calls, or calling it after `close()`, kills the process inside Mooncake (SIGSEGV here,
+SIGABRT in other runs of the same teardown), so the connector must never do either. `WorkerSide.shutdown`
 is bounded and may leave a thread inside a store call (a hung master); `MooncakeStore.close` then leaks
 the client instead of closing it under that call.
 
