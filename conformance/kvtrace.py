@@ -9,6 +9,7 @@ HandleLoadErrors) plus, in a log of the conformance driver, what vLLM's Schedule
     runtime                                   model (TraceKVLedger's event record)
     EmitStore blocks (all pinned ids), tail   blocks, tail (when logged: the job's partial tail block)
     actor "w<i>"                              w = the i-th rank of the config (sorted)
+    offset (tokens)                           off = offset // the driver's block size (chunks)
     req_id                                    r (ids not in the config: the k-th new id -> k-th request)
     job ids                                   renumbered 1.. in order of first appearance (monotonic)
     generation / notice_generation            g
@@ -38,6 +39,7 @@ from typing import Any, Iterable
 
 from conformance.engine import export as ex
 from conformance.engine import tracecheck as tc
+from conformance.kvdriver import BS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
@@ -55,7 +57,8 @@ class Normalizer:
     """Runtime events -> TraceKVLedger event records (see the module doc). Stateful: ids are
     mapped in order of first appearance."""
 
-    def __init__(self, consts: dict[str, Any]) -> None:
+    def __init__(self, consts: dict[str, Any], block_size: int = BS) -> None:
+        self.block_size = block_size  # the ledgers log offsets in tokens; a model chunk is one block
         self.ranks = sorted(consts["Ranks"])
         self.reqs = sorted(consts["Req"])
         self.req_map: dict[str, str] = {}
@@ -138,11 +141,11 @@ class Normalizer:
                     "live": [self.j(x) for x in ev["live"]]}
         if a == "DmaRead":
             return {"action": a, "w": self.w(actor), "job": self.j(ev["job"]), "outcome": ev["dest"],
-                    "off": ev["offset"]}
+                    "off": ev["offset"] // self.block_size}
         if a == "Put":
             outcome = "ok" if ev["dest"] == "stored" else ("pressure" if ev["pressure"] else "fail")
             return {"action": a, "w": self.w(actor), "job": self.j(ev["job"]), "outcome": outcome,
-                    "live": bool(ev["live"]), "off": ev["offset"]}
+                    "live": bool(ev["live"]), "off": ev["offset"] // self.block_size}
         if a == "Report":
             return {"action": a, "w": self.w(actor), "job": self.j(ev["job"]), "from": ev["from"],
                     "live": [self.j(x) for x in ev["live"]]}
