@@ -1,31 +1,24 @@
-"""Store configuration: one frozen `StoreConfig`, validated once at start-up.
+"""The connector's configuration: one table of keys (`KEYS`), read from every source by one reader.
 
-Sources, later wins:
-    1. defaults (below)
-    2. the JSON file named by ``MOONCAKE_CONFIG_PATH`` (Mooncake's usual file, also one written for upstream
-       vLLM's ``MooncakeStoreConnector``: see `UPSTREAM_KEYS`)
-    3. the connector's ``kv_connector_extra_config`` dict
+Every key is a `Key` row: its name, its type (which picks the parser), its default, its bounds (every
+number has both), whether the ``MOONCAKE_CONFIG_PATH`` file may set it, which object holds it
+(`StoreConfig`, `ConnectorConfig`, or the engine facts: the ranks) and its documentation. Upstream
+MooncakeStoreConnector's names for our keys and its environment variables are in
+kvledger_connector/upstream_keys.py. README's settings table and docs/vs-upstream.md's config tables are
+rendered from these tables (``python -m kvledger_connector.config --write``; a test fails on drift).
 
-Every problem raises `ConfigError` naming the source, the field and the offending value, so a typo in a
-deployment fails at start-up instead of silently running with a default. Keys the connector itself owns
-(not the store) are passed through `StoreConfig.from_sources(..., connector_keys=...)` so that they are
-neither rejected nor stored here.
+Sources, later wins: defaults, the JSON file named by ``MOONCAKE_CONFIG_PATH``, ``kv_connector_extra_config``.
+Upstream's ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` and ``VLLM_MOONCAKE_LOAD_RECV_THREADS`` set their keys only
+when no file or extra config does. Every value, the environment's included, goes through its row's parser;
+anything wrong raises `ConfigError` naming the source, the field and the value as given, so a typo fails at
+start-up instead of running with a default, and no key is ever dropped unread.
 
-Upstream keys (vLLM 0.32 ``MooncakeStoreConnector``, file and extra config): each is either the same key here,
-mapped onto ours (``device_name`` -> ``rdma_devices``, ``cache_prefix`` -> ``namespace``, ``save_decode_cache``
--> ``save_decode``, ``mode`` checked against ``global_segment_size``), accepted at the value that asks for
-nothing we lack (e.g. ``load_async: true``, ``tenant_id: "default"``), or refused with a `ConfigError` that
-names the key and the value and says what to use instead. The table is `UPSTREAM_KEYS`; docs/vs-upstream.md
-renders it.
+`read_settings` reads the sources into `Settings`; `Settings.store()` builds the `StoreConfig` and
+`ConnectorConfig.build` the whole configuration with what vLLM's configs fix (`EngineFigures`), deriving
+the pin cap there, once: no consumer sees an underived cap.
 
-Derived defaults (each explained in README's settings table):
-    * ``max_pinned_blocks`` unset: `derive_pin_cap` from max_model_len, block_size and the GPU block pool
-      (`StoreConfig.for_engine`, called by the connector once it knows the engine);
-    * ``local_hostname`` unset: 127.0.0.1 with the embedded master or a loopback master, else the address of
-      the interface that routes to the master (`advertised_address`), so that other nodes can reach this one.
-
-Sizes are ints (bytes) or strings such as ``"4GB"``, ``"512 MiB"``, ``"1.5gb"``; like Mooncake's own
-config parser, ``KB/MB/GB/TB`` are binary (1024-based), as are ``KiB/MiB/GiB/TiB``.
+Sizes are ints (bytes) or strings such as ``"4GB"``, ``"512 MiB"``, ``"1.5gb"``; like Mooncake's own config
+parser, ``KB/MB/GB/TB`` are binary (1024-based), as are ``KiB/MiB/GiB/TiB``.
 """
 from __future__ import annotations
 
@@ -35,25 +28,26 @@ import json
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
 
+from kvledger_connector import upstream_keys as upstream
 from kvledger_connector.scheduler_steps import max_job_blocks
+from kvledger_connector.upstream_keys import ENV_CONFIG_PATH
 
-ENV_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"
-#: upstream's override of the advertised address (vLLM 0.32 mooncake rdma_utils); mapped onto local_hostname
-ENV_REQUESTER_HOSTNAME = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
-#: upstream's placement hint from the environment; refused when set (no placement hints here)
-ENV_PREFERRED_SEGMENT = "MOONCAKE_PREFERRED_SEGMENT"
-#: upstream's load thread count per rank (vLLM envs); mapped onto load_threads, below an explicit setting
-ENV_LOAD_RECV_THREADS = "VLLM_MOONCAKE_LOAD_RECV_THREADS"
+__all__ = ["ENV_CONFIG_PATH", "KEYS", "ConfigError", "ConnectorConfig", "EngineFigures", "Key", "Settings",
+           "StoreConfig", "advertised_address", "derive_pin_cap", "parse_size", "read_settings"]
 
-# Upstream names of our fields: Mooncake config files call the RDMA device list `device_name` (setup() calls
-# it rdma_devices); upstream's extra config calls the key namespace `cache_prefix`.
-_ALIASES = {"device_name": "rdma_devices", "cache_prefix": "namespace"}
+_EXTRA = "kv_connector_extra_config"
+_ENVIRONMENT = "environment"
 _LOOPBACK = "127.0.0.1"
+_MAX_FILE_BYTES = 1 << 20  # a settings file, not a data file: anything larger is a wrong path
+_MAX_TEXT = 4096  # longest string value (PATH_MAX); also bounds a size string before it is parsed
 
 _UNITS = {
     "": 1, "b": 1,
@@ -62,206 +56,99 @@ _UNITS = {
     "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
     "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d{1,20}(?:\.\d{1,12})?)\s*([a-zA-Z]*)\s*$")
+_DECIMAL_RE = re.compile(r"^\s*\d{1,20}\s*$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:,/ -]{0,1024}$")
 _METADATA_SCHEMES = ("http", "https", "etcd", "redis")
 
 
 class ConfigError(ValueError):
-    """Invalid store configuration; the message names the source, the field and the value."""
+    """Invalid configuration; the message names the source, the field and the value."""
 
     def __init__(self, field: str, value: Any, reason: str, source: str = "config") -> None:
         self.field, self.value, self.reason, self.source = field, value, reason, source
         super().__init__(f"{source}: {field}={value!r}: {reason}")
 
+    def at(self, source: str) -> ConfigError:
+        """The same error, naming `source` (where the value was read)."""
+        return ConfigError(self.field, self.value, self.reason, source)
+
+
+# -- the table ------------------------------------------------------------------------------------------
+
+KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", "int", "bool", "namespace", "path"]
+Holder = Literal["store", "connector", "engine"]
+#: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
+DERIVED: Final = 0
+
 
 @dataclass(frozen=True)
-class StoreConfig:
-    """Mooncake store settings plus the connector's bounds (all of them finite: see the settings table in README.md).
+class Key:
+    """One configuration key: how it is parsed and bounded, where it may come from, who holds it."""
 
-    `master_server_address` None means *embedded mode*: the connector starts a private master and
-    metadata server on 127.0.0.1 (kvledger_connector/embedded.py) and fills both addresses in.
-    """
-
-    master_server_address: str | None = None  # "host:port" of mooncake_master; None -> embedded
-    metadata_server: str | None = None  # "http://host:port/metadata" | "P2PHANDSHAKE" | etcd://...
-    local_hostname: str = ""  # address this client advertises (also MC_TCP_BIND_ADDRESS); "": derived
-    protocol: str = "tcp"  # "tcp" or "rdma"
-    rdma_devices: str = ""  # comma list of RDMA NICs; "" for tcp
-    global_segment_size: int = 512 << 20  # bytes this process contributes to the pool (0: consumer only)
-    local_buffer_size: int = 16 << 20  # staging buffer of the copying APIs (zero-copy path does not use it)
-    rpc_timeout_ms: int = 2000  # bound on a client->master RPC (MC_RPC_TIMEOUT_MS; Mooncake default 30 s)
-    unhealthy_backoff_ms: int = 1000  # after a master RPC failure, skip store calls this long
-    max_inflight_jobs: int = 64  # store jobs pinning GPU blocks at once (scheduler cap, S6 BoundedPins)
-    max_pinned_blocks: int | None = None  # blocks pinned by store jobs at once (S6); None: for_engine derives
-    load_sub_batch_keys: int = 64  # keys per batch_get call on the load path
-    max_key_bytes: int = 512  # longer keys are never sent; their blocks are reported as load errors
-    store_queue_size: int = 128  # bounded worker store-job queue (put side)
-    load_queue_size: int = 128  # bounded worker load-job queue
-    namespace: str = ""  # key prefix of this tenant (upstream: cache_prefix); "" none
-
-    def __post_init__(self) -> None:
-        self._check_coherent("config")  # first: the derivation below needs a coherent master address
-        if not self.local_hostname:  # derived once, so every use (setup, MC_TCP_BIND_ADDRESS) sees one address
-            object.__setattr__(self, "local_hostname", advertised_address(self.master_server_address))
-
-    # -- construction -------------------------------------------------------------------------------
-
-    @classmethod
-    def from_sources(
-        cls,
-        extra_config: Mapping[str, Any] | None = None,
-        *,
-        env: Mapping[str, str] | None = None,
-        connector_keys: Iterable[str] = (),
-    ) -> StoreConfig:
-        """Defaults <- ``$MOONCAKE_CONFIG_PATH`` JSON <- `extra_config`. Keys in `connector_keys` are
-        skipped (they belong to the connector); any other unknown key is a `ConfigError`."""
-        env = os.environ if env is None else env
-        skip = frozenset(connector_keys)
-        merged: dict[str, Any] = {}
-        path = env.get(ENV_CONFIG_PATH)
-        if path:
-            merged.update(cls._read_file(path, skip))
-        if extra_config is not None:
-            if not isinstance(extra_config, Mapping):
-                raise ConfigError("kv_connector_extra_config", extra_config, "must be a dict", "extra config")
-            merged.update(cls._normalise(dict(extra_config), "kv_connector_extra_config", skip))
-        if env.get(ENV_PREFERRED_SEGMENT):
-            raise ConfigError(ENV_PREFERRED_SEGMENT, env[ENV_PREFERRED_SEGMENT],
-                              UPSTREAM_KEYS["preferred_segment"][1], "environment")
-        requester = env.get(ENV_REQUESTER_HOSTNAME, "").strip()
-        if requester and "local_hostname" not in merged:  # upstream's override, below any explicit setting
-            merged["local_hostname"] = _parse_hostname(ENV_REQUESTER_HOSTNAME, requester, "environment")
-        return cls.from_dict(merged, source="config")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> StoreConfig:
-        """Validate `values` (field name -> raw value) into a config. Unknown keys are errors; upstream
-        keys (`UPSTREAM_KEYS`) are mapped, accepted at a value that asks for nothing we lack, or refused."""
-        kwargs: dict[str, Any] = {}
-        mode: Any = None
-        for key, raw in values.items():
-            name = _ALIASES.get(key, key)
-            if name in UPSTREAM_KEYS:
-                _check_upstream(name, raw, source)
-                if name == "mode":
-                    mode = raw
-                continue
-            if name not in _FIELDS:
-                raise ConfigError(key, raw, f"unknown key; known keys: {', '.join(sorted(_FIELDS))}", source)
-            kwargs[name] = _PARSERS[name](key, raw, source)
-        try:
-            cfg = cls(**kwargs)
-        except ConfigError as e:  # from __post_init__: name the source the values came from
-            raise ConfigError(e.field, e.value, e.reason, source) from None
-        # a set cap below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)
-        if cfg.max_pinned_blocks is not None and cfg.max_pinned_blocks < cfg.max_inflight_jobs:
-            raise ConfigError("max_pinned_blocks", cfg.max_pinned_blocks,
-                              f"smaller than max_inflight_jobs={cfg.max_inflight_jobs}", source)
-        if mode is not None:
-            cfg._check_mode(mode, source)
-        return cfg
-
-    @staticmethod
-    def _read_file(path: str, skip: frozenset[str]) -> dict[str, Any]:
-        src = f"{ENV_CONFIG_PATH}={path}"
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(ENV_CONFIG_PATH, path, "file not found", "environment") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(ENV_CONFIG_PATH, path, f"not valid JSON ({e})", "environment") from None
-        if not isinstance(data, dict):
-            raise ConfigError(ENV_CONFIG_PATH, path, "must hold a JSON object", "environment")
-        return StoreConfig._normalise(data, src, skip)
-
-    @staticmethod
-    def _normalise(data: dict[str, Any], source: str, skip: frozenset[str]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, raw in data.items():
-            if key in skip:
-                continue
-            name = _ALIASES.get(key, key)
-            if name in UPSTREAM_KEYS:
-                _check_upstream(name, raw, source)  # here too, so the error names the source that holds it
-                out[name] = raw
-                continue
-            if name not in _FIELDS:
-                raise ConfigError(key, raw, f"unknown key; known keys: {', '.join(sorted(_FIELDS))}", source)
-            # validate here too, so the error names the source that holds the bad value
-            _PARSERS[name](key, raw, source)
-            out[name] = raw
-        return out
-
-    def _check_coherent(self, source: str) -> None:
-        if self.master_server_address is None and self.metadata_server is not None:
-            raise ConfigError("metadata_server", self.metadata_server,
-                              "set without master_server_address (embedded mode starts its own)", source)
-        if self.master_server_address is not None and self.metadata_server is None:
-            raise ConfigError("metadata_server", None, "required when master_server_address is set", source)
-        if self.protocol == "rdma" and not self.rdma_devices:
-            raise ConfigError("rdma_devices", self.rdma_devices, "required when protocol is 'rdma'", source)
-
-    def _check_mode(self, mode: str, source: str) -> None:
-        """Upstream's ``mode`` names who contributes the pool's memory; here that is global_segment_size."""
-        if mode == "embedded" and self.global_segment_size == 0:
-            raise ConfigError("mode", mode, "with global_segment_size=0: upstream's 'embedded' mode has each "
-                              "worker contribute memory; set global_segment_size > 0, or mode 'standalone-store' "
-                              "for a worker that contributes none", source)
-        if mode == "standalone-store" and self.global_segment_size != 0:
-            raise ConfigError("mode", mode, f"with global_segment_size={self.global_segment_size}: upstream's "
-                              "'standalone-store' mode has an external mooncake_client own the pool; set "
-                              "global_segment_size 0 (this worker contributes no memory)", source)
-
-    def for_engine(self, *, max_model_len: int, block_size: int, num_gpu_blocks: int | None) -> StoreConfig:
-        """This config with ``max_pinned_blocks`` derived for the engine when it is unset (`derive_pin_cap`);
-        unchanged when it is set (the connector then checks it against the longest request)."""
-        if self.max_pinned_blocks is not None:
-            return self
-        cap = derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                             max_inflight_jobs=self.max_inflight_jobs)
-        return dataclasses.replace(self, max_pinned_blocks=cap)
-
-    # -- use -----------------------------------------------------------------------------------------
+    name: str
+    type: KeyType
+    default: Any
+    holder: Holder
+    doc: str  # README's "meaning" column
+    lo: int | None = None  # int and size keys: both bounds, inclusive
+    hi: int | None = None
+    in_file: bool = True  # the MOONCAKE_CONFIG_PATH file may set it (else the extra config only)
+    shown_default: str | None = None  # README's "default" column when the value alone says too little
+    tests: str = ""  # the tests that back a key upstream lacks (docs/vs-upstream.md)
 
     @property
-    def embedded(self) -> bool:
-        """True when no master is configured: the connector starts a private one on loopback."""
-        return self.master_server_address is None
+    def bounds(self) -> tuple[int, int]:
+        """(lo, hi) of a number key (the import-time check makes sure every number has both)."""
+        if self.lo is None or self.hi is None:
+            raise TypeError(f"config key {self.name} ({self.type}) has no bounds")
+        return self.lo, self.hi
 
-    def with_addresses(self, master_server_address: str, metadata_server: str) -> StoreConfig:
-        """This config pointed at a running master (used to fill in the embedded master's addresses)."""
-        return dataclasses.replace(self, master_server_address=_parse_address(
-            "master_server_address", master_server_address, "embedded"),
-            metadata_server=_parse_metadata("metadata_server", metadata_server, "embedded"))
+    def parse(self, field: str, raw: Any, source: str) -> Any:
+        """The typed value of `raw`, within this key's bounds, or `ConfigError(field, raw)`."""
+        return _PARSERS[self.type](self, field, raw, source)
 
-    def replace(self, **changes: Any) -> StoreConfig:
-        """A validated copy with `changes` (same rules as `from_dict`)."""
-        values = {f: getattr(self, f) for f in _FIELDS}
-        values.update(changes)
-        keep_cap = "max_pinned_blocks" not in changes  # may be derived (`for_engine`): below the job cap is fine
-        if keep_cap:
-            values.pop("max_pinned_blocks")
-        cfg = StoreConfig.from_dict({k: v for k, v in values.items() if v is not None}, source="replace")
-        return dataclasses.replace(cfg, max_pinned_blocks=self.max_pinned_blocks) if keep_cap else cfg
-
-
-# -- field parsers: each returns the typed value or raises ConfigError(field, value) ----------------------
+    def parse_text(self, field: str, text: str, source: str) -> Any:
+        """`parse` for a string from the environment: numbers are decimal digits; the error names `text`."""
+        try:
+            if self.type != "int":
+                return self.parse(field, text.strip(), source)
+            if not _DECIMAL_RE.match(text):
+                lo, hi = self.bounds
+                raise ConfigError(field, text, f"must be a decimal integer in {lo}..{hi}", source)
+            return self.parse(field, int(text), source)
+        except ConfigError as e:
+            raise ConfigError(field, text, f"{e.reason} (or set {self.name} in {_EXTRA})", source) from None
 
 
-def _int(field: str, raw: Any, source: str, *, minimum: int) -> int:
+def _size_text(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def _bounded(key: Key, field: str, raw: Any, value: int, source: str) -> int:
+    lo, hi = key.bounds
+    if value < lo:
+        why = "must be > 0" if key.type == "size" and lo == 1 else f"must be >= {lo}"
+        raise ConfigError(field, raw, why, source)
+    if value > hi:
+        raise ConfigError(field, raw, f"must be <= {_size_text(hi) if key.type == 'size' else hi}", source)
+    return value
+
+
+def _parse_int(key: Key, field: str, raw: Any, source: str) -> int:
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise ConfigError(field, raw, f"must be an integer, got {type(raw).__name__}", source)
-    if raw < minimum:
-        raise ConfigError(field, raw, f"must be >= {minimum}", source)
-    return raw
+    return _bounded(key, field, raw, raw, source)
 
 
 def parse_size(field: str, raw: Any, source: str = "config") -> int:
-    """Bytes from an int or a string like "4GB" / "512 MiB" (binary units)."""
+    """Bytes from an int or a string like "4GB" / "512 MiB" (binary units), exactly (no float rounding);
+    the bounds are the key's (`Key.parse`)."""
     if isinstance(raw, bool):
         raise ConfigError(field, raw, "must be a size (int bytes or e.g. '4GB'), got bool", source)
     if isinstance(raw, int):
@@ -269,15 +156,25 @@ def parse_size(field: str, raw: Any, source: str = "config") -> int:
             raise ConfigError(field, raw, "size must be >= 0", source)
         return raw
     if isinstance(raw, str):
-        m = _SIZE_RE.match(raw)
+        m = _SIZE_RE.match(raw) if len(raw) <= 64 else None
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ConfigError(field, raw, "not a size; use bytes or e.g. '4GB', '512MB', '64 KiB'", source)
-        value = float(m.group(1)) * _UNITS[unit]
-        if value != int(value):
+        value = Fraction(m.group(1)) * _UNITS[unit]
+        if value.denominator != 1:
             raise ConfigError(field, raw, "not a whole number of bytes", source)
         return int(value)
     raise ConfigError(field, raw, f"must be a size (int bytes or e.g. '4GB'), got {type(raw).__name__}", source)
+
+
+def _parse_size(key: Key, field: str, raw: Any, source: str) -> int:
+    return _bounded(key, field, raw, parse_size(field, raw, source), source)
+
+
+def _parse_bool(key: Key, field: str, raw: Any, source: str) -> bool:
+    if not isinstance(raw, bool):
+        raise ConfigError(field, raw, "must be a bool", source)
+    return raw
 
 
 def _host_ok(host: str) -> bool:
@@ -288,89 +185,393 @@ def _host_ok(host: str) -> bool:
         return bool(_HOST_RE.match(host))
 
 
-def _parse_address(field: str, raw: Any, source: str) -> str:
+def _parse_address(key: Key | None, field: str, raw: Any, source: str) -> str:
     if not isinstance(raw, str):
         raise ConfigError(field, raw, f"must be a 'host:port' string, got {type(raw).__name__}", source)
     host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or not _host_ok(host):
+    if (not sep or not host or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536
+            or not _host_ok(host)):
         raise ConfigError(field, raw, "must be 'host:port' with a port in 1..65535", source)
     return raw
 
 
-def _parse_metadata(field: str, raw: Any, source: str) -> str:
+def _parse_metadata(key: Key | None, field: str, raw: Any, source: str) -> str:
     if not isinstance(raw, str):
         raise ConfigError(field, raw, f"must be a string, got {type(raw).__name__}", source)
     if raw == "P2PHANDSHAKE":
         return raw
-    parts = urlsplit(raw)
+    parts = urlsplit(raw) if len(raw) <= _MAX_TEXT else None
     try:
-        port = parts.port
+        port = parts.port if parts is not None else None
     except ValueError:
         port = None
-    if parts.scheme not in _METADATA_SCHEMES or not parts.hostname or port is None:
+    if parts is None or parts.scheme not in _METADATA_SCHEMES or not parts.hostname or port is None:
         raise ConfigError(field, raw, "must be 'P2PHANDSHAKE' or a URL like http://host:port/metadata "
                           f"(schemes: {', '.join(_METADATA_SCHEMES)})", source)
     return raw
 
 
-def _parse_hostname(field: str, raw: Any, source: str) -> str:
+def _parse_host(key: Key, field: str, raw: Any, source: str) -> str:
     if not isinstance(raw, str) or not _host_ok(raw):
         raise ConfigError(field, raw, "must be a host name or IP address", source)
     return raw
 
 
-def _parse_namespace(field: str, raw: Any, source: str) -> str:
+def _parse_protocol(key: Key, field: str, raw: Any, source: str) -> str:
+    if raw not in ("tcp", "rdma") or not isinstance(raw, str):
+        raise ConfigError(field, raw, "must be 'tcp' or 'rdma'", source)
+    return raw
+
+
+def _parse_devices(key: Key, field: str, raw: Any, source: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(field, raw, f"must be a string, got {type(raw).__name__}", source)
+    if not _DEVICES_RE.match(raw):
+        raise ConfigError(field, raw, "must be a comma list of device names (A-Z a-z 0-9 _ . : / - and spaces), "
+                          "at most 1024 characters", source)
+    return raw
+
+
+def _parse_namespace(key: Key, field: str, raw: Any, source: str) -> str:
     if not isinstance(raw, str) or not (raw == "" or _NAMESPACE_RE.match(raw)):
         raise ConfigError(field, raw, "must be '' (none) or 1-64 characters of A-Z a-z 0-9 . _ - (it becomes "
                           "the first component of every store key)", source)
     return raw
 
 
-def _parse_protocol(field: str, raw: Any, source: str) -> str:
-    if raw not in ("tcp", "rdma"):
-        raise ConfigError(field, raw, "must be 'tcp' or 'rdma'", source)
-    return str(raw)
-
-
-def _parse_devices(field: str, raw: Any, source: str) -> str:
-    if not isinstance(raw, str):
-        raise ConfigError(field, raw, f"must be a string, got {type(raw).__name__}", source)
+def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:
+    if raw is None or raw == "":  # off
+        return None
+    if not isinstance(raw, str) or "\0" in raw or len(raw) > _MAX_TEXT:
+        raise ConfigError(field, raw, f"must be a path string of at most {_MAX_TEXT} characters ('' or null: off)",
+                          source)
     return raw
 
 
-_PARSERS: dict[str, Any] = {
-    "master_server_address": _parse_address,
-    "metadata_server": _parse_metadata,
-    "local_hostname": _parse_hostname,
-    "protocol": _parse_protocol,
-    "rdma_devices": _parse_devices,
-    "global_segment_size": parse_size,
-    "local_buffer_size": lambda f, r, s: _positive_size(f, r, s),
-    "rpc_timeout_ms": lambda f, r, s: _int(f, r, s, minimum=1),
-    "unhealthy_backoff_ms": lambda f, r, s: _int(f, r, s, minimum=0),
-    "max_inflight_jobs": lambda f, r, s: _int(f, r, s, minimum=1),
-    "max_pinned_blocks": lambda f, r, s: _int(f, r, s, minimum=1),
-    "load_sub_batch_keys": lambda f, r, s: _int(f, r, s, minimum=1),
-    "max_key_bytes": lambda f, r, s: _int(f, r, s, minimum=16),
-    "store_queue_size": lambda f, r, s: _int(f, r, s, minimum=1),
-    "load_queue_size": lambda f, r, s: _int(f, r, s, minimum=1),
-    "namespace": _parse_namespace,
+_PARSERS: dict[str, Callable[[Key, str, Any, str], Any]] = {
+    "address": _parse_address, "metadata": _parse_metadata, "host": _parse_host, "protocol": _parse_protocol,
+    "devices": _parse_devices, "size": _parse_size, "int": _parse_int, "bool": _parse_bool,
+    "namespace": _parse_namespace, "path": _parse_path,
 }
 
+_T = 1 << 40
+_MS_BOUND = 600_000  # ten minutes: a longer RPC bound or back-off stalls an engine step, not a cap
 
-def _positive_size(field: str, raw: Any, source: str) -> int:
-    value = parse_size(field, raw, source)
-    if value == 0:
-        raise ConfigError(field, raw, "must be > 0", source)
-    return value
+KEYS: tuple[Key, ...] = (
+    # -- the Mooncake client (StoreConfig)
+    Key("master_server_address", "address", None, "store",
+        "host:port of an existing mooncake_master; absent: embedded mode (a private master and metadata server "
+        "on 127.0.0.1, free ports, stopped at shutdown)", shown_default="absent"),
+    Key("metadata_server", "metadata", None, "store",
+        "transfer-engine metadata service; required with `master_server_address`, not allowed without it",
+        shown_default="absent"),
+    Key("local_hostname", "host", "", "store",
+        "address this client advertises (also exported as `MC_TCP_BIND_ADDRESS`). Unset: 127.0.0.1 in embedded "
+        "mode or with a loopback master (one host); with a master on another host, the address of this host's "
+        "interface that routes to the master (what the other nodes reach; no route: start-up error asking for it)",
+        shown_default="derived",
+        tests="test_config.py::test_advertised_address_is_loopback_with_a_loopback_master, "
+              "::test_advertised_address_routes_to_a_remote_master"),
+    Key("protocol", "protocol", "tcp", "store", "transfer protocol"),
+    Key("rdma_devices", "devices", "", "store", "RDMA NIC list, required for rdma"),
+    Key("global_segment_size", "size", 512 << 20, "store",
+        "bytes this worker contributes to the pool (0 = consumer only)", lo=0, hi=4 * _T),
+    Key("local_buffer_size", "size", 16 << 20, "store",
+        "staging buffer of Mooncake's copying APIs (the zero-copy path does not use it)", lo=1, hi=_T),
+    Key("rpc_timeout_ms", "int", 2000, "store",
+        "bound on every client→master RPC (`MC_RPC_TIMEOUT_MS`): a hung master costs at most this",
+        lo=1, hi=_MS_BOUND, tests="test_store_faults.py::test_hung_master_times_out_with_901_within_rpc_timeout"),
+    Key("unhealthy_backoff_ms", "int", 1000, "store",
+        "after a master failure (-900/-901), skip store calls this long instead of paying a reconnect per call",
+        lo=0, hi=_MS_BOUND,
+        tests="test_store_faults.py::test_killed_master_gives_codes_then_fast_skips_then_recovers_without_old_keys"),
+    Key("max_inflight_jobs", "int", 64, "store",
+        "cap on store jobs holding pinned blocks; beyond it the scheduler defers saves (retried, not dropped)",
+        lo=1, hi=1 << 16, tests="test_connector_e2e.py::test_cap_defers_saves_and_everything_still_drains"),
+    Key("load_sub_batch_keys", "int", 64, "store", "keys per `batch_get_into_multi_buffers` call", lo=1, hi=1 << 12,
+        tests="test_connector_worker.py::test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block"),
+    Key("max_key_bytes", "int", 512, "store",
+        "longest store key (UTF-8 bytes); a longer key is never sent, its block is reported as a load error",
+        lo=16, hi=1 << 12, tests="test_connector_worker.py::test_oversized_keys_are_reported_not_sent"),
+    Key("store_queue_size", "int", 128, "store", "bound of each worker's store-job queue", lo=1, hi=1 << 16,
+        tests="test_connector_worker.py::test_full_store_queue_reports_rejected_job_at_once"),
+    Key("load_queue_size", "int", 128, "store", "bound of each worker's load-job queue", lo=1, hi=1 << 16,
+        tests="test_connector_worker.py::test_full_load_queue_reports_every_block"),
+    Key("namespace", "namespace", "", "store",
+        "first component of every key: tenants sharing a store with different namespaces never share a key"),
+    # -- the connector's two sides (ConnectorConfig)
+    Key("max_pinned_blocks", "int", DERIVED, "connector",
+        "cap on pinned blocks. Unset: max(L, min(P / 2, J × L)) with L = ceil(`max_model_len`/`block_size`) the "
+        "longest request's blocks, P the GPU block pool, J = `max_inflight_jobs`: at least L (else the longest "
+        "prompt could never be saved), at most half the pool (saves in flight never keep more than half the KV "
+        "cache from running requests; their blocks stay pinned after a request finishes or is preempted), never "
+        "above J × L (J jobs cannot pin more). E.g. 128K tokens, block 16, 20,000 blocks: 10,000. Set: ≥ "
+        "`max_inflight_jobs`, and for a saving role ≥ L, else the connector refuses to start",
+        lo=1, hi=1 << 30, shown_default="derived",
+        tests="test_config.py::test_derived_pin_cap, test_connector_config.py::test_pin_cap_is_derived_from_the_"
+              "engine_when_unset, ::test_pin_cap_below_the_longest_request_is_refused_at_start"),
+    Key("load_threads", "int", 1, "connector", "load threads per rank", lo=1, hi=64,
+        tests="test_connector_config.py::test_upstream_load_recv_threads_env_sets_load_threads"),
+    Key("save_decode", "bool", False, "connector", "also save full blocks of generated tokens (default: prompt "
+        "blocks only)"),
+    Key("save_partial_tail", "bool", False, "connector",
+        "also save a prompt's partial last block (at least 2 tokens past a full block) under its own key, so a "
+        "repeated prompt loads all but its last token; off by default like upstream's (one more key per prompt; "
+        "multimodal and prompt-embedding requests never use it)",
+        tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token"),
+    Key("max_lookup_cache", "int", 4096, "connector",
+        "lookup answers kept for waiting requests (vLLM asks again every step)", lo=1, hi=1 << 20,
+        tests="test_connector_e2e.py::test_lookup_cache_is_bounded"),
+    Key("max_kv_events", "int", 10_000, "connector",
+        "KV cache events (`BlockStored` / `BlockRemoved`, medium `CPU`) held between two steps for vLLM's "
+        "publisher, only with `--kv-events-config` enabled; the oldest dropped and counted (`kv_events_dropped`). "
+        "vLLM collects them every step, so the cap only bites when one step collects more",
+        lo=1, hi=1 << 22, tests="test_kv_events.py::test_max_kv_events_refuses_bad_values, "
+                                "::test_pending_events_are_bounded_oldest_dropped"),
+    Key("trace_path", "path", None, "connector",
+        "NDJSON trace of the shared-vocabulary events (schema: `kvledger.trace.EVENTS`), one file per process "
+        "(checked by `python -m conformance.runlog`)", shown_default="off",
+        tests="test_runlog.py::test_real_log_is_accepted, "
+              "test_connector_e2e.py::test_trace_path_writes_the_shared_vocabulary"),
+    # -- the engine's ranks (kvledger_connector/engine_facts.py checks them against vLLM's groups)
+    Key("tp_rank", "int", None, "engine", "worker rank, only for in-process multi-rank drivers (tests); vLLM's TP "
+        "group wins, and a worker of a group of several ranks with neither refuses to start", lo=0, hi=1 << 16,
+        in_file=False, shown_default="vLLM's",
+        tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),
+    Key("pp_rank", "int", None, "engine", "pipeline stage, only for in-process drivers (tests); vLLM's PP group "
+        "wins", lo=0, hi=1 << 16, in_file=False, shown_default="vLLM's",
+        tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),
+)
+BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(StoreConfig))
-if set(_FIELDS) != set(_PARSERS):  # a new field without a parser would skip validation
-    raise ImportError(f"StoreConfig fields and parsers differ: {set(_FIELDS) ^ set(_PARSERS)}")
+def _holds(holder: Holder) -> tuple[Key, ...]:
+    return tuple(k for k in KEYS if k.holder == holder)
 
 
-# -- derived defaults -----------------------------------------------------------------------------------
+def _is_default(key: Key, value: Any) -> bool:
+    return value is key.default or (type(value) is type(key.default) and value == key.default)
+
+
+def _check_fields(obj: Any, holder: Holder) -> None:
+    """Every table key `obj` holds, through its row (so a config built in code is checked like one read
+    from a source); a default is valid by construction (None / "": absent, DERIVED: derived)."""
+    for key in _holds(holder):
+        value = getattr(obj, key.name)
+        if not _is_default(key, value):
+            object.__setattr__(obj, key.name, key.parse(key.name, value, "config"))
+
+
+# -- the store's settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The Mooncake client's settings and the worker's store/load bounds, each checked through its `KEYS` row.
+
+    `master_server_address` None means *embedded mode*: the connector starts a private master and
+    metadata server on 127.0.0.1 (kvledger_connector/embedded.py) and fills both addresses in.
+    `max_inflight_jobs` is the scheduler's job cap, here because the worker side sizes its ledger with it
+    from this object (kvledger_connector/worker.py).
+    """
+
+    master_server_address: str | None = None
+    metadata_server: str | None = None
+    local_hostname: str = ""  # "": derived (`advertised_address`)
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    global_segment_size: int = 512 << 20
+    local_buffer_size: int = 16 << 20
+    rpc_timeout_ms: int = 2000
+    unhealthy_backoff_ms: int = 1000
+    max_inflight_jobs: int = 64
+    load_sub_batch_keys: int = 64
+    max_key_bytes: int = 512
+    store_queue_size: int = 128
+    load_queue_size: int = 128
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "store")
+        if self.master_server_address is None and self.metadata_server is not None:
+            raise ConfigError("metadata_server", self.metadata_server,
+                              "set without master_server_address (embedded mode starts its own)")
+        if self.master_server_address is not None and self.metadata_server is None:
+            raise ConfigError("metadata_server", None, "required when master_server_address is set")
+        if self.protocol == "rdma" and not self.rdma_devices:
+            raise ConfigError("rdma_devices", self.rdma_devices, "required when protocol is 'rdma'")
+        if not self.local_hostname:  # derived once, so every use (setup, MC_TCP_BIND_ADDRESS) sees one address
+            object.__setattr__(self, "local_hostname", advertised_address(self.master_server_address))
+
+    @classmethod
+    def from_sources(cls, extra_config: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+                     ignore: Iterable[str] = ()) -> StoreConfig:
+        """The store's part of `read_settings` (every key of every source is still checked)."""
+        return read_settings(extra_config, env=env, ignore=ignore).store()
+
+    @property
+    def embedded(self) -> bool:
+        """True when no master is configured: the connector starts a private one on loopback."""
+        return self.master_server_address is None
+
+    def with_addresses(self, master_server_address: str, metadata_server: str) -> StoreConfig:
+        """This config pointed at a running master (used to fill in the embedded master's addresses)."""
+        try:
+            return dataclasses.replace(self, master_server_address=master_server_address,
+                                       metadata_server=metadata_server)
+        except ConfigError as e:
+            raise e.at("embedded") from None
+
+    def replace(self, **changes: Any) -> StoreConfig:
+        """A copy with `changes`, checked like any other."""
+        try:
+            return dataclasses.replace(self, **changes)
+        except ConfigError as e:
+            raise e.at("replace") from None
+
+
+# -- reading the sources ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every key the sources gave, parsed (typed, within its bounds), and the source that set each."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+
+    def get(self, name: str) -> Any:
+        """The value given for `name`, None when no source gave it."""
+        if name not in BY_NAME:
+            raise KeyError(f"{name!r} is not a config key")
+        return self.values.get(name)
+
+    def given(self, holder: Holder) -> dict[str, Any]:
+        return {k.name: self.values[k.name] for k in _holds(holder) if k.name in self.values}
+
+    def sourced(self, e: ConfigError) -> ConfigError:
+        """`e` naming the source of its field's value (a cross-field check knows only the field)."""
+        return e.at(self.sources[e.field]) if e.field in self.sources else e
+
+    def store(self) -> StoreConfig:
+        try:
+            return StoreConfig(**self.given("store"))
+        except ConfigError as e:
+            raise self.sourced(e) from None
+
+
+def _read_file(path: str) -> Mapping[str, Any]:
+    src = _ENVIRONMENT
+    try:
+        with open(path, "rb") as f:
+            blob = f.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(ENV_CONFIG_PATH, path, "file not found", src) from None
+    except OSError as e:
+        raise ConfigError(ENV_CONFIG_PATH, path, f"cannot be read ({e.strerror or e})", src) from None
+    if len(blob) > _MAX_FILE_BYTES:
+        raise ConfigError(ENV_CONFIG_PATH, path, f"larger than {_size_text(_MAX_FILE_BYTES)}: not a settings file",
+                          src)
+    try:
+        data = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(ENV_CONFIG_PATH, path, f"not valid JSON ({e})", src) from None
+    if not isinstance(data, dict):
+        raise ConfigError(ENV_CONFIG_PATH, path, "must hold a JSON object", src)
+    return data
+
+
+def _read_source(data: Mapping[str, Any], source: str, *, file: bool, ignore: frozenset[str],
+                 values: dict[str, Any], sources: dict[str, str], checked: dict[str, tuple[Any, str]]) -> None:
+    """One source's keys into `values` (over earlier sources'); upstream's own keys into `checked`."""
+    given_as: dict[str, tuple[str, Any]] = {}  # our key -> (the name it was given under, raw), in this source
+    for key, raw in data.items():
+        if key in ignore:
+            continue
+        if not isinstance(key, str):
+            raise ConfigError(str(key), raw, "keys must be strings", source)
+        row = upstream.CHECKED.get(key)
+        if row is not None:
+            reason = row.refusal(raw)
+            if reason is not None:
+                raise ConfigError(key, raw, reason, source)
+            checked[key] = (raw, source)
+            continue
+        name = upstream.ALIASES.get(key, key)
+        spec = BY_NAME.get(name)
+        if spec is None:
+            raise ConfigError(key, raw, f"unknown key; known keys: {', '.join(sorted(BY_NAME))}", source)
+        if file and not spec.in_file:
+            raise ConfigError(key, raw, f"not read from the file: set it in {_EXTRA}", source)
+        value = spec.parse(key, raw, source)
+        if name in given_as and values[name] != value:  # e.g. save_decode_cache and save_decode disagree
+            (other, other_raw), (alias, alias_raw) = given_as[name], (key, raw)
+            if alias == name:
+                (other, other_raw), (alias, alias_raw) = (alias, alias_raw), (other, other_raw)
+            raise ConfigError(alias, alias_raw, f"contradicts {other}={other_raw!r}; set one", source)
+        given_as[name] = (key, raw)
+        values[name], sources[name] = value, source
+
+
+def read_settings(extra_config: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+                  ignore: Iterable[str] = ()) -> Settings:
+    """Defaults <- ``$MOONCAKE_CONFIG_PATH`` JSON <- `extra_config`, then upstream's environment variables
+    below both; every value checked through its `KEYS` row. Keys in `ignore` are neither ours nor
+    upstream's and are skipped; any other unknown key is a `ConfigError`."""
+    env = os.environ if env is None else env
+    skip = frozenset(ignore)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    checked: dict[str, tuple[Any, str]] = {}
+    path = env.get(ENV_CONFIG_PATH, "")
+    if path:
+        _read_source(_read_file(path), f"{ENV_CONFIG_PATH}={path}", file=True, ignore=skip, values=values,
+                     sources=sources, checked=checked)
+    if extra_config is not None:
+        if not isinstance(extra_config, Mapping):
+            raise ConfigError(_EXTRA, extra_config, "must be a dict", "extra config")
+        _read_source(extra_config, _EXTRA, file=False, ignore=skip, values=values, sources=sources,
+                     checked=checked)
+    for row in upstream.ENV:
+        text = env.get(row.name)
+        if text is None or text.strip() == "":  # unset, or exported empty
+            continue
+        if row.ours is None:  # a variable asking for something we lack
+            reason = row.refusal(text)
+            if reason is not None:
+                raise ConfigError(row.name, text, reason, _ENVIRONMENT)
+            continue
+        value = BY_NAME[row.ours].parse_text(row.name, text, _ENVIRONMENT)  # checked even when overridden
+        if row.ours not in values:
+            values[row.ours], sources[row.ours] = value, _ENVIRONMENT
+    if "mode" in checked:
+        mode, source = checked["mode"]
+        reason = upstream.mode_refusal(mode, values.get("global_segment_size", BY_NAME["global_segment_size"].default))
+        if reason is not None:
+            raise ConfigError("mode", mode, reason, source)
+    return Settings(values=values, sources=sources)
+
+
+# -- the whole configuration ---------------------------------------------------------------------------------
+
+
+class EngineFigures(Protocol):
+    """What vLLM's configs fix that the configuration depends on (kvledger_connector/engine_facts.py)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_gpu_blocks(self) -> int | None: ...
+    @property
+    def save_enabled(self) -> bool: ...
+    @property
+    def load_enabled(self) -> bool: ...
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
@@ -399,6 +600,102 @@ def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int |
     return max(longest, upper)
 
 
+def _vllm_int(field: str, value: Any, source: str, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 40:
+        raise ConfigError(field, value, "must be an int in 1..2**40", source)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector's two sides are configured with, checked once and handed to both: the
+    store's settings, the connector's own keys and what vLLM's configs fix. `build` makes it from
+    `Settings`; built directly (tests, drivers) it is checked the same way.
+
+    `max_pinned_blocks` is the cap in force after construction: given as DERIVED (the default) it is
+    derived here from `max_model_len`, `block_size` and `num_gpu_blocks` (`derive_pin_cap`). Without a
+    `max_model_len` (a side built by a driver, not an engine) no job size is known and the cap is the key's
+    bound: only `max_inflight_jobs` limits the pins then."""
+
+    store: StoreConfig
+    block_size: int
+    world_size: int = 1
+    nnodes: int = 1
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None
+    save_enabled: bool = True  # kv_role kv_producer | kv_both
+    load_enabled: bool = True  # kv_role kv_consumer | kv_both
+    save_decode: bool = False
+    save_partial_tail: bool = False
+    load_threads: int = 1
+    max_lookup_cache: int = 4096
+    max_kv_events: int = 10_000
+    trace_path: str | None = None
+    max_pinned_blocks: int = DERIVED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError("store", type(self.store).__name__, "must be a StoreConfig", "connector")
+        _vllm_int("block_size", self.block_size, "vllm cache_config")
+        _vllm_int("world_size", self.world_size, "vllm parallel_config")
+        _vllm_int("nnodes", self.nnodes, "vllm parallel_config")
+        _vllm_int("max_model_len", self.max_model_len, "vllm model_config", optional=True)
+        _vllm_int("num_gpu_blocks", self.num_gpu_blocks, "vllm cache_config", optional=True)
+        for name in ("save_enabled", "load_enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be a bool", "vllm kv_transfer_config")
+        _check_fields(self, "connector")
+        object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
+        if self.nnodes > 1 and self.store.embedded:
+            raise ConfigError("master_server_address", None,
+                              f"required with nnodes={self.nnodes}: the embedded default starts a master on "
+                              f"127.0.0.1 that other nodes cannot reach; run mooncake_master and set "
+                              f"master_server_address and metadata_server")
+
+    def _pin_cap(self) -> int:
+        cap = self.max_pinned_blocks
+        if cap == DERIVED:
+            if self.max_model_len is None:
+                return BY_NAME["max_pinned_blocks"].bounds[1]
+            return derive_pin_cap(max_model_len=self.max_model_len, block_size=self.block_size,
+                                  num_gpu_blocks=self.num_gpu_blocks, max_inflight_jobs=self.max_inflight_jobs)
+        # a store job pins every block it may read (SchedulerLedger.open_job): one larger than the cap could
+        # never be admitted, so a cap below the longest request's table would silently never save long prompts
+        if self.save_enabled and self.max_model_len is not None:
+            longest = max_job_blocks(self.max_model_len, self.block_size)
+            if cap < longest:
+                raise ConfigError("max_pinned_blocks", cap,
+                                  f"smaller than the {longest} blocks of the longest request (max_model_len="
+                                  f"{self.max_model_len}, block_size={self.block_size}): its store job could never "
+                                  f"be admitted; raise max_pinned_blocks or lower max_model_len")
+        return cap
+
+    @classmethod
+    def build(cls, settings: Settings, engine: EngineFigures) -> ConnectorConfig:
+        """The configuration of one connector: `settings` (`read_settings`) for `engine`."""
+        given = settings.given("connector")
+        try:
+            cfg = cls(store=settings.store(), block_size=engine.block_size, world_size=engine.world_size,
+                      nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
+                      save_enabled=engine.save_enabled, load_enabled=engine.load_enabled, **given)
+        except ConfigError as e:
+            raise settings.sourced(e) from None
+        # a cap set below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)
+        if "max_pinned_blocks" in given and cfg.max_pinned_blocks < cfg.max_inflight_jobs:
+            raise ConfigError("max_pinned_blocks", cfg.max_pinned_blocks,
+                              f"smaller than max_inflight_jobs={cfg.max_inflight_jobs}",
+                              settings.sources["max_pinned_blocks"])
+        return cfg
+
+    @property
+    def max_inflight_jobs(self) -> int:
+        return self.store.max_inflight_jobs
+
+
+# -- derived defaults -------------------------------------------------------------------------------------
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -415,7 +712,7 @@ def advertised_address(master_server_address: str | None) -> str:
     when there is no route, asking for an explicit ``local_hostname``."""
     if master_server_address is None:
         return _LOOPBACK
-    master = _parse_address("master_server_address", master_server_address, "config")
+    master = _parse_address(None, "master_server_address", master_server_address, "config")
     host, _, port = master.rpartition(":")
     host = host.strip("[]")
     if _is_loopback(host):
@@ -432,205 +729,143 @@ def advertised_address(master_server_address: str | None) -> str:
     return ip
 
 
-# -- upstream keys ---------------------------------------------------------------------------------------
+# -- import-time checks: the table, the dataclasses and the upstream table agree ---------------------------
+
+def _check_table() -> None:
+    for holder, cls in (("store", StoreConfig), ("connector", ConnectorConfig)):
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        for key in _holds(holder):  # type: ignore[arg-type]
+            if key.name not in fields or not _is_default(key, fields[key.name]):
+                raise ImportError(f"config key {key.name}: not a field of {cls.__name__} with the table's default")
+    for key in KEYS:
+        if key.type in ("int", "size") and (key.lo is None or key.hi is None or key.lo > key.hi):
+            raise ImportError(f"config key {key.name}: a number needs both bounds")
+        if "|" in key.doc + key.tests:  # a table cell
+            raise ImportError(f"config key {key.name}: '|' in its documentation")
+    for row in upstream.KEYS:
+        if row.ours is not None and row.ours not in BY_NAME:
+            raise ImportError(f"upstream key {row.name} maps onto {row.ours}, not a config key")
+        if "|" in row.here + row.tests + row.upstream_default:
+            raise ImportError(f"upstream key {row.name}: '|' in its documentation")
 
 
-def _flag_off(v: Any) -> bool:
-    """Upstream reads these flags loosely (bool(...), or str(...).lower() == "true")."""
-    return v is None or v is False or v == 0 or (isinstance(v, str) and v.strip().lower() in ("", "false", "0"))
+_check_table()
 
 
-def _flag_on(v: Any) -> bool:
-    return v is True or v == 1 or (isinstance(v, str) and v.strip().lower() in ("true", "1"))
+# -- the generated documentation (README's settings table, docs/vs-upstream.md's config tables) ---------------
 
-
-_TP_SHARING = ("upstream's cross-TP key layout; keys are per tensor-parallel shard here, so engines share keys only "
-               "at the same tensor_parallel_size: remove it")
-
-#: Keys of vLLM 0.32's MooncakeStoreConnector (its MOONCAKE_CONFIG_PATH file and kv_connector_extra_config)
-#: that are not our fields: key -> (the values we accept, i.e. those asking for nothing we lack; the reason and
-#: what to use instead, in the error for any other value). Aliases of our fields (device_name, cache_prefix)
-#: are in _ALIASES; save_decode_cache is the connector's (`map_upstream_connector_keys`).
-UPSTREAM_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "mode": (lambda v: v in ("embedded", "standalone-store"),
-             "must be 'embedded' (this worker contributes global_segment_size > 0) or 'standalone-store' "
-             "(global_segment_size 0; an external mooncake_client owns the pool)"),
-    "enable_offload": (_flag_off, "Mooncake's SSD offload tier is not wired into this connector: remove it or set "
-                                  "false, and size the memory pool with global_segment_size"),
-    "tenant_id": (lambda v: v is None or (isinstance(v, str) and v.strip() in ("", "default")),
-                  "Mooncake tenants are not used by this connector; to keep tenants' keys apart on one store set "
-                  "namespace (upstream's cache_prefix)"),
-    "preferred_segment": (lambda v: v is None,
-                          "placement hints are not supported: the master places every put; remove it"),
-    "enable_lookup": (lambda v: v is None or _flag_on(v),
-                      "to save without loading, use kv_role 'kv_producer' instead"),
-    "load_async": (lambda v: v is None or _flag_on(v),
-                   "loads are always asynchronous here (between steps): remove it"),
-    "lookup_async": (_flag_off, "lookups are one batch_is_exist call in the scheduler's step here: remove it"),
-    "store_tp_size": (lambda v: v is None, _TP_SHARING),
-    "enable_store_tp_lcm": (_flag_off, _TP_SHARING),
-    "prefill_tp_sizes": (lambda v: v is None, _TP_SHARING),
-    "custom_mem_pool": (lambda v: v is None or v == "",
-                        "the KV cache stays in vLLM's own allocator here (registered with Mooncake in place): "
-                        "remove it"),
-    "enable_group_semantics": (_flag_off, "puts carry no replica groups here: remove it or set false"),
-    "enable_cross_layers_blocks": (_flag_off, "a block is stored in vLLM's own per-layer layout here (README: KV "
-                                              "cache layouts): remove it or set false"),
-    # upstream's ZMQ lookup-server port: no lookup server here (the scheduler asks the store), so any value
-    # asks for nothing we lack
-    "lookup_rpc_port": (lambda v: True, ""),
+_ACCEPTS: dict[str, str] = {
+    "address": "`host:port`", "metadata": "`http://host:port/metadata`, `P2PHANDSHAKE`, `etcd://…`, `redis://…`",
+    "host": "host name or IP address", "protocol": "`tcp`, `rdma`", "devices": "comma list of device names",
+    "bool": "`true`, `false`", "namespace": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
+    "path": "path; `\"\"` or null: off",
 }
 
 
-def _check_upstream(key: str, raw: Any, source: str) -> None:
-    accept, why = UPSTREAM_KEYS[key]
-    if not accept(raw):
-        raise ConfigError(key, raw, f"upstream MooncakeStoreConnector key not supported at this value: {why}",
-                          source)
+def _accepts(key: Key) -> str:
+    if key.type == "int":
+        lo, hi = key.bounds
+        return f"{lo:,}–{hi:,}"
+    if key.type == "size":
+        lo, hi = key.bounds
+        return f"{_size_text(lo)}–{_size_text(hi)} (bytes or e.g. `\"4GB\"`)"
+    return _ACCEPTS[key.type]
 
 
-def map_upstream_connector_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
-    """`extra` with upstream's connector-side names renamed to ours: ``save_decode_cache`` -> ``save_decode``
-    (both also save blocks of generated tokens). Both set to different values is a `ConfigError`."""
-    out = dict(extra)
-    if "save_decode_cache" in out:
-        v = out.pop("save_decode_cache")
-        if "save_decode" in out and out["save_decode"] != v:
-            raise ConfigError("save_decode_cache", v, f"contradicts save_decode={out['save_decode']!r}; set one",
-                              "kv_connector_extra_config")
-        out["save_decode"] = v
-    return out
+def _shown_default(key: Key) -> str:
+    if key.shown_default is not None:
+        return key.shown_default
+    if isinstance(key.default, bool):
+        return str(key.default).lower()
+    if key.type == "size":
+        return _size_text(key.default)
+    return '""' if key.default == "" else str(key.default)
 
 
-# Documentation of every key (README table), kept next to the fields it describes.
-KEY_DOCS: dict[str, str] = {
-    "master_server_address": "host:port of an existing mooncake_master; absent: embedded mode (private master "
-                             "and metadata server on 127.0.0.1, free ports, stopped at shutdown)",
-    "metadata_server": "transfer-engine metadata service: http://host:port/metadata, P2PHANDSHAKE, etcd://..., "
-                       "redis://...; required with master_server_address, forbidden without",
-    "local_hostname": "address this client advertises to peers (also exported as MC_TCP_BIND_ADDRESS); unset: "
-                      "127.0.0.1 with the embedded or a loopback master, else the address of the interface that "
-                      "routes to the master (MOONCAKE_REQUESTER_LOCAL_HOSTNAME, upstream's override, is honoured)",
-    "protocol": "'tcp' (default) or 'rdma'",
-    "rdma_devices": "RDMA NIC list for protocol 'rdma' (Mooncake files may call it device_name)",
-    "global_segment_size": "bytes this worker contributes to the distributed pool (0 = consumer only)",
-    "local_buffer_size": "staging buffer of Mooncake's copying APIs (> 0; our zero-copy path does not use it)",
-    "rpc_timeout_ms": "bound on every client->master RPC (MC_RPC_TIMEOUT_MS); a hung master costs at most this",
-    "unhealthy_backoff_ms": "after a master RPC failure (-900/-901) skip store calls this long instead of "
-                            "paying a ~4 s reconnect per call",
-    "max_inflight_jobs": "cap on store jobs holding pinned blocks (scheduler defers new saves beyond it)",
-    "max_pinned_blocks": "cap on blocks pinned by store jobs (>= max_inflight_jobs; a saving role also needs >= "
-                         "ceil(max_model_len / block_size), the longest request's blocks, or the connector refuses "
-                         "to start); unset: max(L, min(P // 2, J * L)), L the longest request's blocks, P the GPU "
-                         "block pool, J max_inflight_jobs",
-    "load_sub_batch_keys": "keys per batch_get_into_multi_buffers call on the load path",
-    "max_key_bytes": "longest store key (UTF-8 bytes); a longer key is never sent, its block is reported as a "
-                     "load error",
-    "store_queue_size": "bound of each worker's store-job queue",
-    "load_queue_size": "bound of each worker's load-job queue",
-    "namespace": "first component of every store key (upstream: cache_prefix): engines with different namespaces "
-                 "never share a key on one store; '' none",
-}
-if set(KEY_DOCS) != set(_FIELDS):
-    raise ImportError(f"StoreConfig fields and KEY_DOCS differ: {set(_FIELDS) ^ set(KEY_DOCS)}")
+def _also_from(key: Key) -> str:
+    out = ["file" if key.in_file else "extra config only"]
+    out += [f"upstream `{u.name}`" for u in upstream.KEYS if u.kind == "alias" and u.ours == key.name]
+    out += [f"`{u.name}` (below a file or extra-config value)" for u in upstream.ENV if u.ours == key.name]
+    return "; ".join(out)
 
 
-# -- the connector's whole configuration ------------------------------------------------------------------
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
 
-#: extra-config keys owned by the connector, not the store (documentation; README's settings table)
-CONNECTOR_KEYS: dict[str, str] = {
-    "load_threads": "load threads per worker rank (int >= 1, default 1)",
-    "save_decode": "also save full blocks of generated tokens (bool, default false: prompt blocks only)",
-    "save_partial_tail": "also save a prompt's partial last block under its own key, so a repeated prompt "
-                         "loads all but its last token (bool, default false: full blocks only)",
-    "max_lookup_cache": "lookup answers remembered for waiting requests (int >= 1, default 4096)",
-    "max_kv_events": "KV cache events held for vLLM's publisher between steps (int >= 1, default 10000; the "
-                     "oldest dropped and counted in kv_events_dropped); only with kv_events_config enabled",
-    "trace_path": "append kvledger's NDJSON trace events (the actions of kvledger/trace.py) to this file (default: off)",
-    "tp_rank": "worker rank for in-process multi-rank drivers (tests); vLLM's TP group wins when set up",
-    "pp_rank": "pipeline stage for in-process drivers (tests); vLLM's PP group wins when set up",
+
+def settings_markdown() -> str:
+    """README's settings table: every key, its default, what it accepts, where else it is read from."""
+    lines = [_row("key", "default", "accepts", "also from", "meaning"), "|---|---|---|---|---|"]
+    lines += [_row(f"`{k.name}`", _shown_default(k), _accepts(k), _also_from(k), k.doc) for k in KEYS]
+    return "\n".join(lines)
+
+
+def upstream_markdown() -> str:
+    """docs/vs-upstream.md's config tables: each upstream key and variable, then the keys only here."""
+    out: list[str] = []
+    for where, title in (("file", "## Config keys: the `MOONCAKE_CONFIG_PATH` file"),
+                         ("extra", "## Config keys: `kv_connector_extra_config`")):
+        out += [title, "", _row("upstream key (upstream default)", "here", "test"), "|---|---|---|"]
+        out += [_row(f"`{u.name}` ({u.upstream_default})", u.here, u.tests) for u in upstream.KEYS if u.where == where]
+        out.append("")
+    out += ["## Environment", "", _row("upstream variable", "here", "test"), "|---|---|---|"]
+    out += [_row(f"`{u.name}`", u.here, u.tests) for u in upstream.KEYS if u.where == "env"]
+    out += ["", "Not read here: `VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO` and upstream's disk-staging settings "
+                "(no SSD tier).", "", "## Config keys only here", "",
+            "Meanings, defaults and bounds: README's settings table (rendered from the same table).", "",
+            _row("key", "test"), "|---|---|"]
+    upstream_names = {u.ours for u in upstream.KEYS if u.kind in ("same", "alias")}
+    out += [_row(f"`{k.name}`", k.tests) for k in KEYS if k.name not in upstream_names]
+    return "\n".join(out)
+
+
+#: file (relative to the repository root) -> (region name, renderer)
+GENERATED: dict[str, tuple[str, Callable[[], str]]] = {
+    "README.md": ("settings", settings_markdown),
+    "docs/vs-upstream.md": ("upstream config", upstream_markdown),
 }
 
-_EXTRA = "kv_connector_extra_config"
+
+def _markers(region: str) -> tuple[str, str]:
+    return (f"<!-- generated ({region}): python -m kvledger_connector.config --write; edit config.py, not this -->",
+            f"<!-- end generated ({region}) -->")
 
 
-def _extra_bool(field: str, raw: Any) -> bool:
-    if not isinstance(raw, bool):
-        raise ConfigError(field, raw, "must be a bool", _EXTRA)
-    return raw
+def spliced(text: str, region: str, body: str) -> str:
+    """`text` with its generated `region` replaced by `body`; ValueError when the markers are missing."""
+    begin, end = _markers(region)
+    head, sep, rest = text.partition(begin)
+    old, sep2, tail = rest.partition(end)
+    if not sep or not sep2:
+        raise ValueError(f"generated region {region!r}: markers missing ({begin!r} ... {end!r})")
+    return f"{head}{begin}\n{body}\n{end}{tail}"
 
 
-def _extra_int(field: str, raw: Any, minimum: int) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum:
-        raise ConfigError(field, raw, f"must be an int >= {minimum}", _EXTRA)
-    return raw
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvledger_connector.config",
+                                 description="Render the config tables; --write updates the checked-in copies.")
+    ap.add_argument("--markdown", choices=["settings", "upstream"], help="print one table")
+    ap.add_argument("--write", action="store_true", help="rewrite the generated regions of " + ", ".join(GENERATED))
+    ap.add_argument("--check", action="store_true", help="exit 1 when a checked-in region differs")
+    ap.add_argument("--root", default=".", help="the repository root (default: .)")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(settings_markdown() if args.markdown == "settings" else upstream_markdown())
+    stale = []
+    for rel, (region, render) in GENERATED.items() if args.write or args.check else ():
+        path = Path(args.root) / rel
+        text = path.read_text(encoding="utf-8")
+        new = spliced(text, region, render())
+        if new != text:
+            stale.append(rel)
+            if args.write:
+                path.write_text(new, encoding="utf-8")
+    if stale:
+        print(("rewrote " if args.write else "stale: ") + ", ".join(stale), file=sys.stderr)
+    return 1 if stale and args.check and not args.write else 0
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """Everything the connector's two sides are configured with, validated once (`from_extra`) and handed
-    to both: the store's settings, the connector's own keys (`CONNECTOR_KEYS`) and what vLLM's configs fix
-    (block size, world size, kv_role). Built directly (tests), it is validated the same way."""
-
-    store: StoreConfig
-    block_size: int
-    world_size: int = 1
-    save_enabled: bool = True  # kv_role kv_producer | kv_both
-    load_enabled: bool = True  # kv_role kv_consumer | kv_both
-    save_decode: bool = False
-    save_partial_tail: bool = False
-    load_threads: int = 1
-    max_lookup_cache: int = 4096
-    max_kv_events: int = 10_000
-    trace_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.store, StoreConfig):
-            raise ConfigError("store", type(self.store).__name__, "must be a StoreConfig", "connector")
-        _int("block_size", self.block_size, "vllm cache_config", minimum=1)
-        _int("world_size", self.world_size, "vllm parallel_config", minimum=1)
-        for name in ("save_enabled", "load_enabled", "save_decode", "save_partial_tail"):
-            _extra_bool(name, getattr(self, name))
-        _extra_int("load_threads", self.load_threads, 1)
-        _extra_int("max_lookup_cache", self.max_lookup_cache, 1)
-        _extra_int("max_kv_events", self.max_kv_events, 1)
-        if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
-            raise ConfigError("trace_path", self.trace_path, "must be a non-empty path string", _EXTRA)
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], *, store: StoreConfig, block_size: int, world_size: int,
-                   save_enabled: bool, load_enabled: bool,
-                   env: Mapping[str, str] | None = None) -> ConnectorConfig:
-        """The connector's keys of `extra` (upstream names already mapped), each validated here once; upstream's
-        ``VLLM_MOONCAKE_LOAD_RECV_THREADS`` (from `env`, default the process environment) sets `load_threads`
-        when `extra` does not."""
-        known = {"save_decode", "save_partial_tail", "load_threads", "max_lookup_cache", "max_kv_events",
-                 "trace_path"}
-        kw = {k: extra[k] for k in known if k in extra}
-        env = os.environ if env is None else env
-        raw_threads = env.get(ENV_LOAD_RECV_THREADS, "").strip()
-        if raw_threads and "load_threads" not in kw:
-            n = int(raw_threads) if raw_threads.isdigit() else 0
-            if n < 1:  # upstream clamps to 1; a value that asks for no loads is refused, not guessed at
-                raise ConfigError(ENV_LOAD_RECV_THREADS, raw_threads, "must be an int >= 1 (or set load_threads "
-                                  "in kv_connector_extra_config)", "environment")
-            kw["load_threads"] = n
-        if not kw.get("trace_path"):  # "" or null: off
-            kw.pop("trace_path", None)
-        elif not isinstance(kw["trace_path"], str):
-            raise ConfigError("trace_path", kw["trace_path"], "must be a path string", _EXTRA)
-        return cls(store=store, block_size=block_size, world_size=world_size, save_enabled=save_enabled,
-                   load_enabled=load_enabled, **kw)
-
-    @property
-    def max_inflight_jobs(self) -> int:
-        return self.store.max_inflight_jobs
-
-    @property
-    def max_pinned_blocks(self) -> int:
-        """The scheduler's pin cap (a worker needs none): refused while underived."""
-        cap = self.store.max_pinned_blocks
-        if cap is None:
-            raise ConfigError("max_pinned_blocks", None, "not derived yet: build the store config with "
-                              "StoreConfig.for_engine first", "connector")
-        return cap
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -7,10 +7,11 @@ Loaded by vLLM's own factory (when the package is installed, by name alone: kvle
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"max_inflight_jobs": 64}}'
 
-The scheduler role delegates to `kvledger_connector.scheduler.SchedulerSide`, the worker role to
-`kvledger_connector.worker.WorkerSide`; this module only adapts vLLM's hooks, reads the configuration and owns
-the store client(s). Store configuration: `StoreConfig` (kvledger_connector/config.py) from
-``MOONCAKE_CONFIG_PATH`` and the extra config; the keys below (`CONNECTOR_KEYS`) are the connector's own.
+An adapter: at construction it reads the settings (kvledger_connector/config.py: every key, every source),
+the engine's facts (kvledger_connector/engine_facts.py: KV cache spec, layout, ranks, sizes) and builds the
+one `ConnectorConfig`, all before anything is started; then it starts the store client and the role's side.
+Each vLLM hook delegates to `kvledger_connector.scheduler.SchedulerSide` (scheduler role) or
+`kvledger_connector.worker.WorkerSide` (worker role).
 
 Embedded default: with no ``master_server_address`` the first connector of the engine starts a private
 `mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`); the engine's other connectors, in
@@ -33,25 +34,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvledger_connector.config import (
-    CONNECTOR_KEYS,
-    ConfigError,
-    ConnectorConfig,
-    StoreConfig,
-    map_upstream_connector_keys,
-)
 from kvledger_connector import rendezvous
+from kvledger_connector.config import ConnectorConfig, StoreConfig, read_settings
 from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.rendezvous import AttachedMooncake
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.metadata import KVLedgerConnectorMetadata
+from kvledger_connector.engine_facts import EngineFacts, key_layout, kv_cache_spec, resolved_layout
 from kvledger_connector.events import StoreEvents
+from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.metadata import KVLedgerConnectorMetadata
+from kvledger_connector.rendezvous import AttachedMooncake
 from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
-from kvledger_connector.scheduler_steps import max_job_blocks
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
 from kvledger_connector.store import KVStore, MooncakeStore
-from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, KVLayoutError, plan_block_copies
 from kvledger_connector.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -64,6 +58,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+# the engine facts' functions, re-exported: drivers and tests import them from here
+__all__ = ["KVLedgerConnector", "key_layout", "kv_cache_spec", "resolved_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,197 +93,62 @@ def _release_embedded(engine_id: str) -> None:
             ent[0].stop()
 
 
-def _vllm_tp_rank() -> int | None:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-        return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else None
-    except Exception:  # no distributed state: an in-process driver
-        return None
-
-
-def _vllm_pp_rank() -> int | None:
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
-        return get_pp_group().rank_in_group if model_parallel_is_initialized() else None
-    except Exception:
-        return None
-
-
-def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
-    """The one attention spec this connector serves; anything else is refused at start-up (several KV
-    cache groups would need block ids per group; Mamba state has no per-block pages)."""
-    if kv_cache_config is None:
-        raise KVLayoutError("kv_cache_config is None: vLLM 0.32 passes the engine's KVCacheConfig to every "
-                            "connector; the connector needs its KV cache spec")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise KVLayoutError(f"{len(groups)} KV cache groups ("
-                            + "; ".join(f"{type(g.kv_cache_spec).__name__}: {g.layer_names[:2]}..." for g in groups)
-                            + "): the connector serves models with one KV cache group (no hybrid models)")
-    spec = groups[0].kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
-    if specs is not None:
-        kinds = set(specs.values())
-        if len(kinds) != 1:
-            raise KVLayoutError(f"layers {sorted(specs)[:4]}...: {len(kinds)} different KV cache specs in "
-                                f"one group; the connector serves one spec for all layers")
-        spec = kinds.pop()
-    if not (hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and spec.has_layer_views):
-        raise KVLayoutError(f"layers {groups[0].layer_names[:4]}: {type(spec).__name__} has no per-layer "
-                            f"[B, H, N, C] pages; the connector serves attention KV caches only")
-    return spec
-
-
-def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
-    """The `KVCacheLayout` the engine resolved (EngineCore does it before any connector exists)."""
-    name = vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None)
-    if name is None:
-        raise KVLayoutError("the KV cache layout is not resolved (cache_config.kv_cache_layout is None): "
-                            "vLLM's EngineCore resolves it before creating connectors; a driver that builds "
-                            "connectors itself must set it (see testbed.kvcache.build_kv_cache_config)")
-    if name not in LAYOUT_HNC_ORDER:
-        raise KVLayoutError(f"KV cache layout {name!r}: not one of {sorted(LAYOUT_HNC_ORDER)}")
-    return str(name)
-
-
-def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
-               pp_rank: int = 0) -> KeyLayout:
-    """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
-    from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    spec = kv_cache_spec(kv_cache_config)
-    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
-    extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
-             ("head_size_v", str(spec.head_size_v)), ("kv_quant", str(getattr(spec, "kv_quant_mode", ""))),
-             ("spec_dtype", str(spec.dtype)))
-    return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-                     pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
-                     block_size=cc.block_size, dtype=dtype, kv_layout=resolved_layout(vllm_config, kv_cache_config),
-                     num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
-                     head_size=spec.head_size, extra=extra)
-
-
 class KVLedgerConnector(KVConnectorBase_V1):
     """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
-            raise ConfigError("enable_sleep_mode", True, "KVLedgerConnector does not support sleep mode (the "
-                              "store's buffer registrations would not follow the KV cache across sleep/wake); "
-                              "turn sleep mode off", "model_config")
-        # upstream MooncakeStoreConnector names mapped (config.py); an unset pin cap derived for this engine
-        extra = map_upstream_connector_keys(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.store_config = StoreConfig.from_sources(extra, connector_keys=CONNECTOR_KEYS).for_engine(
-            max_model_len=vllm_config.model_config.max_model_len, block_size=vllm_config.cache_config.block_size,
-            num_gpu_blocks=getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks)
-        self._engine_id = str(self._kv_transfer_config.engine_id)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        # everything is read and checked before anything is started or connected
+        settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
+                                             tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"))
+        self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
         self._trace_file: Any = None  # kvledger_connector.tracefile.SharedTrace when `trace_path` is set
+        self.stats = StatsRecorder()
         self.store: KVStore | None = None
-        pc = vllm_config.parallel_config
-        # every connector key is validated once, before anything is started or connected
-        self.config = cfg = ConnectorConfig.from_extra(
-            extra, store=self.store_config, block_size=vllm_config.cache_config.block_size,
-            world_size=pc.world_size, save_enabled=self._kv_transfer_config.is_kv_producer,
-            load_enabled=self._kv_transfer_config.is_kv_consumer)
-        if role == KVConnectorRole.SCHEDULER:
-            tp_rank = pp_rank = 0
-        else:
-            tp_rank = self._rank(extra, "tp_rank", pc.tensor_parallel_size, _vllm_tp_rank)
-            pp_rank = self._rank(extra, "pp_rank", pc.pipeline_parallel_size, _vllm_pp_rank)
-        self._check_caps(self.store_config, vllm_config)
-        self.layout = key_layout(vllm_config, kv_cache_config, tp_rank, pp_rank)  # refuses what it cannot serve
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        try:
+            self._start(store)
+        except BaseException:
+            self._stop(quiet=True)  # what was started before the failure (store client, embedded servers, trace)
+            raise
+
+    def _start(self, store: KVStore | None) -> None:
+        cfg, facts, sc = self.config, self.engine, self.config.store
         trace = None
         if cfg.trace_path:
             from kvledger_connector.tracefile import open_trace
             trace = self._trace_file = open_trace(cfg.trace_path)
-        bs = cfg.block_size
-        self.stats = StatsRecorder()
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
-        sc_cfg = cfg.store
-        if role == KVConnectorRole.SCHEDULER:
-            if store is None:  # lookups only: this client contributes no memory
-                store = self._connect(sc_cfg.replace(global_segment_size=0))
-            self.store = store
-            # a hit needs every shard of every stage
-            builders = [KeyBuilder(key_layout(vllm_config, kv_cache_config, t, p), sc_cfg.max_key_bytes,
-                                   sc_cfg.namespace)
-                        for p in range(pc.pipeline_parallel_size) for t in range(pc.tensor_parallel_size)]
-            self.scheduler_side = SchedulerSide(
-                cfg, key_builders=builders,
-                store=TimedLookups(store, self.stats),  # the lookup latency histogram
-                stats=self.stats, trace=trace)
-            kvev = vllm_config.kv_events_config
-            if kvev is not None and kvev.enable_kv_cache_events:  # BlockStored/BlockRemoved for routers
-                self.scheduler_side.events = StoreEvents(key_builders=builders, store=store, block_size=bs,
-                                                         max_pending=cfg.max_kv_events, stats=self.stats)
+        if facts.scheduler:
+            # lookups only: this client contributes no memory
+            self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
+            builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.shard_layouts()]
+            self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
+                                                store=TimedLookups(self.store, self.stats))  # lookup histogram
+            if facts.kv_events:  # BlockStored/BlockRemoved for routers
+                self.scheduler_side.events = StoreEvents(key_builders=builders, store=self.store,
+                                                         block_size=cfg.block_size, max_pending=cfg.max_kv_events,
+                                                         stats=self.stats)
         else:
-            if store is None:
-                store = self._connect(sc_cfg)
-            self.store = store
-            sc = vllm_config.scheduler_config
+            self.store = store if store is not None else self._connect(sc)
             self.worker_side = WorkerSide(
-                cfg, store=store, keys=KeyBuilder(self.layout, sc_cfg.max_key_bytes, sc_cfg.namespace),
-                tp_rank=tp_rank, max_requests=sc_cfg.max_inflight_jobs + 4 * sc.max_num_seqs,
+                cfg, store=self.store, keys=KeyBuilder(facts.layout, sc.max_key_bytes, sc.namespace),
+                tp_rank=facts.tp_rank, max_requests=sc.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace)
 
-    def _check_caps(self, cfg: StoreConfig, vllm_config: VllmConfig) -> None:
-        """Start-up check of the pin caps against the model: a store job pins every block it may read
-        (SchedulerLedger.open_job), and one larger than `max_pinned_blocks` could never be admitted, so a
-        cap below the longest request's blocks would silently never save long prompts. The longest request
-        has ceil(max_model_len / block_size) blocks in its table; a partial tail (`save_partial_tail`) is the
-        table's own last block, so no job pins a block outside the table. Checked on every role, before anything
-        is started; only a role that saves pins (kv_consumer never opens a store job)."""
-        if cfg.max_inflight_jobs < 1:  # StoreConfig.from_dict refuses it too; a StoreConfig built directly not
-            raise ConfigError("max_inflight_jobs", cfg.max_inflight_jobs, "must be >= 1",
-                              "kv_connector_extra_config")
-        if not self._kv_transfer_config.is_kv_producer:
-            return
-        max_model_len = vllm_config.model_config.max_model_len
-        bs = vllm_config.cache_config.block_size
-        longest = max_job_blocks(max_model_len, bs)
-        if cfg.max_pinned_blocks < longest:
-            raise ConfigError("max_pinned_blocks", cfg.max_pinned_blocks,
-                              f"smaller than the {longest} blocks of the longest request (max_model_len="
-                              f"{max_model_len}, block_size={bs}): its store job could never be admitted; "
-                              f"raise max_pinned_blocks or lower max_model_len", "kv_connector_extra_config")
+    @property
+    def store_config(self) -> StoreConfig:
+        return self.config.store
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
-        if cfg.embedded and self._vllm_config.parallel_config.nnodes > 1:
-            raise ConfigError("master_server_address", None,
-                              f"required with nnodes={self._vllm_config.parallel_config.nnodes}: the embedded "
-                              f"default starts a master on 127.0.0.1 that other nodes cannot reach; run "
-                              f"mooncake_master and set master_server_address and metadata_server",
-                              "kv_connector_extra_config")
         if cfg.embedded:
-            self._embedded = _acquire_embedded(self._engine_id, cfg.rpc_timeout_ms)
+            self._embedded = _acquire_embedded(self.engine.engine_id, cfg.rpc_timeout_ms)
         return MooncakeStore.connect(cfg, embedded=self._embedded)
-
-    @staticmethod
-    def _rank(extra: dict[str, Any], key: str, size: int, from_vllm: Any) -> int:
-        """This worker's rank in a parallel group: vLLM's, or `extra[key]` for in-process drivers that
-        build several ranks' connectors without a process group. With size > 1 and neither, refuse:
-        falling back to 0 would make this worker write rank 0's keys."""
-        rank = from_vllm()
-        given = extra.get(key)
-        if given is not None:
-            if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < size:
-                raise ConfigError(key, given, f"must be an int in 0..{size - 1}", "kv_connector_extra_config")
-            if rank is not None and rank != given:
-                raise ConfigError(key, given, f"differs from vLLM's rank {rank} in that group",
-                                  "kv_connector_extra_config")
-            rank = given
-        if rank is None:
-            if size > 1:
-                raise ConfigError(key, None, f"this worker cannot learn its rank from vLLM (no process group "
-                                  f"set up) and the group has {size} ranks; refusing to guess rank 0, whose "
-                                  f"keys it would share", "kv_connector_extra_config")
-            rank = 0
-        return rank
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -353,23 +215,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the
-        keys promise, then read as a per-block copy plan (kvledger_connector/kvlayout.py)."""
-        lay = self.layout
-        spec = kv_cache_spec(self._kv_cache_config)
-        for name, t in kv_caches.items():
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and (
-                    t.shape[1] != spec.num_heads or t.shape[3] * t.element_size() != spec.state_content_size_bytes):
-                raise KVLayoutError(
-                    f"layer {name!r}: shape {tuple(t.shape)} of {t.dtype} (layout {lay.kv_layout}), the KV cache "
-                    f"spec promises {spec.num_heads} head slots of {spec.state_content_size_bytes} content bytes")
-        plan = plan_block_copies(kv_caches, layout=lay.kv_layout, block_size=lay.block_size,
-                                 num_blocks=self._kv_cache_config.num_blocks)
-        want = len(self._kv_cache_config.kv_cache_groups[0].layer_names)
-        if len(plan.layers) != want:
-            raise KVLayoutError(f"{len(plan.layers)} distinct KV cache views ({list(plan.layers)[:4]}...), the KV "
-                                f"cache config has {want} layers (layout {lay.kv_layout})")
-        self._worker().register_kv_caches(plan)
+        self._worker().register_kv_caches(self.engine.copy_plan(kv_caches))
 
     def _meta(self) -> KVLedgerConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -413,8 +259,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        self._stop(quiet=False)
+
+    def _stop(self, *, quiet: bool) -> None:
         """Every step is bounded (thread joins, store close) and runs even if an earlier one raised, so the
-        embedded servers are always released; the first error is raised at the end."""
+        embedded servers are always released; the first error is raised at the end unless `quiet` (a
+        failed start-up, whose own error is the one to raise)."""
         steps = []
         if self.worker_side is not None:
             steps.append(self.worker_side.shutdown)
@@ -425,7 +275,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
             steps.append(self.store.close)
         if self._embedded is not None:
             self._embedded = None
-            steps.append(lambda: _release_embedded(self._engine_id))
+            engine_id = self.engine.engine_id
+            steps.append(lambda: _release_embedded(engine_id))
         if self._trace_file is not None:
             from kvledger_connector.tracefile import close_trace
             sink, self._trace_file = self._trace_file, None
@@ -438,5 +289,5 @@ class KVLedgerConnector(KVConnectorBase_V1):
                 logger.error("KVLedgerConnector shutdown: %s: %s: %s", getattr(fn, "__qualname__", fn),
                              type(e).__name__, e)
                 first = first or e
-        if first is not None:
+        if first is not None and not quiet:
             raise first

@@ -1,22 +1,32 @@
-"""StoreConfig: sources, precedence and validation errors that name the field and the value."""
+"""The configuration: one table of keys, its sources and precedence, bounds, errors that name the field and the
+value, the pin cap derived once, and the checked-in tables that are rendered from it."""
 from __future__ import annotations
 
 import json
+import re
 import socket
+from dataclasses import dataclass
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
 
+from kvledger_connector import upstream_keys
 from kvledger_connector.config import (
     ENV_CONFIG_PATH,
-    KEY_DOCS,
+    GENERATED,
+    KEYS,
     ConfigError,
+    ConnectorConfig,
     StoreConfig,
     advertised_address,
     derive_pin_cap,
-    map_upstream_connector_keys,
     parse_size,
+    read_settings,
+    spliced,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, data: object) -> dict[str, str]:
@@ -29,7 +39,7 @@ def test_defaults_are_embedded_mode_over_tcp() -> None:
     cfg = StoreConfig.from_sources(None, env={})
     assert cfg.embedded and cfg.protocol == "tcp" and cfg.master_server_address is None
     assert cfg.local_hostname == "127.0.0.1"  # the embedded master is on loopback: so is the advertised address
-    assert cfg.max_pinned_blocks is None and cfg.namespace == ""  # the pin cap is derived per engine
+    assert cfg.namespace == "" and not hasattr(cfg, "max_pinned_blocks")  # the pin cap is the connector's
 
 
 def test_file_then_extra_config_extra_wins(tmp_path: Path) -> None:
@@ -39,7 +49,7 @@ def test_file_then_extra_config_extra_wins(tmp_path: Path) -> None:
                            "device_name": "", "protocol": "tcp", "max_inflight_jobs": 8,
                            "local_hostname": "10.0.0.7"})
     cfg = StoreConfig.from_sources({"max_inflight_jobs": 16, "global_segment_size": "512 MiB",
-                                    "kv_role": "kv_both"}, env=env, connector_keys={"kv_role"})
+                                    "kv_role": "kv_both"}, env=env, ignore={"kv_role"})
     assert cfg.master_server_address == "10.0.0.5:50051" and not cfg.embedded
     assert cfg.global_segment_size == 512 << 20  # extra config wins over the file
     assert cfg.max_inflight_jobs == 16 and cfg.local_buffer_size == 1 << 20
@@ -79,7 +89,14 @@ def test_sizes(raw: object, value: int) -> None:
     ({"master_server_address": "h:1"}, "metadata_server", "required when master_server_address"),
     ({"metadata_server": "http://h:1/m"}, "metadata_server", "without master_server_address"),
     ({"protocol": "rdma"}, "rdma_devices", "required when protocol"),
-    ({"max_inflight_jobs": 100, "max_pinned_blocks": 10}, "max_pinned_blocks", "max_inflight_jobs=100"),
+    ({"store_queue_size": 10 ** 9}, "store_queue_size", "<= 65536"),
+    ({"rpc_timeout_ms": 86_400_000}, "rpc_timeout_ms", "<= 600000"),
+    ({"global_segment_size": "5TB"}, "global_segment_size", "<= 4 TiB"),
+    ({"local_buffer_size": 2 << 40}, "local_buffer_size", "<= 1 TiB"),
+    ({"global_segment_size": "1" * 40}, "global_segment_size", "not a size"),
+    ({"rdma_devices": "mlx5_0;rm -rf"}, "rdma_devices", "comma list"),
+    ({"trace_path": 7}, "trace_path", "path string"),
+    ({"max_pinned_blocks": 0}, "max_pinned_blocks", ">= 1"),
 ])
 def test_bad_extra_config_names_field_and_value(extra: dict[str, object], field: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -122,9 +139,31 @@ def test_config_is_frozen_and_replace_validates() -> None:
         cfg.with_addresses("nope", "http://127.0.0.1:1/metadata")
 
 
-def test_every_key_is_documented() -> None:
-    assert set(KEY_DOCS) == {f for f in StoreConfig.__dataclass_fields__}
-    assert all(len(doc) > 10 for doc in KEY_DOCS.values())
+def test_every_key_is_one_row_of_the_table() -> None:
+    """StoreConfig's and ConnectorConfig's fields are the table's keys of each holder, with its defaults."""
+    store = {k.name for k in KEYS if k.holder == "store"}
+    conn = {k.name for k in KEYS if k.holder == "connector"}
+    assert store == set(StoreConfig.__dataclass_fields__)
+    assert conn < set(ConnectorConfig.__dataclass_fields__)
+    assert all(len(k.doc) > 10 for k in KEYS)
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k.type in ("int", "size")], ids=lambda k: k.name)
+def test_every_number_is_bounded_both_ways_and_refused_beyond(key) -> None:
+    lo, hi = key.bounds
+    assert hi < 1 << 63
+    assert key.parse(key.name, hi, "t") == hi and key.parse(key.name, lo, "t") == lo
+    for bad in (hi + 1, lo - 1):
+        with pytest.raises(ConfigError) as e:
+            key.parse(key.name, bad, "t")
+        assert e.value.field == key.name and e.value.value == bad and f"{key.name}={bad!r}" in str(e.value)
+
+
+def test_sizes_are_exact() -> None:
+    assert parse_size("s", "4398046511103") == 4398046511103  # no float rounding
+    assert parse_size("s", "0.5KiB") == 512
+    with pytest.raises(ConfigError, match="whole number"):
+        parse_size("s", "0.1B")
 
 
 # ---------------------------------------------------------------- upstream MooncakeStoreConnector configs
@@ -206,10 +245,45 @@ def test_upstream_preferred_segment_from_the_environment_is_refused() -> None:
 
 
 def test_upstream_save_decode_cache_maps_to_save_decode() -> None:
-    assert map_upstream_connector_keys({"save_decode_cache": True, "x": 1}) == {"save_decode": True, "x": 1}
-    assert map_upstream_connector_keys({"save_decode_cache": True, "save_decode": True}) == {"save_decode": True}
-    with pytest.raises(ConfigError, match="save_decode_cache=True: contradicts save_decode=False"):
-        map_upstream_connector_keys({"save_decode_cache": True, "save_decode": False})
+    assert read_settings({"save_decode_cache": True}, env={}).get("save_decode") is True
+    assert read_settings({"save_decode_cache": True, "save_decode": True}, env={}).get("save_decode") is True
+    for extra in ({"save_decode_cache": True, "save_decode": False}, {"save_decode": False, "save_decode_cache": True}):
+        with pytest.raises(ConfigError, match="save_decode_cache=True: contradicts save_decode=False") as e:
+            read_settings(extra, env={})
+        assert e.value.field == "save_decode_cache"
+    with pytest.raises(ConfigError, match="cache_prefix='a': contradicts namespace='b'"):
+        read_settings({"namespace": "b", "cache_prefix": "a"}, env={})
+
+
+def test_every_key_may_be_in_the_file_except_the_ranks(tmp_path: Path) -> None:
+    """The file is a source like the extra config: a connector key there is read (not dropped unread); the
+    extra config still wins. A driver's rank in a file shared by every worker is refused, naming the file."""
+    env = write(tmp_path, {"save_decode": True, "max_lookup_cache": 8, "load_threads": 2})
+    s = read_settings({"max_lookup_cache": 16}, env=env)
+    assert (s.get("save_decode"), s.get("max_lookup_cache"), s.get("load_threads")) == (True, 16, 2)
+    assert s.sources["save_decode"].startswith(ENV_CONFIG_PATH)
+    assert s.sources["max_lookup_cache"] == "kv_connector_extra_config"
+    with pytest.raises(ConfigError, match=r"MOONCAKE_CONFIG_PATH=.*: tp_rank=1: not read from the file"):
+        read_settings(None, env=write(tmp_path, {"tp_rank": 1}))
+
+
+def test_environment_values_are_checked_like_extra_config_values(tmp_path: Path) -> None:
+    """Nothing from the environment is trusted: each variable goes through its key's parser (bounds
+    included), also when an explicit value wins, and the error names the variable and its text."""
+    for var, text, extra in (("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "bad host!", {"local_hostname": "10.0.0.8"}),
+                             ("VLLM_MOONCAKE_LOAD_RECV_THREADS", "65", {}),
+                             ("VLLM_MOONCAKE_LOAD_RECV_THREADS", "1e3", {"load_threads": 2})):
+        with pytest.raises(ConfigError) as e:
+            read_settings(extra, env={var: text})
+        assert e.value.field == var and e.value.value == text and e.value.source == "environment"
+        assert f"{var}={text!r}" in str(e.value)
+    assert read_settings({}, env={"VLLM_MOONCAKE_LOAD_RECV_THREADS": " "}).get("load_threads") is None  # unset
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"namespace": "x" * 10, "pad": "y" * (2 << 20)}))
+    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+        read_settings(None, env={ENV_CONFIG_PATH: str(big)})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_settings(None, env={ENV_CONFIG_PATH: str(tmp_path)})  # a directory
 
 
 @pytest.mark.parametrize("value", ["a/b", "team a", "x" * 65, 7, "ns@1"])
@@ -230,23 +304,45 @@ def test_namespace_is_one_key_component(value: object) -> None:
 def test_derived_pin_cap(max_model_len: int, block_size: int, pool: int | None, jobs: int, cap: int) -> None:
     assert derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool,
                           max_inflight_jobs=jobs) == cap
-    cfg = StoreConfig(max_inflight_jobs=jobs).for_engine(max_model_len=max_model_len, block_size=block_size,
-                                                         num_gpu_blocks=pool)
-    assert cfg.max_pinned_blocks == cap
-    assert cfg.for_engine(max_model_len=1, block_size=1, num_gpu_blocks=1) is cfg  # derived once, then kept
-    explicit = StoreConfig(max_inflight_jobs=1, max_pinned_blocks=3)
-    assert explicit.for_engine(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool) is explicit
+    cfg = ConnectorConfig(store=StoreConfig(max_inflight_jobs=jobs), block_size=block_size,
+                          max_model_len=max_model_len, num_gpu_blocks=pool)
+    assert cfg.max_pinned_blocks == cap  # derived at construction: no consumer sees an underived cap
+    explicit = ConnectorConfig(store=StoreConfig(max_inflight_jobs=1), block_size=block_size,
+                               max_model_len=max_model_len, num_gpu_blocks=pool, max_pinned_blocks=cap)
+    assert explicit.max_pinned_blocks == cap
 
 
-def test_replace_keeps_a_derived_pin_cap_below_the_job_cap() -> None:
-    """A small pool derives a cap below max_inflight_jobs (the pin cap binds first): a later `replace` (the
-    embedded master filling in its addresses) keeps it; a cap set below the job cap is still refused."""
-    cfg = StoreConfig(max_inflight_jobs=64).for_engine(max_model_len=128, block_size=16, num_gpu_blocks=64)
-    assert cfg.max_pinned_blocks == 32
-    moved = cfg.replace(master_server_address="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata")
-    assert moved.max_pinned_blocks == 32 and moved.master_server_address == "127.0.0.1:50051"
-    with pytest.raises(ConfigError, match="max_pinned_blocks=32: smaller than max_inflight_jobs=64"):
-        cfg.replace(max_pinned_blocks=32)
+@dataclass(frozen=True)
+class _Engine:  # config.EngineFigures
+    block_size: int = 16
+    world_size: int = 1
+    nnodes: int = 1
+    max_model_len: int = 128
+    num_gpu_blocks: int | None = 64
+    save_enabled: bool = True
+    load_enabled: bool = True
+
+
+def test_connector_config_is_built_once_from_settings_and_engine() -> None:
+    """A derived cap may sit below the job cap (a small pool: the pin cap binds first) and survives a copy;
+    a cap set below the job cap is a typo, refused naming where it was set; one below the longest request's
+    blocks could never admit that request's save."""
+    cfg = ConnectorConfig.build(read_settings({"max_inflight_jobs": 64}, env={}), _Engine())
+    assert cfg.max_pinned_blocks == 32 and cfg.max_inflight_jobs == 64
+    moved = dataclasses_replace(cfg, store=cfg.store.with_addresses("127.0.0.1:50051", "http://127.0.0.1:8080/m"))
+    assert moved.max_pinned_blocks == 32
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: max_pinned_blocks=10: smaller than "
+                                          "max_inflight_jobs=100"):
+        ConnectorConfig.build(read_settings({"max_inflight_jobs": 100, "max_pinned_blocks": 10}, env={}), _Engine())
+    with pytest.raises(ConfigError, match="max_pinned_blocks=4: smaller than the 8 blocks of the longest request"):
+        ConnectorConfig.build(read_settings({"max_inflight_jobs": 1, "max_pinned_blocks": 4}, env={}), _Engine())
+    consumer = ConnectorConfig.build(read_settings({"max_inflight_jobs": 1, "max_pinned_blocks": 4}, env={}),
+                                     _Engine(save_enabled=False))  # pins nothing: any cap will do
+    assert consumer.max_pinned_blocks == 4
+    with pytest.raises(ConfigError, match="master_server_address=None: required with nnodes=2"):
+        ConnectorConfig.build(read_settings({}, env={}), _Engine(nnodes=2))
+    with pytest.raises(ConfigError, match="vllm cache_config: block_size=0"):
+        ConnectorConfig.build(read_settings({}, env={}), _Engine(block_size=0))
 
 
 def test_derived_pin_cap_refuses_nonsense_engine_figures() -> None:
@@ -281,6 +377,25 @@ def test_advertised_address_routes_to_a_remote_master() -> None:
     assert cfg.local_hostname == route
 
 
-def test_every_key_has_a_row_in_the_readme_settings_table() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert [k for k in KEY_DOCS if f"| `{k}` |" not in readme] == []
+def test_checked_in_tables_are_the_generated_ones() -> None:
+    """README's settings table and docs/vs-upstream.md's config tables are rendered from the key tables;
+    after a change there, run `python -m kvledger_connector.config --write`."""
+    stale = [rel for rel, (region, render) in GENERATED.items()
+             if spliced((ROOT / rel).read_text(), region, render()) != (ROOT / rel).read_text()]
+    assert stale == [], f"regenerate with: python -m kvledger_connector.config --write  ({stale})"
+
+
+def test_every_cited_test_exists() -> None:
+    """Each test the tables cite (file.py::name, ::name for the same file) is defined under tests/."""
+    cited = [k.tests for k in KEYS] + [u.tests for u in upstream_keys.KEYS]
+    missing = []
+    for line in cited:
+        path = ""
+        for ref in filter(None, (r.strip() for r in line.split(","))):
+            m = re.fullmatch(r"(?:([\w/.]+\.py))?::(\w+)", ref)
+            assert m is not None, ref
+            path = m.group(1) or path
+            files = [p for p in (ROOT / "tests").rglob(Path(path).name) if str(p).endswith(path)]
+            if not any(re.search(rf"^def {m.group(2)}\b", p.read_text(), re.M) for p in files):
+                missing.append(f"{path}::{m.group(2)}")
+    assert missing == []

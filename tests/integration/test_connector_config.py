@@ -194,5 +194,5 @@ def test_pin_cap_is_derived_from_the_engine_when_unset(store_config: StoreConfig
                                                        max_model_len: int, cap: int):
     with Harness(store_config, num_blocks=num_blocks, max_model_len=max_model_len) as h:
         for conn in [h.scheduler_connector, *h.workers]:
-            assert conn.store_config.max_pinned_blocks == cap
+            assert conn.config.max_pinned_blocks == cap  # every role: derived once, at construction
         assert h.scheduler_connector.scheduler_side.max_pinned_blocks == cap

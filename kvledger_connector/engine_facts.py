@@ -1,0 +1,198 @@
+"""Everything the connector derives from vLLM's objects, computed once per connector (`EngineFacts.of`).
+
+The KV cache spec and the resolved layout (what a stored block's bytes are), this worker's ranks, the
+engine's sizes (world size, nodes, block size, max_model_len, the GPU block pool, max_num_seqs), kv_role
+and whether KV events are on. Whatever vLLM hands over that this connector cannot serve is refused here,
+before anything is started or connected: sleep mode, several KV cache groups, a spec without per-layer
+pages, an unresolved layout, a rank it would have to guess.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from kvledger_connector.config import ConfigError
+from kvledger_connector.keys import KeyLayout
+from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_EXTRA = "kv_connector_extra_config"
+
+
+def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
+    """The one attention spec this connector serves; anything else is refused at start-up (several KV
+    cache groups would need block ids per group; Mamba state has no per-block pages)."""
+    if kv_cache_config is None:
+        raise KVLayoutError("kv_cache_config is None: vLLM 0.32 passes the engine's KVCacheConfig to every "
+                            "connector; the connector needs its KV cache spec")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVLayoutError(f"{len(groups)} KV cache groups ("
+                            + "; ".join(f"{type(g.kv_cache_spec).__name__}: {g.layer_names[:2]}..." for g in groups)
+                            + "): the connector serves models with one KV cache group (no hybrid models)")
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    if specs is not None:
+        kinds = set(specs.values())
+        if len(kinds) != 1:
+            raise KVLayoutError(f"layers {sorted(specs)[:4]}...: {len(kinds)} different KV cache specs in "
+                                f"one group; the connector serves one spec for all layers")
+        spec = kinds.pop()
+    if not (hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and spec.has_layer_views):
+        raise KVLayoutError(f"layers {groups[0].layer_names[:4]}: {type(spec).__name__} has no per-layer "
+                            f"[B, H, N, C] pages; the connector serves attention KV caches only")
+    return spec
+
+
+def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """The `KVCacheLayout` the engine resolved (EngineCore does it before any connector exists)."""
+    name = vllm_config.cache_config.kv_cache_layout or getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise KVLayoutError("the KV cache layout is not resolved (cache_config.kv_cache_layout is None): "
+                            "vLLM's EngineCore resolves it before creating connectors; a driver that builds "
+                            "connectors itself must set it (see testbed.kvcache.build_kv_cache_config)")
+    if name not in LAYOUT_HNC_ORDER:
+        raise KVLayoutError(f"KV cache layout {name!r}: not one of {sorted(LAYOUT_HNC_ORDER)}")
+    return str(name)
+
+
+def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int) -> KeyLayout:
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
+    extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
+             ("head_size_v", str(spec.head_size_v)), ("kv_quant", str(getattr(spec, "kv_quant_mode", ""))),
+             ("spec_dtype", str(spec.dtype)))
+    return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                     pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size, block_size=cc.block_size, dtype=dtype,
+                     kv_layout=kv_layout, num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
+                     head_size=spec.head_size, extra=extra)
+
+
+def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
+               pp_rank: int = 0) -> KeyLayout:
+    """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
+    from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
+    return _layout_of(vllm_config, kv_cache_spec(kv_cache_config), resolved_layout(vllm_config, kv_cache_config),
+                      tp_rank, pp_rank)
+
+
+def _vllm_tp_rank() -> int | None:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+        return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else None
+    except Exception:  # no distributed state: an in-process driver
+        return None
+
+
+def _vllm_pp_rank() -> int | None:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+        return get_pp_group().rank_in_group if model_parallel_is_initialized() else None
+    except Exception:
+        return None
+
+
+def _rank(key: str, given: int | None, size: int, from_vllm: Callable[[], int | None]) -> int:
+    """This worker's rank in a parallel group: vLLM's, or `given` (the extra config's, already an int in
+    the key's bounds) for in-process drivers that build several ranks' connectors without a process group.
+    With size > 1 and neither, refuse: falling back to 0 would make this worker write rank 0's keys."""
+    rank = from_vllm()
+    if given is not None:
+        if not 0 <= given < size:
+            raise ConfigError(key, given, f"must be an int in 0..{size - 1}", _EXTRA)
+        if rank is not None and rank != given:
+            raise ConfigError(key, given, f"differs from vLLM's rank {rank} in that group", _EXTRA)
+        rank = given
+    if rank is None:
+        if size > 1:
+            raise ConfigError(key, None, f"this worker cannot learn its rank from vLLM (no process group set up) "
+                              f"and the group has {size} ranks; refusing to guess rank 0, whose keys it would "
+                              f"share", _EXTRA)
+        rank = 0
+    return rank
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What this connector knows of its engine; satisfies `config.EngineFigures`."""
+
+    engine_id: str
+    scheduler: bool  # the scheduler role (ranks 0); else a worker
+    tp_rank: int
+    pp_rank: int
+    tp_size: int
+    pp_size: int
+    world_size: int
+    nnodes: int
+    block_size: int
+    max_model_len: int
+    num_gpu_blocks: int | None  # the GPU block pool (None: not known yet)
+    max_num_seqs: int
+    save_enabled: bool  # kv_role kv_producer | kv_both
+    load_enabled: bool  # kv_role kv_consumer | kv_both
+    kv_events: bool  # vLLM publishes KV cache events (--kv-events-config)
+    layout: KeyLayout  # this rank's
+    spec: Any  # the attention KV cache spec
+    num_layers: int  # layers of the KV cache config (this stage's)
+    num_blocks: int  # blocks of the KV cache config
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
+           tp_rank: int | None = None, pp_rank: int | None = None) -> EngineFacts:
+        """The facts, or the error naming what cannot be served. `tp_rank`/`pp_rank`: the extra config's
+        (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both."""
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
+            raise ConfigError("enable_sleep_mode", True, "KVLedgerConnector does not support sleep mode (the "
+                              "store's buffer registrations would not follow the KV cache across sleep/wake); "
+                              "turn sleep mode off", "model_config")
+        pc, cc, kt = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.kv_transfer_config
+        if kt is None:
+            raise ConfigError("kv_transfer_config", None, "the connector needs vLLM's kv_transfer_config", "vllm")
+        if scheduler:
+            tp = pp = 0
+        else:
+            tp = _rank("tp_rank", tp_rank, pc.tensor_parallel_size, _vllm_tp_rank)
+            pp = _rank("pp_rank", pp_rank, pc.pipeline_parallel_size, _vllm_pp_rank)
+        spec = kv_cache_spec(kv_cache_config)  # refuses a missing kv_cache_config too
+        kv_cfg = cast("KVCacheConfig", kv_cache_config)
+        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp)
+        kvev = vllm_config.kv_events_config
+        return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
+                   tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,
+                   nnodes=pc.nnodes, block_size=cc.block_size, max_model_len=vllm_config.model_config.max_model_len,
+                   num_gpu_blocks=kv_cfg.num_blocks or cc.num_gpu_blocks,
+                   max_num_seqs=vllm_config.scheduler_config.max_num_seqs, save_enabled=bool(kt.is_kv_producer),
+                   load_enabled=bool(kt.is_kv_consumer),
+                   kv_events=kvev is not None and bool(kvev.enable_kv_cache_events), layout=layout, spec=spec,
+                   num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks)
+
+    def shard_layouts(self) -> list[KeyLayout]:
+        """The key layout of every shard of every stage (the scheduler: a hit needs all of them)."""
+        return [dataclasses.replace(self.layout, tp_rank=t, pp_rank=p)
+                for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:
+        """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the keys
+        promise, then read as a per-block copy plan (kvledger_connector/kvlayout.py)."""
+        lay, spec = self.layout, self.spec
+        for name, t in kv_caches.items():
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and (
+                    t.shape[1] != spec.num_heads or t.shape[3] * t.element_size() != spec.state_content_size_bytes):
+                raise KVLayoutError(
+                    f"layer {name!r}: shape {tuple(t.shape)} of {t.dtype} (layout {lay.kv_layout}), the KV cache "
+                    f"spec promises {spec.num_heads} head slots of {spec.state_content_size_bytes} content bytes")
+        plan = plan_block_copies(kv_caches, layout=lay.kv_layout, block_size=lay.block_size,
+                                 num_blocks=self.num_blocks)
+        if len(plan.layers) != self.num_layers:
+            raise KVLayoutError(f"{len(plan.layers)} distinct KV cache views ({list(plan.layers)[:4]}...), the KV "
+                                f"cache config has {self.num_layers} layers (layout {lay.kv_layout})")
+        return plan
