@@ -1,9 +1,10 @@
 """Probes: small deterministic scenarios on the connector's own step functions (kvledger_connector/jobs.py)
 and the ledgers, for what the model's behaviours cannot show: a batch where only some keys fail, a short
 read, a load rotated on rank 1, an exception outside a store call, a copy-on-write tail pin, reports of
-two ranks merged in one step, the exact pin-cap boundary. Each probe raises :class:`ProbeFailed` naming
-what it saw; the mutant table (conformance/mutants.py) runs them under every mutant, and
-tests/unit/test_jobs.py runs them unmutated.
+two ranks merged in one step, the exact pin-cap boundary, an aborted request's blocks under its load.
+Each probe raises :class:`ProbeFailed` naming what it saw; the mutant table (conformance/mutants.py) runs
+them under every mutant, and tests/unit/test_jobs.py runs them unmutated. A probe that raises anything
+else crashed: no named check failed (:func:`run_probes` tells the two apart).
 
 The store here is a scripted in-memory one (:class:`ProbeStore`): it exists to inject per-key faults
 (a failing key in a batch, a short read, a raising call) deterministically; the replay (conformance/kvdriver.py)
@@ -11,11 +12,15 @@ runs the same steps against Mooncake.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 from vllm.v1.core.block_pool import BlockPool
 
+from conformance.engine.replay import raised
+from kvledger.errors import LedgerInvariantError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.load import LoadLedger
 from kvledger.worker import Verdict, WorkerLedger
@@ -31,7 +36,11 @@ class ProbeFailed(Exception):
     """A probe saw the runtime do something it must not."""
 
 
-def _check(ok: bool, what: str) -> None:
+#: what a probe may raise when it finds a bug: its own check, or an invariant the runtime itself names
+NAMED_CHECKS: tuple[type[Exception], ...] = (ProbeFailed, LedgerInvariantError)
+
+
+def check(ok: bool, what: str) -> None:
     if not ok:
         raise ProbeFailed(what)
 
@@ -98,18 +107,35 @@ HASHES = [bytes([i + 1]) * 4 for i in range(6)]
 
 
 def probe_partial_put_fails_the_job() -> None:
-    """One key of a put batch fails: the job failed (offset unchanged), still reported once."""
+    """One key of a put batch fails (an error code, or a positive code: no put result): the job failed
+    (offset unchanged), still reported once."""
+    for code in (-800, 1):
+        st = ProbeStore()
+        w = rank(st)
+        keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+        st.mem.update({1: 101, 2: 102, 3: 103})
+        st.put_codes[keys[1]] = code
+        w.receive("r", 1, 0)
+        w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+        off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
+        check(off == 0, f"a put whose key answered {code} moved the saved offset to {off}")
+        check(w.counters.saves_failed == 1, f"saves_failed={w.counters.saves_failed} after a put code {code}")
+        check(w.take_reports() == {1: 1}, "the job was not reported exactly once")
+
+
+def probe_an_answer_of_the_wrong_length_fails_the_job() -> None:
+    """A broken store answers one put code for two keys: the job fails (nothing counts as stored) and is
+    reported."""
     st = ProbeStore()
     w = rank(st)
-    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
-    st.mem.update({1: 101, 2: 102, 3: 103})
-    st.put_codes[keys[1]] = -800
+    st.mem.update({1: 1, 2: 2})
+    st.batch_put = lambda keys, ptrs, sizes: [0]  # type: ignore[method-assign]
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
     off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
-    _check(off == 0, f"a put with a failed key moved the saved offset to {off}")
-    _check(w.counters.saves_failed == 1, f"saves_failed={w.counters.saves_failed} after a partial put failure")
-    _check(w.take_reports() == {1: 1}, "the job was not reported exactly once")
+    check(off == 0, f"one put code for two keys moved the saved offset to {off}")
+    check(w.take_reports() == {1: 1}, "the job was not reported exactly once")
+    check(any("batch_put codes" in e for e in w.errors), f"the wrong-length answer is not named: {w.errors}")
 
 
 def probe_pressure_anywhere_in_a_batch() -> None:
@@ -121,8 +147,8 @@ def probe_pressure_anywhere_in_a_batch() -> None:
     st.put_codes[keys[2]] = -200
     w.receive("r", 1, 0)
     w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
-    _check(w.ledger.under_pressure, "a -200 on the batch's last key did not mark store pressure")
-    _check(w.take_reports() == {1: 1}, "the job was not reported")
+    check(w.ledger.under_pressure, "a -200 on the batch's last key did not mark store pressure")
+    check(w.take_reports() == {1: 1}, "the job was not reported")
 
 
 def probe_short_read_is_a_load_error() -> None:
@@ -133,8 +159,8 @@ def probe_short_read_is_a_load_error() -> None:
     st.data.update({keys[0]: 201, keys[1]: 202, keys[2]: 203})
     st.get_codes[keys[1]] = KEY_BYTES // 2
     res = w.run_load("r", [4, 5, 6], HASHES[:3])
-    _check(res.failed == {5}, f"short read: failed blocks {sorted(res.failed)}, expected [5]")
-    _check(w.take_load_errors() == {5}, "the short read's block was not reported to vLLM")
+    check(res.failed == {5}, f"short read: failed blocks {sorted(res.failed)}, expected [5]")
+    check(w.take_load_errors() == {5}, "the short read's block was not reported to vLLM")
 
 
 def probe_rotated_load_reports_the_right_block() -> None:
@@ -146,9 +172,9 @@ def probe_rotated_load_reports_the_right_block() -> None:
     st.data.update({keys[1]: 302, keys[2]: 303})
     res = w.run_load("r", [10, 11, 12], HASHES[:3])
     first = next(c for c in st.calls if c[0] == "batch_get")[1][0]
-    _check(first == keys[1], f"rank 1 did not start on key 1 (started on key {keys.index(first)})")
-    _check(res.failed == {10}, f"key 0 missing: failed blocks {sorted(res.failed)}, expected [10]")
-    _check(st.mem.get(11) == 302 and st.mem.get(12) == 303,
+    check(first == keys[1], f"rank 1 did not start on key 1 (started on key {keys.index(first)})")
+    check(res.failed == {10}, f"key 0 missing: failed blocks {sorted(res.failed)}, expected [10]")
+    check(st.mem.get(11) == 302 and st.mem.get(12) == 303,
            f"blocks 11, 12 hold {st.mem.get(11)}, {st.mem.get(12)}: not their keys' values 302, 303")
 
 
@@ -158,13 +184,13 @@ def probe_exception_in_a_save_still_reports() -> None:
     w = rank(st)
     w.receive("r", 1, 0)
     w.run_save("r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
-    _check(w.ledger.job_state(1) == "reported", f"job 1 is {w.ledger.job_state(1)} after its handler raised")
+    check(w.ledger.job_state(1) == "reported", f"job 1 is {w.ledger.job_state(1)} after its handler raised")
     st.raises.add("batch_put")
     st.mem.update({1: 1, 2: 2})
     w.receive("r", 2, 0)
     w.run_save("r", 2, 2, [1, 2], HASHES[:2])
-    _check(w.counters.store_exceptions == 1, f"store_exceptions={w.counters.store_exceptions}")
-    _check(w.take_reports() == {1: 1, 2: 1}, "a job whose handler or store call raised was not reported")
+    check(w.counters.store_exceptions == 1, f"store_exceptions={w.counters.store_exceptions}")
+    check(w.take_reports() == {1: 1, 2: 1}, "a job whose handler or store call raised was not reported")
 
 
 def probe_exception_in_a_load_reports_every_block() -> None:
@@ -172,8 +198,8 @@ def probe_exception_in_a_load_reports_every_block() -> None:
     st = ProbeStore()
     w = rank(st)
     w.run_load("r", [4, 5], [HASHES[0], b""])
-    _check(w.take_finished_loads() == {"r"}, "a load whose handler raised never finished")
-    _check(w.take_load_errors() == {4, 5}, "a load whose handler raised did not report its blocks")
+    check(w.take_finished_loads() == {"r"}, "a load whose handler raised never finished")
+    check(w.take_load_errors() == {4, 5}, "a load whose handler raised did not report its blocks")
 
 
 def probe_put_resumes_at_the_saved_offset() -> None:
@@ -187,9 +213,9 @@ def probe_put_resumes_at_the_saved_offset() -> None:
     w.run_save("r", 2, 4, [1, 2, 3, 4], HASHES[:4])
     keys = w.keys.keys(HASHES[:4])  # type: ignore[union-attr]
     lost = [i for i, k in enumerate(keys) if k not in st.data]
-    _check(not lost, f"blocks {lost} never reached the store (the put resumed past the saved offset)")
+    check(not lost, f"blocks {lost} never reached the store (the put resumed past the saved offset)")
     puts = [c[1] for c in st.calls if c[0] == "batch_is_exist"]
-    _check(puts[-1] == keys[2:], "the second job did not resume at the saved offset")
+    check(puts[-1] == keys[2:], "the second job did not resume at the saved offset")
 
 
 def probe_stale_and_skipped_jobs_put_nothing() -> None:
@@ -201,59 +227,82 @@ def probe_stale_and_skipped_jobs_put_nothing() -> None:
     w.receive("r", 1, 0)
     w.receive("r", 2, 1)  # generation 1 arrives: generation 0's job 1 is stale
     plan = w.begin_save(1, 2)
-    _check(plan.verdict is Verdict.STALE, f"a job of a superseded generation is {plan.verdict.value}")
+    check(plan.verdict is Verdict.STALE, f"a job of a superseded generation is {plan.verdict.value}")
     w.report_save(1)
     st.put_codes[w.keys.key(HASHES[0])] = -200  # type: ignore[union-attr]
     w.run_save("r", 2, 1, [1], HASHES[:1])  # pressure: generation 1 is skipped until a put succeeds
     w.receive("r", 3, 1)
     w.run_save("r", 3, 2, [1, 2], HASHES[:2])
-    _check(not st.data, f"a stale or skipped job put {sorted(st.data)}")
-    _check(w.take_reports() == {1: 1, 2: 1, 3: 1}, "stale / skipped jobs not reported")
+    check(not st.data, f"a stale or skipped job put {sorted(st.data)}")
+    check(w.take_reports() == {1: 1, 2: 1, 3: 1}, "stale / skipped jobs not reported")
 
 
-def _pool(n: int) -> tuple[BlockPool, list[int]]:
+def block_pool(n: int) -> tuple[BlockPool, list[int]]:
     pool = BlockPool(num_gpu_blocks=n + 1, enable_caching=False, hash_block_size=16)
     return pool, [b.block_id for b in pool.get_new_blocks(n)]
 
 
 def probe_copy_on_write_tail_is_pinned() -> None:
     """open_job with a tail (blocks outside the table) pins the tail too and releases it with the job."""
-    pool, ids = _pool(4)
+    pool, ids = block_pool(4)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=2, max_pinned_blocks=8)
     before = [pool.blocks[b].ref_cnt for b in ids]
     j = led.open_job("r", ids[:2], tail_block_ids=[ids[3]])
-    _check(j is not None, "a job within the caps was deferred")
+    check(j is not None, "a job within the caps was deferred")
     pinned = led.pinned_block_ids(j)  # type: ignore[arg-type]
-    _check(pinned == [ids[0], ids[1], ids[3]], f"pinned {pinned}, expected the table then the tail")
+    check(pinned == [ids[0], ids[1], ids[3]], f"pinned {pinned}, expected the table then the tail")
     refs = [pool.blocks[b].ref_cnt - r0 for b, r0 in zip(ids, before)]
-    _check(refs == [1, 1, 0, 1], f"pins added refs {refs}, expected [1, 1, 0, 1]")
+    check(refs == [1, 1, 0, 1], f"pins added refs {refs}, expected [1, 1, 0, 1]")
     led.collect({j: 1})  # type: ignore[dict-item]
     after = [pool.blocks[b].ref_cnt for b in ids]
-    _check(after == before, f"refs after the release {after}, before the job {before}")
+    check(after == before, f"refs after the release {after}, before the job {before}")
 
 
 def probe_pin_cap_boundary() -> None:
     """Exactly at each cap (jobs in flight; block pins), the job that reaches it is admitted and the next
     one is deferred (nothing pinned, no id used), whatever the other cap's room."""
-    pool, ids = _pool(6)
+    pool, ids = block_pool(6)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=2, max_pinned_blocks=100)
     a = led.open_job("a", ids[0:2])
     b = led.open_job("b", ids[2:4])
-    _check(a is not None and b is not None, "a job reaching max_inflight_jobs exactly was deferred")
+    check(a is not None and b is not None, "a job reaching max_inflight_jobs exactly was deferred")
     nxt = led.next_job_id
-    _check(led.open_job("c", ids[4:5]) is None, "a job above max_inflight_jobs was admitted")
-    _check(led.open_job("c", []) is None, "a job pinning no block was admitted above max_inflight_jobs")
-    _check(led.next_job_id == nxt, "a deferred job used an id")
+    check(led.open_job("c", ids[4:5]) is None, "a job above max_inflight_jobs was admitted")
+    check(led.open_job("c", []) is None, "a job pinning no block was admitted above max_inflight_jobs")
+    check(led.next_job_id == nxt, "a deferred job used an id")
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=100, max_pinned_blocks=4)
     a = led.open_job("a", ids[0:2])
-    _check(led.open_job("d", ids[3:6]) is None, "a job above max_pinned_blocks was admitted")
-    _check(led.open_job("d", ids[4:6]) is not None, "a job reaching max_pinned_blocks exactly was deferred")
+    check(led.open_job("d", ids[3:6]) is None, "a job above max_pinned_blocks was admitted")
+    check(led.open_job("d", ids[4:6]) is not None, "a job reaching max_pinned_blocks exactly was deferred")
+
+
+def probe_aborted_load_keeps_its_blocks() -> None:
+    """S9 LoadsPinned: a request whose async load is in flight is aborted (vLLM frees its blocks at once);
+    until every rank reported the load, its destination blocks stay out of BlockPool's free queue and no
+    new allocation gets them; after CollectLoad they are free again."""
+    pool, ids = block_pool(3)
+    led = SchedulerLedger(pool, world_size=2, max_inflight_jobs=2, max_pinned_blocks=4)
+    dest = ids[:2]
+    led.pin_load("r", dest)
+    pool.free_blocks([pool.blocks[b] for b in dest])  # the abort: the request's own references go
+    free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+    check(not free & set(dest), f"S9 LoadsPinned: blocks {sorted(free & set(dest))} of a load in flight are in "
+                                 f"the free queue after its request was aborted")
+    got = [b.block_id for b in pool.get_new_blocks(pool.get_num_free_blocks())]
+    check(not set(got) & set(dest), f"S9 LoadsPinned: a new allocation got blocks {sorted(set(got) & set(dest))} "
+                                     f"a rank may still be loading into")
+    pool.free_blocks([pool.blocks[b] for b in got])
+    led.collect_loads({"r": 1})  # one rank of two finished: still pinned
+    check(led.num_load_pinned_blocks == 2, "a load's pins dropped after one rank of two reported")
+    led.collect_loads({"r": 1})
+    free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+    check(set(dest) <= free, f"after every rank reported, blocks {sorted(set(dest) - free)} are not free")
 
 
 def probe_reports_of_two_ranks_merge() -> None:
     """Both ranks report a job in one step: merged as vLLM's executor does, the job is released once, and
     the next step reports nothing again."""
-    pool, ids = _pool(2)
+    pool, ids = block_pool(2)
     led = SchedulerLedger(pool, world_size=2, max_inflight_jobs=2, max_pinned_blocks=4)
     j = led.open_job("r", ids)
     ranks = [rank(ProbeStore(), tp_rank=t) for t in (0, 1)]
@@ -263,33 +312,55 @@ def probe_reports_of_two_ranks_merge() -> None:
     meta = KVLedgerWorkerMetadata()
     for w in ranks:
         meta.aggregate(KVLedgerWorkerMetadata(w.take_reports()))
-    _check(meta.completed_saves == {j: 2}, f"two ranks' reports merged to {meta.completed_saves}")
+    check(meta.completed_saves == {j: 2}, f"two ranks' reports merged to {meta.completed_saves}")
     led.collect(meta.completed_saves)
-    _check(led.num_inflight_jobs == 0, "the job is still pinned after both ranks reported")
+    check(led.num_inflight_jobs == 0, "the job is still pinned after both ranks reported")
     again = [w.take_reports() for w in ranks]
-    _check(again == [{}, {}], f"reports taken twice: {again}")
+    check(again == [{}, {}], f"reports taken twice: {again}")
 
 
-PROBES: list[Callable[[], None]] = [
-    probe_partial_put_fails_the_job, probe_pressure_anywhere_in_a_batch, probe_short_read_is_a_load_error,
+Probe = Callable[[], None]
+PROBES: list[Probe] = [
+    probe_partial_put_fails_the_job, probe_an_answer_of_the_wrong_length_fails_the_job,
+    probe_pressure_anywhere_in_a_batch, probe_short_read_is_a_load_error,
     probe_rotated_load_reports_the_right_block, probe_exception_in_a_save_still_reports,
     probe_exception_in_a_load_reports_every_block, probe_put_resumes_at_the_saved_offset,
     probe_stale_and_skipped_jobs_put_nothing, probe_copy_on_write_tail_is_pinned, probe_pin_cap_boundary,
-    probe_reports_of_two_ranks_merge,
+    probe_reports_of_two_ranks_merge, probe_aborted_load_keeps_its_blocks,
 ]
 
 
-def run_probes() -> tuple[str, str] | None:
-    """The first probe that fails: (its name, what it saw); None if all pass. Any exception fails a probe."""
-    quiet = logging.getLogger("kvledger_connector.jobs")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # the probes' injected handler errors are expected, not news
+@dataclass
+class ProbeRun:
+    """What a run of probes found: the first named check that failed (probe name, what it saw), and
+    every probe that crashed before it (name, exception and where)."""
+    failed: tuple[str, str] | None = None
+    crashes: list[tuple[str, str]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The step functions' error log silenced: the probes' injected handler errors are expected, not news."""
+    log = logging.getLogger("kvledger_connector.jobs")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
-        for p in PROBES:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def run_probes(probes: Sequence[Probe] | None = None) -> ProbeRun:
+    """Run ``probes`` (default: PROBES) in order until one fails a named check (:data:`NAMED_CHECKS`); a
+    probe raising anything else is a crash: noted, and the next probe runs."""
+    out = ProbeRun()
+    with quiet():
+        for p in PROBES if probes is None else probes:
             try:
                 p()
-            except Exception as e:
-                return p.__name__, f"{type(e).__name__}: {e}"
-        return None
-    finally:
-        quiet.setLevel(level)
+            except NAMED_CHECKS as e:
+                out.failed = (p.__name__, f"{type(e).__name__}: {e}")
+                return out
+            except Exception as e:  # noqa: BLE001 - a crash, reported as such
+                out.crashes.append((p.__name__, raised(e)))
+    return out

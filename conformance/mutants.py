@@ -1,19 +1,32 @@
 """Runtime mutants: seeded bugs in kvledger (the ledgers, the store-code classification) and in the
-connector's orchestration (kvledger_connector/jobs.py, the worker metadata merge), applied by
-monkeypatching at run time (the source is never edited). Every one must be killed by the fast stages:
-the probes (conformance/kvprobes.py: the step functions on a scripted store, also run by
-tests/unit/test_jobs.py) or replay of TLC's behaviours through the driver, which calls the connector's
-own step functions (with refusal probes where the model has no edge).
+connector (its step functions in kvledger_connector/jobs.py, the worker metadata merge, the KV cache copy
+plans, the store keys, reset_cache's pattern, the runtime directory), applied by monkeypatching at run time
+(the source is never edited). Each patches a function the connector's own threads or vLLM call.
+
+Every mutant must be killed: a named check fails under it, in the fast stages, and its shows-probe
+(conformance/probes_shows.py: the mutated function observed directly) sees the change. The named checks:
+
+    a probe           ProbeFailed, or an invariant the runtime names (LedgerInvariantError):
+                      conformance/kvprobes.py (the step functions, the ledgers) and probes_parts.py (copy
+                      plans, keys, reset pattern, runtime dir), run on real parts
+    replay            TLC's behaviours of the small configs below, through the driver on a loopback
+                      Mooncake master, as `make verify`'s replay: a field that differs from TLC's state, a
+                      refusal (the system refused a step the model takes, or a refusal probe of
+                      ProbingDriver), or an invariant of check_invariants (S1-S9 on the real parts)
+
+Any other exception inside the code under test is a CRASH: reported in its own column, never a kill.
 
     python -m conformance.mutants [--cfg CFG ...]   (default: the three small configs below)
 
-prints the kill table: mutant, killed?, by what (probe name, or config / behaviour / step / action), seconds.
+prints the kill table: mutant, killed?, shows?, seconds, crash, by what (probe name and what it saw, or
+config / behaviour / step / action and what differed).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,16 +34,22 @@ from typing import Any, Callable, Iterator
 
 import kvledger.codes
 import kvledger_connector.jobs
+import kvledger_connector.keys
+import kvledger_connector.kvlayout
+import kvledger_connector.reset
+import kvledger_connector.scheduler_steps
+from conformance import kvprobes, probes_parts
 from conformance.engine import export as ex
-from conformance import kvprobes
 from conformance.engine import replay as rp
-from conformance.kvdriver import KVDriver, MemStoreBackend
+from conformance.kvdriver import KVDriver, MooncakeBackend
 from kvledger.codes import NO_AVAILABLE_HANDLE, PutOutcome
 from kvledger.errors import LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
+from kvledger_connector import rendezvous
 from kvledger_connector.jobs import SavePlan, WorkerSteps
+from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +62,9 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 # two ranks at the pin cap: a count of 2 reports in one Collect, a pin released after one rank's report
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
+PROBES: list[kvprobes.Probe] = kvprobes.PROBES + probes_parts.PROBES
+# what a replay counts as a named check besides a field diff and Refused
+REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
 
 @contextlib.contextmanager
@@ -174,11 +196,27 @@ def _exist_error_means_present(orig):  # batch_is_exist: only 0 is missing, an e
     return missing
 
 
-def _failing_subbatch_unreported(orig):  # failed keys of a sub-batch are not reported
-    def record_results(self, load_id, block_ids, codes, key_bytes):
-        self.record_ok(load_id, [b for b, c in zip(block_ids, codes) if c == key_bytes])
-        return []
+def _failing_subbatch_unreported(orig):  # a sub-batch's failed keys are marked failed (the load can finish)
+    def record_results(self, load_id, block_ids, codes, key_bytes):  # but never handed to vLLM
+        reported = set(self._errors)
+        bad = orig(self, load_id, block_ids, codes, key_bytes)
+        self._errors = reported
+        return bad
     return record_results
+
+
+def _positive_put_code_stored(orig):  # only a negative put code fails: a positive one (no put result) stored
+    def classify_put(codes, num_keys):
+        out = orig(codes, num_keys)
+        bad = tuple(c for c in codes if c < 0)
+        return PutOutcome(stored=not bad, pressure=out.pressure, failed_codes=bad)
+    return classify_put
+
+
+def _answer_length_unchecked(orig):  # a store answer of the wrong length is zipped against the keys
+    def check_count(field, codes, num_keys):
+        return None
+    return check_count
 
 
 # ---------------------------------------------------------------- the connector's orchestration
@@ -210,19 +248,19 @@ def _ids_not_rotated(orig):  # the keys are rotated by tp_rank, their block ids 
     return load_pairs
 
 
-def _save_report_not_in_finally(orig):  # the report is the try's last line: an exception skips it
-    def run_save(self, req_id, job_id, end_block, block_ids, block_hashes, before_read=None):
-        try:
-            plan = self.begin_save(job_id, end_block)
-            if plan.run:
-                pos = list(plan.positions)
-                keys = self._key_list([block_hashes[i] for i in pos])
-                res = self.put(keys, [block_ids[i] for i in pos], before_read)
-                self.record_put(job_id, res, len(keys), end_block * self.block_size)
-            self.report_save(job_id)
-        except Exception as e:
-            self.note_error(f"save job {job_id}: {e}")
-    return run_save
+def _save_report_skipped_after_failure(orig_fail):  # the report is on the success path only: a job
+    def fail_save(self, job_id):                      # whose handler raised is failed, never reported
+        vars(self).setdefault("_mutant_unreported", set()).add(job_id)
+        return orig_fail(self, job_id)
+    return fail_save
+
+
+def _report_skips_failed_by_exception(orig):
+    def report_save(self, job_id):
+        if job_id in vars(self).get("_mutant_unreported", ()):
+            return None
+        return orig(self, job_id)
+    return report_save
 
 
 def _load_unfinished_on_exception(orig):  # a load whose key building raises is dropped, never finished
@@ -238,12 +276,12 @@ def _load_unfinished_on_exception(orig):  # a load whose key building raises is 
 
 def _no_load_pin(orig):  # EmitLoad pins nothing: an aborted request's blocks are reused under the load
     def pin_load(self, req_id, block_ids):
-        self._pool.touch = lambda blocks: None
+        self._touch = lambda blocks: None  # the ledger's pin is its bound BlockPool.touch
         try:
             orig(self, req_id, block_ids)
         finally:
-            del self._pool.touch
-        self._loads[req_id][-1][0] = []  # nothing to free later either
+            self._touch = self._pool.touch
+        self._loads[req_id][-1][0] = []  # keep the ledger's books consistent with "no pin": nothing to free
         for b in block_ids:
             del self._load_dest[b]
     return pin_load
@@ -254,6 +292,75 @@ def _load_pin_released_at_first_rank(orig):  # a load's ranks_left starts at 1: 
         orig(self, req_id, block_ids)
         self._loads[req_id][-1][1] = 1
     return pin_load
+
+
+# ---------------------------------------------------------------- KV cache copy plans, keys, reset, runtime dir
+def _last_run_dropped(orig):  # a layer split into several runs per block loses its last run
+    def _layer_runs(name, t, layout, block_size):
+        ratio, runs, stride = orig(name, t, layout, block_size)
+        return ratio, runs[:-1] if len(runs) > 1 else runs, stride
+    return _layer_runs
+
+
+def _stride_per_kernel_block(orig):  # a block split into kernel blocks moves by one kernel block
+    def _layer_runs(name, t, layout, block_size):
+        ratio, runs, stride = orig(name, t, layout, block_size)
+        return ratio, runs, stride // ratio
+    return _layer_runs
+
+
+def _lhbnc_token_major(orig):  # LHBNC's block read in N, H, C order (the NHD layouts' order)
+    return {**orig, "LHBNC": ("N", "H", "C")}
+
+
+def _key_without_pp_stage(orig):  # the key names the tp shard but not the pipeline stage
+    def __init__(self, layout, max_key_bytes=512, namespace=""):
+        orig(self, layout, max_key_bytes, namespace)
+        self.prefix = self.prefix.replace(f"-pp{layout.pp_rank}of{layout.pp_size}/", "/")
+    return __init__
+
+
+def _digest_without_layout(orig):  # the layout digest leaves out the KV cache layout
+    def digest(self):
+        return orig(dataclasses.replace(self, kv_layout="any"))
+    return digest
+
+
+def _tail_hash_without_tokens(orig):  # a partial tail hashed by its parent and length only
+    def partial_tail_hash(parent_hash, tokens):
+        return orig(parent_hash, [0] * len(tokens))
+    return partial_tail_hash
+
+
+def _reset_pattern_unanchored(orig):  # the reset pattern without its ^: it also matches inside other keys
+    def engine_key_regex(key_builders):
+        return orig(key_builders).removeprefix("^")
+    return engine_key_regex
+
+
+def _reset_pattern_first_shard(orig):  # the reset pattern of the first shard only: other ranks' keys stay
+    def engine_key_regex(key_builders):
+        return orig(list(key_builders)[:1])
+    return engine_key_regex
+
+
+def _runtime_dir_any_directory(orig):  # a refused runtime dir accepted whenever it is a directory at all
+    def runtime_dir():
+        try:
+            return orig()
+        except rendezvous.RendezvousError:
+            d = os.environ.get(rendezvous.RUNTIME_DIR_ENV, "")
+            if os.path.isdir(d):
+                return d
+            raise
+    return runtime_dir
+
+
+def _sweep_ignores_liveness(orig):  # the sweep takes every owner for dead: a live engine's file removed
+    def _alive(pid):
+        orig(pid)
+        return False
+    return _alive
 
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
@@ -276,6 +383,8 @@ MUTANTS: dict[str, list[Patch]] = {
     # store-code classification (kvledger.codes, LoadLedger)
     "put_partial_batch_ok": [(kvledger.codes, "classify_put", _partial_put_ok)],
     "put_pressure_first_key_only": [(kvledger.codes, "classify_put", _pressure_first_key_only)],
+    "put_positive_code_stored": [(kvledger.codes, "classify_put", _positive_put_code_stored)],
+    "answer_length_unchecked": [(kvledger.codes, "check_count", _answer_length_unchecked)],
     "get_short_read_loaded": [(kvledger.codes, "is_loaded", _any_bytes_loaded)],
     "exist_error_means_present": [(kvledger.codes, "missing", _exist_error_means_present)],
     "failing_subbatch_unreported": [(LoadLedger, "record_results", _failing_subbatch_unreported)],
@@ -285,16 +394,47 @@ MUTANTS: dict[str, list[Patch]] = {
     "skipped_job_runs": [(SavePlan, "run", _skipped_job_runs)],
     "put_resumes_past_offset": [(WorkerSteps, "begin_save", _resume_past_offset)],
     "load_ids_not_rotated": [(kvledger_connector.jobs, "load_pairs", _ids_not_rotated)],
-    "save_report_skipped_on_exception": [(WorkerSteps, "run_save", _save_report_not_in_finally)],
+    "save_report_skipped_on_exception": [(WorkerSteps, "fail_save", _save_report_skipped_after_failure),
+                                         (WorkerSteps, "report_save", _report_skips_failed_by_exception)],
     "load_unfinished_on_exception": [(WorkerSteps, "run_load", _load_unfinished_on_exception)],
+    # KV cache copy plans
+    "layout_last_run_dropped": [(kvledger_connector.kvlayout, "_layer_runs", _last_run_dropped)],
+    "layout_stride_per_kernel_block": [(kvledger_connector.kvlayout, "_layer_runs", _stride_per_kernel_block)],
+    "layout_lhbnc_token_major": [(kvledger_connector.kvlayout, "LAYOUT_HNC_ORDER", _lhbnc_token_major)],
+    # keys (the scheduler side builds tail hashes through its own binding of partial_tail_hash)
+    "key_without_pp_stage": [(KeyBuilder, "__init__", _key_without_pp_stage)],
+    "key_digest_without_layout": [(KeyLayout, "digest", _digest_without_layout)],
+    "tail_hash_without_tokens": [(kvledger_connector.keys, "partial_tail_hash", _tail_hash_without_tokens),
+                                 (kvledger_connector.scheduler_steps, "partial_tail_hash",
+                                  _tail_hash_without_tokens)],
+    # reset_cache's pattern
+    "reset_pattern_unanchored": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_unanchored)],
+    "reset_pattern_first_shard_only": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_first_shard)],
+    # the embedded master's runtime directory
+    "runtime_dir_any_directory": [(rendezvous, "runtime_dir", _runtime_dir_any_directory)],
+    "sweep_ignores_liveness": [(rendezvous, "_alive", _sweep_ignores_liveness)],
 }
 
 
+@contextlib.contextmanager
+def applied(name: str) -> Iterator[None]:
+    """Mutant ``name``'s patches in place for the block."""
+    with contextlib.ExitStack() as stack:
+        for obj, attr, make in MUTANTS[name]:
+            stack.enter_context(patched(obj, attr, make))
+        yield
+
+
 class ProbingDriver(KVDriver):
-    """The KV driver plus refusal probes where the model has no edge, run right after every EmitStore
-    (when a pinned job is sure to exist): a report count above a pinned job's ranks_left must be refused
-    (S5) and change nothing; at the pin cap, one more job must be deferred (S6's exact boundary; the job
-    pins no block, so the block cap, PinCap * NumBlocks here, cannot defer it instead)."""
+    """The KV driver plus named checks where the model has no edge. After every step, the driver's
+    check_invariants (S1-S9 on the real parts). Right after every EmitStore (when a pinned job is sure to
+    exist), two refusal probes: a report count above a pinned job's ranks_left must be refused (S5) and
+    change nothing; at the pin cap, one more job must be deferred (S6's exact boundary; the job pins no
+    block, so the block cap, PinCap * NumBlocks here, cannot defer it instead)."""
+
+    def apply(self, a: dict[str, Any], pre: dict[str, Any], post: dict[str, Any]) -> None:
+        super().apply(a, pre, post)
+        self.check_invariants()
 
     def do_EmitStore(self, a: dict[str, Any]) -> None:
         super().do_EmitStore(a)
@@ -314,48 +454,160 @@ class ProbingDriver(KVDriver):
                              "was accepted (the model has no such step)")
 
 
-def _killer(exps: list[ex.Export], probes: bool = True) -> tuple[str | None, int]:
-    """What kills the runtime as it is now patched: the first failing probe, else the first export that
-    diverges. Returns (what, behaviours replayed)."""
-    hit = kvprobes.run_probes() if probes else None
-    if hit is not None:
-        return f"probe {hit[0]}: {hit[1].splitlines()[0][:90]}", 0
-    seen = 0
+@contextlib.contextmanager
+def mooncake_backend() -> Iterator[MooncakeBackend]:
+    """A loopback Mooncake master (testbed.procs.mooncake_servers) and a client, as the replay stage uses."""
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.store import MooncakeStore
+    from testbed.procs import mooncake_servers
+
+    with mooncake_servers(rpc_timeout_ms=2000) as mc:
+        store = MooncakeStore.connect(StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20,
+                                                  rpc_timeout_ms=2000), embedded=mc)
+        try:
+            yield MooncakeBackend(store)
+        finally:
+            store.close()
+
+
+@dataclasses.dataclass
+class Row:
+    """One mutant's line of the table."""
+    name: str
+    by: str | None = None  # the named check that killed it
+    crash: str | None = None  # the first crash seen (where: probe name or replay step; what)
+    shows: str | None = None  # None: its shows-probe saw the change; else what it saw instead
+    behaviours: int = 0  # replayed
+    seconds: float = 0.0
+
+    @property
+    def killed(self) -> bool:
+        return self.by is not None
+
+    @property
+    def ok(self) -> bool:
+        return self.killed and self.shows is None
+
+
+class KillTable(dict[str, bool]):
+    """mutant -> killed (a named check failed under it); ``rows`` has the rest of each line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[str, Row] = {}
+
+    def add(self, row: Row) -> None:
+        self.rows[row.name] = row
+        self[row.name] = row.killed
+
+    @property
+    def crashed(self) -> list[str]:
+        """Mutants that only crashed: no named check failed."""
+        return [n for n, r in self.rows.items() if r.crash and not r.killed]
+
+    @property
+    def unshown(self) -> list[str]:
+        return [n for n, r in self.rows.items() if r.shows is not None]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r.ok for r in self.rows.values())
+
+
+def _finding(cfg: str, d: rp.Divergence) -> str:
+    where = f"replay {cfg} behaviour {d.behaviour} step {d.step}/{d.length} {d.action}"
+    if d.kind == "state":
+        f, (m, i) = next(iter(d.fields.items()))
+        more = f" (+{len(d.fields) - 1} fields)" if len(d.fields) > 1 else ""
+        return f"{where}: {f} model {m!r} impl {i!r}{more}"
+    return f"{where}: {d.kind}: {d.error}"
+
+
+def _shows(name: str) -> str | None:
+    from conformance.probes_shows import SHOWS
+
+    show = SHOWS.get(name)
+    if show is None:
+        return "no shows-probe"
+    try:
+        with kvprobes.quiet():
+            show()
+    except kvprobes.ProbeFailed:
+        return None
+    except Exception as e:  # noqa: BLE001 - reported as what the shows-probe saw
+        return f"crashed: {rp.raised(e)}"
+    return "NO: the mutated function behaves as the shipped one"
+
+
+def judge(row: Row, exps: list[ex.Export], backend: Any, probes: bool = True) -> Row:
+    """Fill ``row`` for the runtime as it is now patched: the first probe that fails a named check, else
+    the first replayed behaviour that diverges with a finding; crashes on the way are kept."""
+    if probes:
+        run = kvprobes.run_probes(PROBES)
+        if run.crashes:
+            row.crash = f"probe {run.crashes[0][0]}: {run.crashes[0][1]}"
+        if run.failed is not None:
+            row.by = f"probe {run.failed[0]}: {run.failed[1].splitlines()[0]}"
+            return row
     for e in exps:
-        rep = rp.replay_export(e, ProbingDriver(MemStoreBackend(), e.consts))
-        seen += rep.behaviours
-        if rep.divergences:
-            d = rep.divergences[0]
-            return f"replay {Path(e.cfg).stem} behaviour {d.behaviour} step {d.step}: {d.action}", seen
-    return None, seen
+        cfg = Path(e.cfg).stem
+        rep = rp.replay_export(e, ProbingDriver(backend, e.consts), checks=REPLAY_CHECKS, crashes_stop=False)
+        row.behaviours += rep.behaviours
+        if rep.crashes and row.crash is None:
+            c = rep.crashes[0]
+            row.crash = f"replay {cfg} behaviour {c.behaviour} step {c.step} {c.action}: {c.error}"
+        if rep.findings:
+            row.by = _finding(cfg, rep.findings[0])
+            return row
+    return row
+
+
+def _cell(text: str | None, width: int) -> str:
+    text = "-" if text is None else text.splitlines()[0]
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def kill_table(exps: ex.Export | list[ex.Export], log: Callable[[str], None] = print, *,
-               probes: bool = True) -> dict[str, bool]:
-    """Probe, then replay every export, under each mutant; a mutant is killed by the first probe that
-    fails or export that diverges (``probes=False``: replay only, to see what the model's behaviours
-    alone catch). The stores are in memory (the mutants are in the runtime, not the store). The
-    unmutated runtime must pass every probe and conform first."""
+               probes: bool = True, backend: Any = None) -> KillTable:
+    """Probe, then replay every export, under each mutant (``probes=False``: replay only, to see what the
+    model's behaviours alone catch). The replays run on ``backend``, a MooncakeBackend; None: a loopback
+    master started here. The unmutated runtime must pass every probe and conform first, without a crash."""
     exps = [exps] if isinstance(exps, ex.Export) else list(exps)
+    if backend is None:
+        with mooncake_backend() as be:
+            return kill_table(exps, log, probes=probes, backend=be)
     t_all = time.monotonic()
-    base, _ = _killer(exps)
-    if base is not None:
-        raise RuntimeError(f"the unmutated runtime fails; fix that first: {base}")
-    results: dict[str, bool] = {}
-    log(f"{'mutant':<34} {'killed':<6} {'s':>5}  by")
-    for name, patches in MUTANTS.items():
+    base = judge(Row("(unmutated)"), exps, backend)
+    if base.by is not None or base.crash is not None:
+        raise RuntimeError(f"the unmutated runtime fails; fix that first: {base.by or base.crash}")
+    table = KillTable()
+    log(f"{'mutant':<34} {'killed':<6} {'shows':<5} {'s':>5}  {'crash':<30} by")
+    for name in MUTANTS:
+        row = Row(name)
         t0 = time.monotonic()
         with contextlib.ExitStack() as stack:
-            for obj, attr, make in patches:
-                stack.enter_context(patched(obj, attr, make))
-            what, seen = _killer(exps, probes)
-        results[name] = what is not None
-        log(f"{name:<34} {'yes' if what else 'NO':<6} {time.monotonic() - t0:5.2f}  "
-            f"{what or ('survived every probe and ' if probes else 'survived ') + f'{seen} behaviours'}")
-    log(f"[mutants] {sum(results.values())}/{len(results)} killed in {time.monotonic() - t_all:.1f} s "
-        f"({'probes + ' if probes else ''}replay of {sum(len(e.behaviours) for e in exps)} behaviours of "
-        f"{', '.join(Path(e.cfg).stem for e in exps)})")
-    return results
+            try:
+                stack.enter_context(applied(name))
+            except Exception as e:  # noqa: BLE001 - a patch that cannot be applied: its target is gone
+                row.crash = f"patch: {rp.raised(e)}"
+            else:
+                row.shows = _shows(name)
+                judge(row, exps, backend, probes)
+        row.seconds = time.monotonic() - t0
+        table.add(row)
+        by = row.by or f"survived {'every probe and ' if probes else ''}{row.behaviours} behaviours"
+        log(f"{name:<34} {'yes' if row.killed else 'NO':<6} {'yes' if row.shows is None else 'NO':<5} "
+            f"{row.seconds:5.2f}  {_cell(row.crash, 30):<30} {_cell(by, 150)}")
+    for r in table.rows.values():
+        if r.crash:
+            log(f"  crash {r.name}: {r.crash}")
+        if r.shows is not None:
+            log(f"  shows {r.name}: {r.shows}")
+    log(f"[mutants] {sum(table.values())}/{len(table)} killed, {len(table.crashed)} crashed without a kill, "
+        f"{len(table.unshown)} not shown by their shows-probe, in {time.monotonic() - t_all:.1f} s "
+        f"({'probes + ' if probes else ''}replay on Mooncake of {sum(len(e.behaviours) for e in exps)} "
+        f"behaviours of {', '.join(Path(e.cfg).stem for e in exps)})")
+    return table
 
 
 def exports(cfgs: list[str], num: int = 100, log: Callable[[str], None] = print) -> list[ex.Export]:
@@ -371,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-only", action="store_true", help="no probes: what replay alone kills")
     a = ap.parse_args(argv)
     res = kill_table(exports(a.cfg or [str(c) for c in DEFAULT_CFGS], a.num), probes=not a.replay_only)
-    return 0 if all(res.values()) else 1
+    return 0 if res.ok else 1
 
 
 if __name__ == "__main__":

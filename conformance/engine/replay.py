@@ -19,6 +19,11 @@ becomes a `Divergence`:
       prefix: Admit(r=r1) -> Compute(r=r1) -> EmitStore(r=r1) -> Receive(w=w1) -> ...
 
 "step 6 of 23" counts actions from 1; `prefix` lists the actions that matched before it.
+
+What a divergence is (`Divergence.kind`): "state" (a field differs), "refused" (the system raised
+`Refused`), "check" (it raised one of the caller's named check errors, `checks`, e.g. a violated
+invariant) or "crash" (any other exception, in apply, observe, expect or reset: no named check failed,
+so a caller counting findings, such as a mutant table, must not count it as one).
 """
 from __future__ import annotations
 
@@ -51,6 +56,9 @@ def action_str(action: dict[str, Any]) -> str:
     return f"{action.get('name', '?')}({args})"
 
 
+KINDS = ("state", "refused", "check", "crash")
+
+
 @dataclass
 class Divergence:
     behaviour: int
@@ -59,14 +67,17 @@ class Divergence:
     length: int  # actions in the behaviour
     action: str
     fields: dict[str, tuple[Any, Any]]  # field -> (model, impl)
-    error: str | None = None  # the system raised instead of doing the action
+    error: str | None = None  # the system raised instead of doing the action (type, message, where)
     prefix: list[str] = field(default_factory=list)
+    kind: str = "state"  # one of KINDS
 
     def __str__(self) -> str:
         lines = [f"DIVERGENCE behaviour {self.behaviour} ({self.origin}), step {self.step} of "
                  f"{self.length}: {self.action}"]
         if self.error:
-            lines.append(f"  the system raised: {self.error}")
+            what = {"refused": "refused", "check": "a named check failed",
+                    "crash": "CRASH (no named check failed)"}.get(self.kind, "the system raised")
+            lines.append(f"  {what}: {self.error}")
         width = max((len(f) for f in self.fields), default=0)
         for f, (m, i) in self.fields.items():
             lines.append(f"  {f + ':':<{width + 1}} model {m!r}   impl {i!r}")
@@ -75,21 +86,43 @@ class Divergence:
         lines.append(f"  prefix: {more}{' -> '.join(tail) or '(initial state)'}")
         return "\n".join(lines)
 
+    @property
+    def crash(self) -> bool:
+        return self.kind == "crash"
+
 
 def diff(model: dict[str, Any], impl: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {k: (model.get(k), impl.get(k)) for k in sorted(set(model) | set(impl))
             if model.get(k) != impl.get(k)}
 
 
+def raised(e: BaseException) -> str:
+    """An exception as one line: type, message, and the innermost frame it came from."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
 def replay_behaviour(driver: Driver, states: list[dict[str, Any]], index: int = 0,
-                     origin: str = "") -> Divergence | None:
-    """Replay one behaviour; the first divergence, or None when every step conforms."""
+                     origin: str = "", *, checks: tuple[type[BaseException], ...] = ()) -> Divergence | None:
+    """Replay one behaviour; the first divergence, or None when every step conforms. ``checks``: the
+    exception types that are named checks of the system (see the module doc: anything else a crash)."""
     n = len(states) - 1
-    driver.reset(states[0])
-    d = diff(driver.expect(states[0]), driver.observe())
+    prefix: list[str] = []
+    k, name = 0, "Init"
+
+    def failed(e: Exception) -> Divergence:
+        kind = "refused" if isinstance(e, Refused) else "check" if isinstance(e, checks) else "crash"
+        return Divergence(index, origin, k, n, name, {}, raised(e) if kind != "refused" else str(e),
+                          prefix, kind)
+
+    try:
+        driver.reset(states[0])
+        d = diff(driver.expect(states[0]), driver.observe())
+    except Exception as e:  # noqa: BLE001 - classified, never lost
+        return failed(e)
     if d:
         return Divergence(index, origin, 0, n, "Init", d)
-    prefix: list[str] = []
     for k in range(1, len(states)):
         pre, post = states[k - 1], states[k]
         if post == pre:  # a stuttering step (the model rests once everything finished): nothing to do
@@ -98,14 +131,9 @@ def replay_behaviour(driver: Driver, states: list[dict[str, Any]], index: int = 
         name = action_str(act)
         try:
             driver.apply(act, pre, post)
-        except Refused as e:
-            return Divergence(index, origin, k, n, name, {}, f"refused: {e}", prefix)
-        except Exception as e:  # noqa: BLE001 - any exception of the system is a finding
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            return Divergence(index, origin, k, n, name, {},
-                              f"{type(e).__name__}: {e} (at {where.filename.rsplit('/', 1)[-1]}:"
-                              f"{where.lineno})", prefix)
-        d = diff(driver.expect(post), driver.observe())
+            d = diff(driver.expect(post), driver.observe())
+        except Exception as e:  # noqa: BLE001 - classified, never lost
+            return failed(e)
         if d:
             return Divergence(index, origin, k, n, name, d, None, prefix)
         prefix.append(name)
@@ -124,17 +152,30 @@ class ReplayReport:
     def ok(self) -> bool:
         return self.behaviours > 0 and not self.divergences
 
+    @property
+    def crashes(self) -> list[Divergence]:
+        return [d for d in self.divergences if d.crash]
+
+    @property
+    def findings(self) -> list[Divergence]:
+        """The divergences a named check shows (state, refused, check): every one but the crashes."""
+        return [d for d in self.divergences if not d.crash]
+
     def line(self) -> str:
-        return (f"[replay] {self.conforming}/{self.behaviours} behaviours conform "
+        crashed = f", {len(self.crashes)} crashed" if self.crashes else ""
+        return (f"[replay] {self.conforming}/{self.behaviours} behaviours conform{crashed} "
                 f"({self.steps} steps, {self.seconds:.1f}s)")
 
 
 def replay_export(exp: Export, driver: Driver, *, limit: int | None = None,
                   origins: Iterable[str] | None = None, stop_after: int | None = 1,
-                  progress: Callable[[str], None] | None = None) -> ReplayReport:
+                  progress: Callable[[str], None] | None = None,
+                  checks: tuple[type[BaseException], ...] = (), crashes_stop: bool = True) -> ReplayReport:
     """Replay the export's behaviours (optionally only some origins / the first `limit`).
 
-    Stops after `stop_after` divergences (None: replay everything)."""
+    Stops after `stop_after` divergences (None: replay everything); with ``crashes_stop=False`` only the
+    findings count towards it (a crash is kept and the replay goes on to look for a named check that
+    fails). ``checks``: see :func:`replay_behaviour`."""
     rep = ReplayReport()
     t0 = time.monotonic()
     wanted = set(origins) if origins is not None else None
@@ -147,14 +188,15 @@ def replay_export(exp: Export, driver: Driver, *, limit: int | None = None,
             states = exp.steps(b)
             rep.behaviours += 1
             rep.steps += len(states) - 1
-            div = replay_behaviour(driver, states, idx, origin)
+            div = replay_behaviour(driver, states, idx, origin, checks=checks)
             if div is None:
                 rep.conforming += 1
             else:
                 rep.divergences.append(div)
                 if progress:
                     progress(str(div))
-                if stop_after is not None and len(rep.divergences) >= stop_after:
+                counted = rep.divergences if crashes_stop else rep.findings
+                if stop_after is not None and len(counted) >= stop_after:
                     break
     finally:
         driver.close()

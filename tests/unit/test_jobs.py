@@ -9,7 +9,7 @@ import pytest
 
 from conformance import kvprobes
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, rank
-from kvledger.errors import LedgerInputError
+from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
 from kvledger_connector.jobs import MAX_ERRORS_KEPT, WorkerSteps, load_pairs
@@ -24,19 +24,21 @@ def test_run_probes_names_the_failing_probe(monkeypatch):
     def broken(*a, **k):
         raise kvprobes.ProbeFailed("seen")
     monkeypatch.setattr(kvprobes, "PROBES", [kvprobes.probe_pin_cap_boundary, broken])
-    assert kvprobes.run_probes() == ("broken", "ProbeFailed: seen")
+    assert kvprobes.run_probes() == kvprobes.ProbeRun(("broken", "ProbeFailed: seen"), [])
 
 
-def test_a_put_answer_of_the_wrong_length_fails_the_job_and_reports_it():
-    st = ProbeStore()
-    w = rank(st)
-    st.mem.update({1: 1, 2: 2})
-    st.batch_put = lambda keys, ptrs, sizes: [0]  # a broken store: one code for two keys
-    w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
-    assert w.take_reports() == {1: 1}
-    assert w.ledger.request("r").saved_offset == 0
-    assert any("batch_put codes" in e for e in w.errors)
+def test_a_named_invariant_fails_a_probe_and_any_other_exception_is_a_crash():
+    """A crash (here: an attribute a patch renamed) is no finding: it is noted, the next probes still run,
+    and only a named check (ProbeFailed, LedgerInvariantError) counts as a failure."""
+    def renamed():
+        return kvprobes.ProbeStore().no_such_call
+    def invariant():
+        raise LedgerInvariantError.of("S5", "seen")
+    run = kvprobes.run_probes([renamed, kvprobes.probe_pin_cap_boundary, invariant])
+    assert run.failed == ("invariant", "LedgerInvariantError: S5 ReportedOnce: seen")
+    assert [n for n, _ in run.crashes] == ["renamed"] and "AttributeError" in run.crashes[0][1]
+    crash_only = kvprobes.run_probes([renamed])
+    assert crash_only.failed is None and len(crash_only.crashes) == 1
 
 
 def test_a_save_with_everything_present_puts_nothing_and_is_stored():

@@ -1,0 +1,231 @@
+"""Probes of the connector's parts that no model action reaches: the copy plans of vLLM's KV cache layouts
+(kvledger_connector/kvlayout.py), the store keys (keys.py), reset_cache's key pattern (reset.py) and the
+embedded master's runtime directory (rendezvous.py). Each calls the shipped function on real inputs (KV
+caches from vLLM's own allocator, testbed/kvcache.py) and raises :class:`ProbeFailed` naming what it saw;
+the mutant table runs them after the step-function probes (conformance/kvprobes.py), and
+tests/unit/test_probes_parts.py runs them unmutated.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from conformance.kvprobes import Probe, ProbeFailed, check
+# keys.partial_tail_hash and reset.engine_key_regex are called through their modules, as the connector
+# calls them: a patched function (a mutant) is the one probed
+from kvledger_connector import keys, rendezvous, reset
+from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
+from testbed.kvcache import LAYOUTS, SPLITTABLE_LAYOUTS, allocate, attention_specs, build_kv_cache_config, layer_names
+
+NUM_BLOCKS = 3
+BLOCK_SIZE = 4
+HEADS = 2  # two head slots: a head-major layout (LHBNC) is two runs per block and layer
+LAYERS = 2
+
+
+# ---------------------------------------------------------------- KV cache copy plans
+def kv_cache(layout: str, kernel: int | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's own per-layer views of a fresh KV cache (``kernel``: split blocks into kernel blocks of that
+    many tokens), every byte set from a fixed seed through the views."""
+    vc = VllmConfig(cache_config=CacheConfig(block_size=BLOCK_SIZE), device_config=DeviceConfig("cpu"))
+    specs = attention_specs(LAYERS, block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=4)
+    kv = allocate(build_kv_cache_config(vc, specs, NUM_BLOCKS, layout), layout,
+                  kernel_block_sizes=[kernel] if kernel is not None else None)
+    g = torch.Generator().manual_seed(7)
+    for t in kv.values():
+        u = t.view(torch.uint8)
+        u.copy_(torch.randint(0, 256, tuple(u.shape), dtype=torch.uint8, generator=g))
+    return kv
+
+
+def expected_block(kv: dict[str, torch.Tensor], layout: str, m: int) -> bytes:
+    """Block ``m``'s object from vLLM's side alone: per layer in natural order, the block's (H, N, C) in the
+    physical order vLLM's `KVCacheLayout.layer_view_order` gives, kernel blocks in token order."""
+    hnc = [d - 1 for d in KVCacheLayout[layout].layer_view_order if d != 0]  # dims of one block [H, N, C]
+    out = []
+    for name in layer_names(LAYERS):
+        u = kv[name].view(torch.uint8)
+        ratio = u.shape[0] // NUM_BLOCKS
+        blk = torch.cat([u[m * ratio + k] for k in range(ratio)], dim=1)
+        out.append(bytes(blk.permute(*hnc).contiguous().flatten().tolist()))
+    return b"".join(out)
+
+
+def read_block(plan: BlockCopyPlan, m: int) -> bytes:
+    ptrs, sizes = plan.buffers(m)
+    return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
+
+
+def check_layout(layout: str, kernel: int | None = None) -> None:
+    """The copy plan of vLLM's cache in ``layout`` reads every block's object byte-exact."""
+    kv = kv_cache(layout, kernel)
+    case = f"{layout}{f' (kernel blocks of {kernel})' if kernel else ''}"
+    try:
+        plan = plan_block_copies(kv, layout=layout, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    except KVLayoutError as e:
+        raise ProbeFailed(f"{case}: the copy plan refused vLLM's own KV cache: {e}") from e
+    for m in range(NUM_BLOCKS):
+        got, want = read_block(plan, m), expected_block(kv, layout, m)
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise ProbeFailed(f"{case}: block {m} read as {len(got)} bytes, differing from vLLM's "
+                              f"{len(want)} at byte {at}")
+
+
+def probe_every_layout_reads_each_block_exactly() -> None:
+    """Every KVCacheLayout, and each splittable one split into kernel blocks: the plan's segments read each
+    block's object exactly (no run dropped, no other block's bytes, the layout's own order)."""
+    for layout in LAYOUTS:
+        check_layout(layout)
+    for layout in SPLITTABLE_LAYOUTS:
+        check_layout(layout, kernel=BLOCK_SIZE // 2)
+
+
+# ---------------------------------------------------------------- keys
+BASE = KeyLayout(model="org/probe-1", tp_rank=0, tp_size=2, block_size=16, dtype="torch.bfloat16",
+                 kv_layout="LBNHC", num_layers=4, num_kv_heads=2, head_size=8, pp_rank=0, pp_size=2)
+HASH = bytes(range(32))
+
+
+def shard_and_layout_variants() -> dict[str, KeyLayout]:
+    """BASE changed in one thing that changes a block's bytes: the tp rank, the pipeline stage, the layout."""
+    out = {"base": BASE, "tp rank 1": dataclasses.replace(BASE, tp_rank=1),
+           "pp stage 1": dataclasses.replace(BASE, pp_rank=1)}
+    return out | {f"layout {lay}": dataclasses.replace(BASE, kv_layout=lay) for lay in LAYOUTS if lay != BASE.kv_layout}
+
+
+def probe_keys_separate_shards_stages_and_layouts() -> None:
+    """Two blocks with the same hash but other bytes (another tp rank, pipeline stage or KV layout) never
+    share a key: they would load each other's KV (S1 across engines)."""
+    seen: dict[str, str] = {}
+    for what, lay in shard_and_layout_variants().items():
+        k = KeyBuilder(lay).key(HASH)
+        check(k not in seen, f"{what} and {seen.get(k)} share the key {k!r}")
+        seen[k] = what
+
+
+def probe_partial_tail_keys_name_the_tail_tokens() -> None:
+    """A prompt's partial tail is keyed by its parent and its tokens: another tail (other tokens, another
+    length) or another parent gets another hash."""
+    h = keys.partial_tail_hash(HASH, [5, 6, 7])
+    for parent, tokens in ((HASH, [5, 6, 8]), (HASH, [5, 6]), (HASH, [5, 6, 7, 0]), (bytes(32), [5, 6, 7])):
+        check(keys.partial_tail_hash(parent, tokens) != h, f"the tail {tokens} (parent {parent[:2].hex()}..) hashes "
+                                                       f"like the tail [5, 6, 7]")
+
+
+# ---------------------------------------------------------------- reset_cache's pattern
+def reset_case() -> tuple[re.Pattern[str], list[str], list[str]]:
+    """The reset pattern of a 2-shard engine, its keys, and keys it must keep (another namespace, none,
+    another model, another parallel shape, this engine's key inside or before another path)."""
+    kbs = [KeyBuilder(dataclasses.replace(BASE, tp_rank=r, pp_size=1), namespace="t.1") for r in range(2)]
+    rx = re.compile(reset.engine_key_regex(kbs))  # Python's re agrees with ECMAScript on this subset
+    mine = [kb.key(h) for kb in kbs for h in (HASH, -5)]
+    lay = kbs[0].layout
+    others = [KeyBuilder(lay, namespace="tx1").key(HASH), KeyBuilder(lay).key(HASH),
+              KeyBuilder(dataclasses.replace(lay, model="org/probe-2"), namespace="t.1").key(HASH),
+              KeyBuilder(dataclasses.replace(lay, tp_size=4, tp_rank=3), namespace="t.1").key(HASH),
+              "other/" + mine[0], mine[0] + "/x"]
+    return rx, mine, others
+
+
+def probe_reset_pattern_matches_exactly_the_engines_keys() -> None:
+    """reset_cache removes every key of every shard of this engine, and no other key (the master searches
+    each key with the pattern)."""
+    rx, mine, others = reset_case()
+    missed = [k for k in mine if not rx.search(k)]
+    check(not missed, f"the reset pattern misses this engine's keys {missed} (pattern {rx.pattern!r})")
+    hit = [k for k in others if rx.search(k)]
+    check(not hit, f"the reset pattern also removes {hit} (pattern {rx.pattern!r})")
+
+
+# ---------------------------------------------------------------- the runtime directory
+@contextlib.contextmanager
+def runtime_dir_env(path: str) -> Iterator[None]:
+    old = os.environ.get(rendezvous.RUNTIME_DIR_ENV)
+    os.environ[rendezvous.RUNTIME_DIR_ENV] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[rendezvous.RUNTIME_DIR_ENV]
+        else:
+            os.environ[rendezvous.RUNTIME_DIR_ENV] = old
+
+
+def foreign_dir(tmp: str) -> str:
+    """A directory another user owns: as root, a fresh one given to nobody; otherwise /."""
+    if os.getuid() != 0:
+        return "/"
+    d = os.path.join(tmp, "foreign")
+    os.mkdir(d, 0o700)
+    os.chown(d, 65534, 65534)
+    return d
+
+
+def probe_runtime_dir_refuses_what_is_not_private() -> None:
+    """The rendezvous files live only in a directory of this user: another user's directory, a regular
+    file and a symlink (even to a directory of ours) are refused, naming the variable."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = os.path.join(tmp, "file")
+        Path(plain).write_text("")
+        link = os.path.join(tmp, "link")
+        os.mkdir(os.path.join(tmp, "mine"), 0o700)
+        os.symlink(os.path.join(tmp, "mine"), link)
+        for what, path in (("another user's directory", foreign_dir(tmp)), ("a regular file", plain),
+                           ("a symlink", link)):
+            with runtime_dir_env(path):
+                try:
+                    got = rendezvous.runtime_dir()
+                except rendezvous.RendezvousError as e:
+                    check(rendezvous.RUNTIME_DIR_ENV in str(e), f"the refusal of {what} names no variable: {e}")
+                    continue
+            raise ProbeFailed(f"{what} ({path}) accepted as the runtime dir {got!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Servers:
+    """What `rendezvous.acquire` publishes of the servers it starts (none are started here)."""
+    master_address: str = "127.0.0.1:1"
+    metadata_server: str = "http://127.0.0.1:1/metadata"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def probe_sweep_keeps_live_owners() -> None:
+    """acquire() sweeps the rendezvous files of dead owners only: a live engine's file stays (removing it
+    would let a second master start for that engine), a dead one's goes."""
+    with tempfile.TemporaryDirectory() as tmp, runtime_dir_env(tmp):
+        live, dead = os.path.join(tmp, "embedded-live.json"), os.path.join(tmp, "embedded-dead.json")
+        for path, pid in ((live, os.getpid()), (dead, dead_pid())):
+            Path(path).write_text(json.dumps({"pid": pid, "master_address": "127.0.0.1:1",
+                                              "metadata_server": "http://127.0.0.1:1/metadata"}))
+        rendezvous.acquire("probe-sweep", _Servers)  # type: ignore[arg-type]
+        rendezvous.release("probe-sweep")
+        check(os.path.exists(live), "the sweep removed the rendezvous file of a live owner")
+        check(not os.path.exists(dead), "the sweep kept the rendezvous file of a dead owner")
+
+
+PROBES: list[Probe] = [
+    probe_every_layout_reads_each_block_exactly, probe_keys_separate_shards_stages_and_layouts,
+    probe_partial_tail_keys_name_the_tail_tokens, probe_reset_pattern_matches_exactly_the_engines_keys,
+    probe_runtime_dir_refuses_what_is_not_private, probe_sweep_keeps_live_owners,
+]
