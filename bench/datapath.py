@@ -199,14 +199,14 @@ class _Ours(_Path):
         self._req = f"ours-{tag}"
         spec = SaveSpec(req_id=self._req, store_job_id=self.job, generation=0, start_block=0,
                         end_block=len(self.block_ids), block_ids=self.block_ids, block_hashes=hashes)
-        self.ws.ledger.register(spec.req_id, spec.store_job_id, spec.generation)  # Receive (model runner side)
-        self._failed0 = self.ws.num_saves_failed
-        return self.ws.keys.keys(hashes), lambda: self.ws._handle_save(spec, None)
+        self.ws.steps.ledger.register(spec.req_id, spec.store_job_id, spec.generation)  # Receive (model runner side)
+        self._failed0 = self.ws.steps.stats.total("failed_jobs")
+        return self.ws.steps.keys.keys(hashes), lambda: self.ws._handle_save(spec, None)
 
     def settle_put(self) -> None:
         self._drop(self._req)
-        if self.ws.num_saves_failed != self._failed0 or self.ws.errors:
-            raise BenchError(f"ours: save failed: {self.ws.errors[-1:]}")
+        if self.ws.steps.stats.total("failed_jobs") != self._failed0 or self.ws.steps.errors:
+            raise BenchError(f"ours: save failed: {self.ws.steps.errors[-1:]}")
 
     def get_call(self) -> Callable[[], None]:
         from kvledger_connector.metadata import LoadSpec
@@ -217,9 +217,9 @@ class _Ours(_Path):
     def settle_get(self) -> None:
         errors = self.ws.take_load_errors()
         done = self.ws.take_finished_loads()
-        if errors or done != {"ours-load"} or self.ws.errors:
+        if errors or done != {"ours-load"} or self.ws.steps.errors:
             raise BenchError(f"ours: load failed: blocks {sorted(errors)[:4]}, finished {done}, "
-                             f"{self.ws.errors[-1:]}")
+                             f"{self.ws.steps.errors[-1:]}")
 
     def close(self) -> None:
         self.conn.shutdown()

@@ -1,37 +1,46 @@
 """The worker side's per-job work as synchronous step functions: plan → store calls → outcome into the
-ledgers. No threads: the connector's store and load threads call them (kvledger_connector/worker.py), and
-so does the replay/fuzz driver (conformance/kvdriver.py), one model action at a time; the driver brings
-only its store and the schedule the model chooses. There is no second copy of this orchestration.
+ledgers. No threads. Each job's orchestration is ONE resumable function, a generator that stops at the
+model's action boundaries: the connector's store and load threads drain it (``run_save``, ``run_load``),
+the replay/fuzz driver (conformance/kvdriver.py) advances it one model action at a time. There is no
+second copy of this orchestration.
 
-    model action   step                                   ledger calls (under ``lock``)
-    Receive        WorkerSteps.receive(req_id, job, gen)  WorkerLedger.register
+    model action   step                                    ledger calls (under ``lock``)
+    Receive        WorkerSteps.receive(req_id, job, gen)   WorkerLedger.register
     DropGeneration WorkerSteps.drop_generation(req_id, ..) WorkerLedger.drop_generation
-    Collect        WorkerSteps.take_reports()             WorkerLedger.take_completed (this rank's part)
-    DmaRead        WorkerSteps.begin_save(job, end)       WorkerLedger.begin, saved_offset -> SavePlan
-                   WorkerSteps.fail_save(job)             WorkerLedger.record_failed (handler raised)
-    Put            WorkerSteps.put(keys, ids)             store: batch_is_exist, batch_put of the missing
-                   WorkerSteps.record_put(job, codes, n)  kvledger.codes.classify_put -> record_saved|failed
-    Report         WorkerSteps.report_save(job)           WorkerLedger.finish (exactly once)
-    EmitLoad       WorkerSteps.begin_load(req_id, ids)    LoadLedger.begin_load
-    Load           WorkerSteps.load_batch(load, keys, ids)  store: batch_get; LoadLedger.record_results
-                   WorkerSteps.finish_load(load, reason)  LoadLedger.fail_pending, finish_load
-    HandleLoadErrors  WorkerSteps.take_load_errors()      LoadLedger.take_errors
+    Collect        WorkerSteps.take_reports()              WorkerLedger.take_completed (this rank's part)
+    (a save job)   gen = WorkerSteps.save_steps(...)       started, stopped at START: nothing done yet
+    DmaRead        next(gen) -> SaveStep(DMA_READ)         begin_save: WorkerLedger.begin, saved_offset
+                   gen.throw(exc) -> SaveStep(DMA_READ)    the handler raised: fail_save (record_failed)
+    Put            next(gen) -> SaveStep(PUT)              put: batch_is_exist, batch_put of the missing;
+                                                           record_put: kvledger.codes.classify_put ->
+                                                           record_saved | record_failed
+    Report         next(gen) -> SaveStep(REPORT)           report_save: WorkerLedger.finish (exactly once)
+    EmitLoad       next(lg) -> LoadStep(EMIT_LOAD)         lg = load_steps(...): LoadLedger.begin_load
+    Load           next(lg) -> LoadStep(LOAD)              one sub-batch: batch_get, LoadLedger.record_results;
+                                                           the last one also finishes the load (fail_pending,
+                                                           finish_load)
+    HandleLoadErrors  WorkerSteps.take_load_errors()       LoadLedger.take_errors
 
-``run_save`` and ``run_load`` are one whole job each, as a connector thread runs it. Store I/O runs outside
-the lock; a store call that raises counts as CLIENT_EXCEPTION for each of its keys; any other exception
-fails the job, which is still reported (S5) / whose blocks are still reported failed (S8).
+Store I/O runs outside the lock; a store call that raises counts as CLIENT_EXCEPTION for each of its keys;
+any other exception fails the job, which is still reported (S5) / whose blocks are still reported failed
+(S8). So does abandoning a generator (``close()``, or its collection): see ``save_steps``, ``load_steps``.
+
+Counting: every event is counted once, into ``stats`` (kvledger_connector/stats.py), which feeds vLLM's
+stats, Prometheus and the whole-run totals.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
 
 from kvledger import codes
-from kvledger.errors import LedgerError, LedgerInputError
+from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.keys import KeyBuilder
@@ -44,6 +53,17 @@ MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
 
 # (ptrs, sizes) per id, as the store's batch calls take them: the connector's KV cache plan, or a driver's
 Buffers = Callable[[list[int]], tuple[list[list[int]], list[list[int]]]]
+
+
+class JobAction(enum.Enum):
+    """The model action (tla/KVLedger.tla) a job's generator has just done; the value is its name there.
+    START is not a model action: a save job taken from the queue, nothing done yet."""
+    START = "Start"
+    DMA_READ = "DmaRead"
+    PUT = "Put"
+    REPORT = "Report"
+    EMIT_LOAD = "EmitLoad"
+    LOAD = "Load"
 
 
 @dataclass(frozen=True)
@@ -63,9 +83,33 @@ class SavePlan:
         return range(self.start, self.end) if self.run else range(0)
 
 
-@dataclass
+@dataclass(frozen=True)
+class SaveStep:
+    """Where a save job's generator stopped: the action just done and what it decided."""
+    action: JobAction
+    job_id: int
+    verdict: Verdict | None = None  # from DMA_READ on (None if the job failed before the verdict)
+    outcome: codes.PutOutcome | None = None  # PUT: the put's classified outcome
+    error: str | None = None  # the job failed in this action: the handler raised (or an exception was thrown in)
+
+
+@dataclass(frozen=True)
+class LoadStep:
+    """Where a load's generator stopped: the action just done."""
+    action: JobAction
+    load_id: int
+    failed: tuple[tuple[int, int], ...] = ()  # LOAD: (block id, code) of each block of the sub-batch not loaded
+    result: LoadResult | None = None  # set on the step that finished the load (then the generator ends)
+
+
+SaveSteps = Generator[SaveStep, None, None]
+LoadSteps = Generator[LoadStep, None, None]
+
+
+@dataclass(frozen=True)
 class Counters:
-    """Whole-run counters of one rank's steps."""
+    """COMPATIBILITY SHIM (conformance/kvprobes.py reads ``WorkerSteps.counters``): a snapshot of the
+    whole-run counts in ``stats``, the one counter system. New code reads ``stats.total(name)``."""
     saves_run: int = 0
     saves_stale: int = 0
     saves_skipped: int = 0
@@ -86,7 +130,7 @@ class WorkerSteps:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
             raise LedgerInputError("load_sub_batch_keys", load_sub_batch_keys, "must be an int > 0")
-        self.store = store
+        self.store = store  # tests may wrap it (e.g. to hold the store thread)
         self.ledger = ledger
         self.loads = loads
         self.buffers = buffers
@@ -100,8 +144,14 @@ class WorkerSteps:
         # loads finished and not yet reported, in order (bounded by loads in flight); a list, not a set: two
         # loads of one reused req_id may finish before a step takes them, and each must be reported
         self.finished_loads: list[str] = []
-        self.counters = Counters()
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
+
+    @property
+    def counters(self) -> Counters:
+        """COMPATIBILITY SHIM for conformance/kvprobes.py (see `Counters`)."""
+        t = self.stats.total
+        return Counters(int(t("run_jobs")), int(t("stale_jobs")), int(t("skipped_jobs")), int(t("failed_jobs")),
+                        int(t("load_errors_reported")), int(t("store_exceptions")))
 
     def note_error(self, msg: str) -> None:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
@@ -114,8 +164,19 @@ class WorkerSteps:
         try:
             return list(getattr(self.store, fn)(*args))
         except Exception:
-            self.counters.store_exceptions += 1
+            self.stats.add("store_exceptions")
             return [int(StoreCode.CLIENT_EXCEPTION)] * n
+
+    def has_pending_work(self) -> bool:
+        """A job not yet reported, or a load not finished or not yet taken by a step."""
+        with self.lock:
+            return (self.ledger.has_pending_work() or bool(self.finished_loads)
+                    or self.loads.num_inflight_loads > 0)
+
+    def busy(self) -> bool:
+        """A job not yet reported or a load not yet finished (results waiting to be taken do not count)."""
+        with self.lock:
+            return self.ledger.num_live_jobs > 0 or self.loads.num_inflight_loads > 0
 
     # ------------------------------------------------------------------ saves
     def receive(self, req_id: str, job_id: int, generation: int | None) -> None:
@@ -140,14 +201,7 @@ class WorkerSteps:
         with self.lock:
             verdict = self.ledger.begin(job_id)
             offset = self.ledger.saved_offset(job_id)
-        if verdict is Verdict.STALE:
-            self.counters.saves_stale += 1
-            self.stats.add("stale_jobs")
-        elif verdict is Verdict.SKIP:
-            self.counters.saves_skipped += 1
-            self.stats.add("skipped_jobs")
-        else:
-            self.counters.saves_run += 1
+        self.stats.add({Verdict.RUN: "run_jobs", Verdict.STALE: "stale_jobs", Verdict.SKIP: "skipped_jobs"}[verdict])
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
     def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None
@@ -183,7 +237,7 @@ class WorkerSteps:
         key is stored; otherwise failed, under pressure if the store had no space."""
         out = codes.classify_put(put_codes, num_keys)
         if not out.stored:
-            self.counters.saves_failed += 1
+            self.stats.add("failed_jobs")
             self.stats.add("put_failed_keys", len(out.failed_codes))
             for c in out.failed_codes:
                 self.stats.fail_code(c)
@@ -194,43 +248,101 @@ class WorkerSteps:
                 self.ledger.record_failed(job_id, pressure=out.pressure)
         return out
 
-    def fail_save(self, job_id: int) -> None:
-        """The handler raised: the job fails where it is (DmaRead from queued, Put from running)."""
+    def fail_save(self, job_id: int) -> bool:
+        """The handler raised: the job fails where it is (DmaRead from queued, Put from running). Returns
+        whether it failed the job (False: it had already an outcome)."""
         with self.lock:
-            if self.ledger.job_state(job_id) in ("queued", "running"):
-                self.ledger.record_failed(job_id)
+            if self.ledger.job_state(job_id) not in ("queued", "running"):
+                return False
+            self.ledger.record_failed(job_id)
+        self.stats.add("failed_jobs")
+        return True
 
     def report_save(self, job_id: int) -> None:
         """Report: exactly once per job, on every exit path."""
         with self.lock:
             self.ledger.finish(job_id)
 
-    def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
-                 block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                 full_end_block: int | None = None) -> None:
-        """One store job, as the store thread runs it: DmaRead, Put, Report (in a ``finally``).
+    def reject_save(self, job_id: int) -> None:
+        """A received job that is never run (a full queue, or shut down): reported at once, its pins are
+        released and the save becomes a future cache miss."""
+        self.stats.add("rejected_jobs")
+        self.report_save(job_id)
+
+    def save_steps(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
+                   block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
+                   full_end_block: int | None = None) -> SaveSteps:
+        """One store job as a generator, already started: it stands at START (nothing done). Each
+        ``next()`` does the next model action and returns its `SaveStep`:
+
+            DMA_READ  the ledger's verdict (RUN, STALE, SKIP); a job that does not run goes to REPORT next
+            PUT       the missing keys put from ``buffers`` (``before_read`` first) and the outcome recorded
+            REPORT    WorkerLedger.finish, in a ``finally``; then the generator ends (StopIteration)
+
+        ``gen.throw(exc)`` (an ``Exception``) is the handler raising in the action it stands before: the job
+        fails where it is (thrown at START: ``DmaRead -> failed``; before PUT: ``Put -> failed``), is kept in
+        ``errors``, and ``throw`` returns that action's step with ``error`` set; REPORT follows. One thrown
+        after the outcome is recorded changes no outcome: ``throw`` returns REPORT. The same holds for an
+        exception raised inside an action. ``gen.close()`` (or the generator's collection) before REPORT
+        abandons the job: it fails where it is and is reported, inside ``close()``; a BaseException thrown in
+        does the same and propagates. Every path reports exactly once (S5).
+
+        It starts here so that a throw or close always finds the job's ``try``: those on an unstarted
+        generator would run none of it, and the job would never be reported.
         ``full_end_block`` (default ``end_block``): where the saved offset moves on success — before a
         partial tail block, which is stored under its own key and saved whole later if decode fills it."""
+        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block)
+        next(gen)  # START
+        return gen
+
+    def _save_job(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
+                  block_hashes: Sequence[Any], before_read: Callable[[], None] | None,
+                  full_end_block: int | None) -> SaveSteps:
+        nxt = JobAction.DMA_READ  # the action under way or next: the one a failure ends
+        verdict: Verdict | None = None
         try:
-            plan = self.begin_save(job_id, end_block)
-            if plan.run:
-                pos = list(plan.positions)
-                keys = self._key_list([block_hashes[i] for i in pos])
-                res = self.put(keys, [block_ids[i] for i in pos], before_read)
-                saved_to = end_block if full_end_block is None else full_end_block
-                self.record_put(job_id, res, len(keys), saved_to * self.block_size)
-        except Exception as e:  # reported below all the same; kept for inspection
-            self.counters.saves_failed += 1
-            self.note_error(f"save job {job_id} ({req_id}): {type(e).__name__}: {e}")
             try:
-                self.fail_save(job_id)
-            except LedgerError as e2:
-                self.note_error(f"fail job {job_id}: {e2}")
+                yield SaveStep(JobAction.START, job_id)
+                plan = self.begin_save(job_id, end_block)
+                verdict = plan.verdict
+                nxt = JobAction.PUT if plan.run else JobAction.REPORT
+                yield SaveStep(JobAction.DMA_READ, job_id, verdict)
+                if plan.run:
+                    pos = list(plan.positions)
+                    keys = self._key_list([block_hashes[i] for i in pos])
+                    res = self.put(keys, [block_ids[i] for i in pos], before_read)
+                    saved_to = end_block if full_end_block is None else full_end_block
+                    out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
+                    nxt = JobAction.REPORT
+                    yield SaveStep(JobAction.PUT, job_id, verdict, out)
+            except Exception as e:  # the job fails; it is reported below all the same
+                msg = f"{type(e).__name__}: {e}"
+                self._fail(job_id, f"save job {job_id} ({req_id}): {msg}")
+                if nxt is not JobAction.REPORT:
+                    yield SaveStep(nxt, job_id, verdict, error=msg)
+        except BaseException as e:  # GeneratorExit (closed, abandoned) or an interrupt: fail, report, re-raise
+            self._fail(job_id, f"save job {job_id} ({req_id}) abandoned at {nxt.value}: {type(e).__name__}")
+            raise
         finally:
             try:
                 self.report_save(job_id)
             except LedgerError as e:
                 self.note_error(f"report job {job_id}: {e}")
+        yield SaveStep(JobAction.REPORT, job_id, verdict)
+
+    def _fail(self, job_id: int, msg: str) -> None:
+        self.note_error(msg)
+        try:
+            self.fail_save(job_id)
+        except LedgerError as e:
+            self.note_error(f"fail job {job_id}: {e}")
+
+    def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
+                 block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
+                 full_end_block: int | None = None) -> None:
+        """One store job, as the store thread runs it: `save_steps` drained."""
+        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block):
+            pass
 
     def _key_list(self, hashes: Sequence[Any]) -> list[str]:
         if self.keys is None:
@@ -240,7 +352,9 @@ class WorkerSteps:
     # ------------------------------------------------------------------ loads
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
         with self.lock:
-            return self.loads.begin_load(req_id, block_ids)
+            load_id = self.loads.begin_load(req_id, block_ids)
+        self.stats.add("loads")
+        return load_id
 
     def load_batch(self, load_id: int, keys: Sequence[str], block_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key), classified by
@@ -272,46 +386,93 @@ class WorkerSteps:
             result = self.loads.finish_load(load_id)
             self.finished_loads.append(result.req_id)
         if result.failed:
-            self.counters.load_blocks_failed += len(result.failed)
-            self.stats.add("get_failed_keys", len(result.failed))
             self.stats.add("load_errors_reported", len(result.failed))
         return result
 
     def reject_load(self, req_id: str, block_ids: Sequence[int], reason: str) -> LoadResult:
         """A load that is never tried (a full queue): every block reported failed, vLLM recomputes."""
+        self.stats.add("rejected_loads")
         return self.finish_load(self.begin_load(req_id, block_ids), reason)
 
-    def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any]) -> LoadResult:
-        """One load, as a load thread runs it: the keys in this rank's rotated order (each block id
-        travels with its key), oversized keys reported, every sub-batch tried, then finished."""
+    def load_steps(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any]) -> LoadSteps:
+        """One load as a generator (not started: nothing is owed before the first ``next()``). Each
+        ``next()`` does the next model action and returns its `LoadStep`:
+
+            EMIT_LOAD  LoadLedger.begin_load; the keys in this rank's load order (`load_pairs`: rotated by
+                       tp_rank, each block id travelling with its key); oversized keys reported. A load with
+                       nothing to try (no keys, every key too long, a bad input) is finished here.
+            LOAD       one sub-batch of at most ``load_sub_batch_keys`` keys; every sub-batch is tried. The
+                       last one's step also finishes the load: every block still pending is reported
+                       failed, then finish_load (``result`` set). Then the generator ends.
+
+        An exception raised in a sub-batch, or thrown in before the load finished, stops it: every block not
+        loaded is reported failed and the load finished (the step returned, or ``throw``'s, has ``result``).
+        ``close()`` (or the generator's collection) before the load finished does the same inside
+        ``close()`` (S8)."""
         load_id = self.begin_load(req_id, block_ids)
         reason = "not attempted"
+        result: LoadResult | None = None
         try:
-            n = len(block_ids)
-            if n != len(block_hashes):
-                raise LedgerInputError("LoadSpec.block_hashes", len(block_hashes),
-                                       f"{n} block ids for {req_id!r}")
-            if n:  # nothing to load: still reported finished (upstream divides by zero here)
-                # rotated by tp_rank: the ranks start on different keys of the store
-                pairs = load_pairs(self._key_list(block_hashes), block_ids, self.tp_rank)
-                kb: KeyBuilder = self.keys  # type: ignore[assignment]  (_key_list checked it)
-                fits, too_long = kb.split_by_length([k for k, _ in pairs])
-                if too_long:
-                    self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
-                    with self.lock:
-                        self.loads.record_failed(load_id, [pairs[j][1] for j in too_long],
-                                                 f"key longer than max_key_bytes={kb.max_key_bytes}")
-                pairs = [pairs[j] for j in fits]
-                for lo in range(0, len(pairs), self.sub_batch):  # every sub-batch is tried and accounted
-                    sub = pairs[lo:lo + self.sub_batch]
-                    try:
-                        self.load_batch(load_id, [k for k, _ in sub], [b for _, b in sub])
-                    except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
-                        self.note_error(f"load {req_id}: {e}")
-        except Exception as e:
+            subs: list[list[tuple[str, int]]] = []
+            try:
+                subs = self._sub_batches(load_id, req_id, block_ids, block_hashes)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+                self.note_error(f"load {req_id}: {reason}")
+            if not subs:  # nothing to load: still reported finished (upstream divides by zero here)
+                result = self.finish_load(load_id, reason)
+            yield LoadStep(JobAction.EMIT_LOAD, load_id, result=result)
+            for i, sub in enumerate(subs):
+                bad: list[tuple[int, int]] = []
+                try:
+                    bad = self.load_batch(load_id, [k for k, _ in sub], [b for _, b in sub])
+                except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
+                    reason = str(e)  # its blocks stay pending: reported when the load finishes
+                    self.note_error(f"load {req_id}: {e}")
+                if i == len(subs) - 1:
+                    result = self.finish_load(load_id, reason)
+                yield LoadStep(JobAction.LOAD, load_id, tuple(bad), result)
+        except Exception as e:  # raised or thrown in: the rest is not tried, every block not loaded reported
             reason = f"{type(e).__name__}: {e}"
             self.note_error(f"load {req_id}: {reason}")
-        return self.finish_load(load_id, reason)
+            if result is None:
+                result = self.finish_load(load_id, reason)
+                yield LoadStep(JobAction.LOAD, load_id, (), result)
+        finally:
+            if result is None:  # closed (abandoned) or an interrupt: S8 all the same
+                try:
+                    self.finish_load(load_id, "load abandoned")
+                except LedgerError as e:
+                    self.note_error(f"finish load {load_id} of {req_id!r}: {e}")
+
+    def _sub_batches(self, load_id: int, req_id: str, block_ids: Sequence[int],
+                     block_hashes: Sequence[Any]) -> list[list[tuple[str, int]]]:
+        """The (key, block id) sub-batches of a load in this rank's order; oversized keys reported here."""
+        n = len(block_ids)
+        if n != len(block_hashes):
+            raise LedgerInputError("LoadSpec.block_hashes", len(block_hashes), f"{n} block ids for {req_id!r}")
+        if not n:
+            return []
+        # rotated by tp_rank: the ranks start on different keys of the store
+        pairs = load_pairs(self._key_list(block_hashes), block_ids, self.tp_rank)
+        kb: KeyBuilder = self.keys  # type: ignore[assignment]  (_key_list checked it)
+        fits, too_long = kb.split_by_length([k for k, _ in pairs])
+        if too_long:
+            self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
+            with self.lock:
+                self.loads.record_failed(load_id, [pairs[j][1] for j in too_long],
+                                         f"key longer than max_key_bytes={kb.max_key_bytes}")
+        pairs = [pairs[j] for j in fits]
+        return [pairs[lo:lo + self.sub_batch] for lo in range(0, len(pairs), self.sub_batch)]
+
+    def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any]) -> LoadResult:
+        """One load, as a load thread runs it: `load_steps` drained."""
+        result: LoadResult | None = None
+        for step in self.load_steps(req_id, block_ids, block_hashes):
+            result = step.result or result
+        if result is None:  # load_steps ends only after its finishing step
+            raise LedgerInvariantError.of("S8", f"rank {self.tp_rank}: load of {req_id!r} ended unfinished")
+        return result
 
     def take_finished_loads(self) -> set[str]:
         """The req_ids whose load finished since the last call, each once: vLLM's finished_recving is a set,

@@ -1,11 +1,19 @@
-"""Connector telemetry: vLLM `KVConnectorStats` (logged each interval) and Prometheus metrics.
+"""Connector telemetry: the connector's one counter system. Every event is counted once, with
+`StatsRecorder.add`, into the interval that vLLM takes as its `KVConnectorStats` (logged each interval and
+handed to Prometheus, `KVLedgerPromMetrics`) and into the whole-run `totals` (tests, demos, benches:
+`StatsRecorder.total`). A name must be declared in COUNTERS / GAUGES: a counter cannot exist without its
+Prometheus metric.
 
 One flat dict of numbers per interval, so that merging ranks is a sum and the payload stays bounded
 whatever the traffic (upstream keeps one row per RPC; we keep counters and duration sums):
 
-    counters   puts, put_keys, put_bytes, put_failed_keys, gets, get_keys, get_bytes, get_failed_keys,
-               lookups, lookup_hit_tokens, loaded_tokens, store_jobs, stale_jobs, skipped_jobs,
-               deferrals, load_errors_reported, rejected_jobs
+    counters   store calls: puts, put_keys, put_bytes, put_failed_keys, gets, get_keys, get_bytes,
+               store_exceptions (a store call raised; its keys count as CLIENT_EXCEPTION)
+               scheduler: lookups, lookup_hit_tokens, loaded_tokens, store_jobs, tail_saves, deferrals
+               worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
+               (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
+               worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
+               kv_events_dropped, resets, resets_refused, resets_failed, reset_removed_keys
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
                the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
@@ -39,11 +47,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvledger.errors import LedgerInputError
+
 COUNTERS = (
     "puts", "put_keys", "put_bytes", "put_failed_keys",
-    "gets", "get_keys", "get_bytes", "get_failed_keys",
+    "gets", "get_keys", "get_bytes", "store_exceptions",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
-    "store_jobs", "stale_jobs", "skipped_jobs", "deferrals", "load_errors_reported", "rejected_jobs",
+    "store_jobs", "tail_saves", "deferrals",
+    "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
+    "loads", "rejected_loads", "load_errors_reported",
     "put_s", "get_s", "lookup_s",
     "kv_events_dropped", "resets", "resets_refused", "resets_failed", "reset_removed_keys",
 )
@@ -115,8 +127,13 @@ class KVLedgerStats(KVConnectorStats):
         return out
 
 
+_COUNTER_NAMES = frozenset(COUNTERS)
+_GAUGE_NAMES = frozenset(GAUGES)
+
+
 class StatsRecorder:
-    """Thread-safe accumulator shared by the store/load threads and the step hooks; `take()` swaps it out."""
+    """Thread-safe accumulator shared by the store/load threads and the step hooks; `take()` swaps the
+    interval out (vLLM, Prometheus), `totals` keeps the whole run."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -125,6 +142,8 @@ class StatsRecorder:
 
     def add(self, name: str, value: float = 1) -> None:
         """Add to a counter; a duration counter's add (`TIMED_OPS`) is one call, also kept in its histogram."""
+        if name not in _COUNTER_NAMES:
+            raise LedgerInputError("counter", name, "not declared in kvledger_connector.stats.COUNTERS")
         op = TIMED_OPS.get(name)
         with self._lock:
             self._stats.add(name, value)
@@ -134,6 +153,8 @@ class StatsRecorder:
                 self.totals.observe(op, value)
 
     def gauge(self, name: str, value: float) -> None:
+        if name not in _GAUGE_NAMES:
+            raise LedgerInputError("gauge", name, "not declared in kvledger_connector.stats.GAUGES")
         with self._lock:
             self._stats.gauge(name, value)
             self.totals.gauge(name, max(value, self.totals.data.get(name, 0)))  # totals keep the peak
@@ -142,6 +163,11 @@ class StatsRecorder:
         with self._lock:
             self._stats.fail_code(code, keys)
             self.totals.fail_code(code, keys)
+
+    def total(self, name: str) -> float:
+        """The whole-run value of counter (or peak of gauge) ``name``; 0 if never added."""
+        with self._lock:
+            return self.totals.data.get(name, 0)
 
     def take(self) -> KVLedgerStats | None:
         with self._lock:

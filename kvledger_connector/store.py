@@ -8,7 +8,8 @@ What it adds over the raw pybind11 client (and why):
     (a bad pointer would crash the process, not fail the call);
   * a dead master costs one slow call, not one per step: after -900/-901 the store is marked unhealthy for
     `unhealthy_backoff_ms` and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
-    `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s);
+    `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s); the backoff
+    reads the `clock` given at construction (time.monotonic; a replay passes its own, to be deterministic);
   * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
     `last_exception`), so a store thread never dies of it;
   * the client is never closed under a live call, nor called once closed: either kills the process
@@ -29,11 +30,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
@@ -184,15 +186,57 @@ def _unique_rounds(keys: Sequence[str], send: list[int]) -> list[list[int]]:
     return rounds
 
 
-class MooncakeStore:
-    """One Mooncake client. Thread-safe for concurrent batch calls (the client is; our state is a float)."""
+def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None
+                ) -> tuple[Any, StoreConfig]:
+    """A set-up `MooncakeDistributedStore` at `config`'s master (or `embedded`'s), and the config with the
+    addresses it used; `MooncakeStore.connect` wraps it. Raises `StoreUnavailableError` when setup() fails."""
+    if embedded is not None:
+        config = config.with_addresses(embedded.master_address, embedded.metadata_server)
+    if config.master_server_address is None or config.metadata_server is None:
+        raise StoreUnavailableError(str(config.master_server_address), str(config.metadata_server), -1,
+                                    "embedded mode: start an EmbeddedMooncake and pass embedded=")
+    # setup() against a dead master retries for ~90 s (measured); a TCP probe answers in milliseconds.
+    _probe("master_server_address", config.master_server_address, config.metadata_server)
+    if config.metadata_server.startswith(("http://", "https://")):
+        _probe("metadata_server", config.metadata_server, config.master_server_address)
+    # Both are read by the transfer engine / RPC client at setup(); process-wide by Mooncake's design.
+    os.environ["MC_TCP_BIND_ADDRESS"] = config.local_hostname
+    os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
+    from mooncake.store import MooncakeDistributedStore  # heavy import, only at the edge
 
-    def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | AttachedMooncake | None = None) -> None:
+    raw = MooncakeDistributedStore()
+    try:
+        rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
+                       config.local_buffer_size, config.protocol, config.rdma_devices,
+                       config.master_server_address)
+    except Exception as e:  # pybind11 raises on bad argument types
+        raise StoreUnavailableError(config.master_server_address, config.metadata_server, -1,
+                                    f"setup raised {type(e).__name__}: {e}") from e
+    if rc != 0:
+        try:
+            raw.close()
+        except Exception:
+            pass
+        raise StoreUnavailableError(config.master_server_address, config.metadata_server, rc,
+                                    "is the master running and reachable?")
+    return raw, config
+
+
+class MooncakeStore:
+    """One Mooncake client. Thread-safe for concurrent batch calls (the client is; our state is a float).
+
+    ``raw``: a set-up `MooncakeDistributedStore` (`open_client`), or a test double over one
+    (testbed.faults.FaultyMooncakeClient). ``clock``: seconds, monotonic; only the master-down backoff reads
+    it (close's bounds are real waits on time.monotonic)."""
+
+    def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
         self._raw = raw
         self.config = config
         self.embedded = embedded  # kept alive as long as the client; stopped by its owner
         self.max_key_bytes = config.max_key_bytes
-        self._skip_until = 0.0  # monotonic time until which calls are skipped (master failed)
+        self._clock = clock
+        self._skip_until = -math.inf  # clock time until which calls are skipped (master failed)
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
         self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
@@ -205,39 +249,12 @@ class MooncakeStore:
     # -- connection --------------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None) -> MooncakeStore:
+    def connect(cls, config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
+                clock: Callable[[], float] = time.monotonic) -> MooncakeStore:
         """Join the store at `config`'s master, or at `embedded`'s when given (then `config` may be in
         embedded mode). Raises `StoreUnavailableError` when setup() fails (bad address, master down)."""
-        if embedded is not None:
-            config = config.with_addresses(embedded.master_address, embedded.metadata_server)
-        if config.master_server_address is None or config.metadata_server is None:
-            raise StoreUnavailableError(str(config.master_server_address), str(config.metadata_server), -1,
-                                        "embedded mode: start an EmbeddedMooncake and pass embedded=")
-        # setup() against a dead master retries for ~90 s (measured); a TCP probe answers in milliseconds.
-        _probe("master_server_address", config.master_server_address, config.metadata_server)
-        if config.metadata_server.startswith(("http://", "https://")):
-            _probe("metadata_server", config.metadata_server, config.master_server_address)
-        # Both are read by the transfer engine / RPC client at setup(); process-wide by Mooncake's design.
-        os.environ["MC_TCP_BIND_ADDRESS"] = config.local_hostname
-        os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
-        from mooncake.store import MooncakeDistributedStore  # heavy import, only at the edge
-
-        raw = MooncakeDistributedStore()
-        try:
-            rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
-                           config.local_buffer_size, config.protocol, config.rdma_devices,
-                           config.master_server_address)
-        except Exception as e:  # pybind11 raises on bad argument types
-            raise StoreUnavailableError(config.master_server_address, config.metadata_server, -1,
-                                        f"setup raised {type(e).__name__}: {e}") from e
-        if rc != 0:
-            try:
-                raw.close()
-            except Exception:
-                pass
-            raise StoreUnavailableError(config.master_server_address, config.metadata_server, rc,
-                                        "is the master running and reachable?")
-        return cls(raw, config, embedded)
+        raw, config = open_client(config, embedded=embedded)
+        return cls(raw, config, embedded, clock=clock)
 
     @property
     def raw(self) -> Any:
@@ -341,7 +358,7 @@ class MooncakeStore:
 
     def healthy(self) -> bool:
         """Cheap: False while in backoff after a master failure, or when Mooncake's heartbeat says so."""
-        if time.monotonic() < self._skip_until or not self._enter():
+        if self._clock() < self._skip_until or not self._enter():
             return False
         try:
             return int(self._raw.health_check()) == 0
@@ -353,13 +370,13 @@ class MooncakeStore:
 
     def _note(self, results: list[int]) -> list[int]:
         if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
-            self._skip_until = time.monotonic() + self.config.unhealthy_backoff_ms / 1000.0
+            self._skip_until = self._clock() + self.config.unhealthy_backoff_ms / 1000.0
         return results
 
     def _skip(self, n: int) -> list[int] | None:
         if self._closed:
             return [int(StoreCode.INVALID_PARAMS)] * n
-        if time.monotonic() < self._skip_until:
+        if self._clock() < self._skip_until:
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
         return None
 

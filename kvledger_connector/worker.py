@@ -19,8 +19,11 @@ a future cache miss); a load that does not fit is reported failed for every bloc
 Keys are rotated by `tp_rank` on the load path (ranks start on different keys); failures are recorded by
 block id, carried along the rotation, so the mapping back is exact.
 
-The per-job work (DmaRead, Put, Report; Load) is kvledger_connector/jobs.py's step functions: the threads
-here only queue, and the conformance driver calls the same steps one model action at a time.
+Three layers, one owner each: this module owns the threads, the queues and shutdown; the per-job work
+(DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are kvledger_connector/jobs.py's
+`WorkerSteps` (`self.steps`), whose per-job generators the conformance driver advances one model action at a
+time; the ledgers are kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.store`,
+`steps.stats`, `steps.errors`.
 """
 from __future__ import annotations
 
@@ -57,20 +60,11 @@ class WorkerSide:
         config = connector_config.store
         num_load_threads = connector_config.load_threads
         block_size = connector_config.block_size
-        self.keys = keys
         self.tp_rank = tp_rank
-        self.block_size = block_size
         self.connector_config = connector_config
-        self.config = config
-        self.stats = stats or StatsRecorder()
-        self.ledger = WorkerLedger(tp_rank, max_live_jobs=config.max_inflight_jobs,
-                                   max_requests=max_requests, trace=trace)
         self._lock = threading.Lock()
         self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
-        # loads in flight: queued + one per load thread (+1: a rejected load is begun and finished at once)
-        self.loads = LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
-                                trace=trace)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
         self._plan: BlockCopyPlan | None = None
@@ -82,48 +76,15 @@ class WorkerSide:
         self._shutdown_done = threading.Event()
         self._shutdown_clean = False  # every thread exited in the first shutdown
         self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
-        # the per-job work (kvledger_connector/jobs.py): the same step functions the conformance driver runs
-        self.steps = WorkerSteps(store=store, ledger=self.ledger, loads=self.loads, buffers=self._block_buffers,
-                                 tp_rank=tp_rank, block_size=block_size, keys=keys,
-                                 load_sub_batch_keys=config.load_sub_batch_keys, stats=self.stats,
-                                 lock=self._lock)
-        self.errors = self.steps.errors  # handler errors (bounded); tests assert it stays empty
-        # whole-run counters (the rest are the steps' counters, below)
-        self.num_saves_rejected = 0
-        self.num_loads = 0
-
-    @property
-    def store(self) -> KVStore:
-        """The store the steps call (tests may wrap it, e.g. to hold the store thread)."""
-        return self.steps.store
-
-    @store.setter
-    def store(self, store: KVStore) -> None:
-        self.steps.store = store
-
-    @property
-    def num_saves_run(self) -> int:
-        return self.steps.counters.saves_run
-
-    @property
-    def num_saves_stale(self) -> int:
-        return self.steps.counters.saves_stale
-
-    @property
-    def num_saves_skipped(self) -> int:
-        return self.steps.counters.saves_skipped
-
-    @property
-    def num_saves_failed(self) -> int:
-        return self.steps.counters.saves_failed
-
-    @property
-    def num_load_blocks_failed(self) -> int:
-        return self.steps.counters.load_blocks_failed
-
-    @property
-    def num_store_exceptions(self) -> int:
-        return self.steps.counters.store_exceptions
+        # the per-job work, its counting and the ledgers (kvledger_connector/jobs.py); loads in flight:
+        # queued + one per load thread (+1: a rejected load is begun and finished at once)
+        self.steps = WorkerSteps(
+            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size, keys=keys,
+            ledger=WorkerLedger(tp_rank, max_live_jobs=config.max_inflight_jobs, max_requests=max_requests,
+                                trace=trace),
+            loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
+                             trace=trace),
+            load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock)
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan) -> None:
@@ -132,7 +93,7 @@ class WorkerSide:
         if self._plan is not None:
             raise KVLayoutError("register_kv_caches called twice on one worker")
         for ptr, nbytes in plan.storages:
-            self.store.register_buffer(ptr, nbytes)
+            self.steps.store.register_buffer(ptr, nbytes)
         self._plan = plan
         self.steps.key_bytes = plan.block_bytes
         self._num_blocks = plan.num_blocks
@@ -184,17 +145,12 @@ class WorkerSide:
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
             self.steps.receive(spec.req_id, spec.store_job_id, spec.generation)
-            why = self._offer(self._store_q, (spec, event))
-            if why is not None:  # bounded, or shut down: report now, the save becomes a future cache miss
-                self.num_saves_rejected += 1
-                self.stats.add("rejected_jobs")
-                self.steps.report_save(spec.store_job_id)
+            if self._offer(self._store_q, (spec, event)) is not None:  # bounded, or shut down
+                self.steps.reject_save(spec.store_job_id)
 
     def _enqueue_load(self, spec: LoadSpec) -> None:
-        self.num_loads += 1
         why = self._offer(self._load_q, spec)
         if why is not None:  # bounded, or shut down: every block reported failed, vLLM recomputes them
-            self.stats.add("rejected_jobs")
             self.steps.reject_load(spec.req_id, spec.block_ids, why)
 
     def _offer(self, q: queue.Queue[Any], item: Any) -> str | None:
@@ -230,16 +186,13 @@ class WorkerSide:
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_save(spec, event)
             except Exception as e:
-                self._note_error(f"store thread: save job {spec.store_job_id}: {type(e).__name__}: {e}")
+                self.steps.note_error(f"store thread: save job {spec.store_job_id}: {type(e).__name__}: {e}")
 
     def _handle_save(self, spec: SaveSpec, event: Any) -> None:
-        """DmaRead, Put, Report of one job (kvledger_connector/jobs.py); the put waits for the forward's
-        CUDA event before it reads the blocks."""
+        """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
+        forward's CUDA event before it reads the blocks."""
         self.steps.run_save(spec.req_id, spec.store_job_id, spec.end_block, spec.block_ids, spec.block_hashes,
                             event.synchronize if event is not None else None, spec.full_end_block)
-
-    def _note_error(self, msg: str) -> None:
-        self.steps.note_error(msg)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:
@@ -250,25 +203,20 @@ class WorkerSide:
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_load(spec)
             except Exception as e:
-                self._note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
+                self.steps.note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
 
     def _handle_load(self, spec: LoadSpec) -> None:
-        """Load: every sub-batch is tried; a block not loaded is reported (kvledger_connector/jobs.py)."""
+        """Load: every sub-batch is tried; a block not loaded is reported (`WorkerSteps.load_steps`)."""
         self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes)
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:
-        with self._lock:
-            return (self.ledger.has_pending_work() or bool(self.steps.finished_loads)
-                    or self.loads.num_inflight_loads > 0
-                    or not self._store_q.empty() or not self._load_q.empty())
+        return self.steps.has_pending_work() or not self._store_q.empty() or not self._load_q.empty()
 
     def busy(self) -> bool:
         """A thread has work queued or running (a save not yet reported, a load not yet finished). Unlike
         `has_pending_work` it ignores results waiting to be taken by the next step (benchmarks wait on it)."""
-        with self._lock:
-            return (self.ledger.num_live_jobs > 0 or self.loads.num_inflight_loads > 0
-                    or not self._store_q.empty() or not self._load_q.empty())
+        return self.steps.busy() or not self._store_q.empty() or not self._load_q.empty()
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Let the threads finish what is queued (every job still gets reported), then stop them. Returns
@@ -310,6 +258,6 @@ class WorkerSide:
         alive = [t.name for t in threads if t.is_alive()]
         if alive:
             self.num_threads_left_running = len(alive)
-            self._note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
-                             f"inside the client: {getattr(self.store, 'calls_inside', 'unknown')})")
+            self.steps.note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
+                             f"inside the client: {getattr(self.steps.store, 'calls_inside', 'unknown')})")
         return not alive

@@ -352,14 +352,17 @@ class EmuWorker(WorkerBase):
             ws = getattr(conn, "worker_side", None)
             info: dict[str, Any] = {"class": type(conn).__name__}
             if ws is not None:
-                for name in ("num_loads", "num_load_blocks_failed", "num_saves_run", "num_saves_stale",
-                             "num_saves_skipped", "num_saves_failed", "num_saves_rejected",
-                             "num_store_exceptions"):
-                    info[name] = getattr(ws, name, None)
-                info["loads_finished"] = getattr(getattr(ws, "loads", None), "num_loads_finished", None)
-                info["errors"] = list(getattr(ws, "errors", []))[:5]
+                steps = ws.steps  # the counts are the connector's stats, whole run (the one counter system)
+                for name, counter in (("num_loads", "loads"), ("num_load_blocks_failed", "load_errors_reported"),
+                                      ("num_saves_run", "run_jobs"), ("num_saves_stale", "stale_jobs"),
+                                      ("num_saves_skipped", "skipped_jobs"), ("num_saves_failed", "failed_jobs"),
+                                      ("num_saves_rejected", "rejected_jobs"),
+                                      ("num_store_exceptions", "store_exceptions")):
+                    info[name] = int(steps.stats.total(counter))
+                info["loads_finished"] = steps.loads.num_loads_finished
+                info["errors"] = list(steps.errors)[:5]
                 info["pending_work"] = bool(ws.has_pending_work())
-                injected = getattr(ws.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
+                injected = getattr(steps.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
                 if injected is not None:
                     info["faults_injected"] = injected
             info["store"] = _store_info(conn)
@@ -527,5 +530,5 @@ class FaultyEmuWorker(EmuWorker):
                     r[k] = frozenset(r[k])
             rules.append(FaultRule(**r))
         ws = connector.worker_side
-        ws.store = FaultyStore(ws.store, FaultPlan(rules, seed=int(plan.get("seed", 0))))
+        ws.steps.store = FaultyStore(ws.steps.store, FaultPlan(rules, seed=int(plan.get("seed", 0))))
         logger.warning("FaultyEmuWorker rank %d: fault injection on the connector's store: %s", self.tp_rank, rules)

@@ -17,17 +17,36 @@ Matching is by operation (``exist`` / ``put`` / ``get``), optional key set or ke
 numbers (0-based, per operation) and a probability drawn from one `random.Random(seed)`: the same plan and
 the same sequence of calls inject the same faults. Every injection is appended to `FaultyStore.injected`
 (bounded: the newest `FaultPlan.log_limit` events; `injected_total` counts them all).
+
+`FaultyStore` sits ABOVE the store wrapper (it wraps any KVStore). `FaultyMooncakeClient` sits BELOW it: it is
+the raw client `MooncakeStore` wraps, over a real `MooncakeDistributedStore`, so the wrapper's own checks,
+code handling and master-down backoff run on every injected answer. With `ManualClock` the backoff moves only
+when told, so a replay is deterministic:
+
+    clock = ManualClock()
+    store, client = faulty_mooncake_store(cfg, embedded=mc, clock=clock)
+    client.always(("exist", "put"), RawFault(code=StoreCode.TRANSFER_FAIL))   # until cleared (None)
+    client.next_call("get", RawFault(keys={key: StoreCode.TRANSFER_FAIL}))    # one call; the rest forwarded
+    with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)): ...     # master down for the block
+    clock.advance(cfg.unhealthy_backoff_ms / 1000)                            # the backoff is over
 """
 from __future__ import annotations
 
+import contextlib
 import random
-from collections import deque
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from kvledger_connector.store import KVStore, StoreCode
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.store import KVStore, MooncakeStore, StoreCode, open_client
+
+if TYPE_CHECKING:
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.rendezvous import AttachedMooncake
 
 Op = Literal["exist", "put", "get"]
 Action = Literal["code", "raise", "evict"]
@@ -204,3 +223,187 @@ class HeldPuts:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
+
+
+# ---------------------------------------------------------------- below the wrapper: the raw client
+RawOp = Literal["exist", "put", "get", "remove", "health"]
+#: the batch calls (what a store job or a load makes); with "remove" and "health", every call of the client
+BATCH_OPS: tuple[RawOp, ...] = ("exist", "put", "get")
+RAW_OPS: tuple[RawOp, ...] = ("exist", "put", "get", "remove", "health")
+
+
+@dataclass(frozen=True)
+class RawFault:
+    """What one call of the raw client answers instead of the real client. Exactly one of:
+    ``code``: every key of the call answers it (nothing is sent); ``keys``: these keys answer their code and
+    are not sent, the call's other keys are forwarded; ``raises``: the call raises `InjectedFault`, nothing
+    is sent. For "health" a code is health_check()'s answer, for "remove" the call's."""
+    code: int | None = None
+    keys: Mapping[str, int] = field(default_factory=dict)
+    raises: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.code is not None) + bool(self.keys) + self.raises != 1:
+            raise ValueError(f"RawFault(code={self.code!r}, keys={dict(self.keys)!r}, raises={self.raises!r}): "
+                             f"give exactly one of code, keys, raises")
+        if self.code is not None and (self.code.__class__ is bool or not isinstance(self.code, int)):
+            raise ValueError(f"RawFault.code={self.code!r}: must be an int")
+
+
+@dataclass(frozen=True)
+class RawCall:
+    """One call that reached the client: its op, keys (the regex for remove_by_regex) and the fault it got."""
+    op: RawOp
+    keys: tuple[str, ...]
+    fault: RawFault | None  # None: forwarded to the real client
+
+
+class FaultyMooncakeClient:
+    """THIS IS A TEST DOUBLE: the raw client under `MooncakeStore`, forwarding every call to a real
+    `MooncakeDistributedStore` (``inner``) except the ones it is told to fault (see the module docstring).
+
+    Per op, a call takes the next fault queued by `next_call` (one call each, in order), else the standing
+    fault of `always` / `during`, else is forwarded. Every call is logged in `calls` (bounded: the newest
+    ``log_limit``); `num_calls` counts them per op, so a test sees which calls the wrapper skipped."""
+
+    def __init__(self, inner: Any, *, log_limit: int = 10_000) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()  # store and load threads share one client
+        self._next: dict[RawOp, deque[RawFault]] = {op: deque() for op in RAW_OPS}
+        self._always: dict[RawOp, RawFault | None] = {op: None for op in RAW_OPS}
+        self.calls: deque[RawCall] = deque(maxlen=log_limit)
+        self.num_calls: dict[RawOp, int] = {op: 0 for op in RAW_OPS}
+
+    # -- what to inject ------------------------------------------------------------------------------
+
+    def next_call(self, op: RawOp, fault: RawFault) -> None:
+        """The next call of `op` (after those already queued) answers `fault`."""
+        with self._lock:
+            self._next[_raw_op(op)].append(fault)
+
+    def always(self, ops: RawOp | Iterable[RawOp], fault: RawFault | None) -> None:
+        """Every call of `ops` answers `fault` from now on (None: forwarded again)."""
+        with self._lock:
+            for op in _raw_ops(ops):
+                self._always[op] = fault
+
+    @contextlib.contextmanager
+    def during(self, ops: RawOp | Iterable[RawOp], fault: RawFault) -> Iterator[None]:
+        """`always` for the block; then the standing faults from before are restored."""
+        chosen = _raw_ops(ops)
+        with self._lock:
+            before = {op: self._always[op] for op in chosen}
+            for op in chosen:
+                self._always[op] = fault
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._always.update(before)
+
+    def clear(self) -> None:
+        """No fault queued or standing: every call is forwarded."""
+        with self._lock:
+            for op in RAW_OPS:
+                self._next[op].clear()
+                self._always[op] = None
+
+    def _take(self, op: RawOp, keys: Sequence[str]) -> RawFault | None:
+        with self._lock:
+            queued = self._next[op]
+            fault = queued.popleft() if queued else self._always[op]
+            call = self.num_calls[op]
+            self.num_calls[op] += 1
+            self.calls.append(RawCall(op, tuple(keys), fault))
+        if fault is not None and fault.raises:
+            raise InjectedFault(f"injected fault: raw {op} call {call}")
+        return fault
+
+    def _batch(self, op: RawOp, call: Callable[..., Any], keys: Sequence[str],
+               *lists: Sequence[Sequence[int]]) -> list[int]:
+        fault = self._take(op, keys)
+        if fault is None:
+            return [int(r) for r in call(list(keys), *lists)]
+        if fault.code is not None:
+            return [fault.code] * len(keys)
+        send = [i for i, k in enumerate(keys) if k not in fault.keys]
+        out = [fault.keys.get(k, 0) for k in keys]
+        if send:
+            res = call([keys[i] for i in send], *[[lst[i] for i in send] for lst in lists])
+            for i, r in zip(send, res):
+                out[i] = int(r)
+        return out
+
+    def _single(self, op: RawOp, key: str, call: Callable[[], Any]) -> int:
+        fault = self._take(op, (key,) if key else ())
+        if fault is not None and fault.code is not None:
+            return fault.code
+        if fault is not None and key in fault.keys:
+            return fault.keys[key]
+        return int(call())
+
+    # -- the raw client's calls, as MooncakeStore makes them -----------------------------------------
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return self._batch("exist", self.inner.batch_is_exist, keys)
+
+    def batch_put_from_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                                     sizes: Sequence[Sequence[int]]) -> list[int]:
+        return self._batch("put", self.inner.batch_put_from_multi_buffers, keys, ptrs, sizes)
+
+    def batch_get_into_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                                     sizes: Sequence[Sequence[int]]) -> list[int]:
+        return self._batch("get", self.inner.batch_get_into_multi_buffers, keys, ptrs, sizes)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self._single("remove", key, lambda: self.inner.remove(key, force))
+
+    def remove_by_regex(self, regex: str, force: bool = False) -> int:
+        return self._single("remove", regex, lambda: self.inner.remove_by_regex(regex, force))
+
+    def health_check(self) -> int:
+        return self._single("health", "", self.inner.health_check)
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return int(self.inner.register_buffer(ptr, size))
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return int(self.inner.unregister_buffer(ptr))
+
+    def close(self) -> Any:
+        return self.inner.close()
+
+
+def _raw_op(op: str) -> RawOp:
+    if op not in RAW_OPS:
+        raise ValueError(f"raw op {op!r}: must be one of {RAW_OPS}")
+    return op  # type: ignore[return-value]
+
+
+def _raw_ops(ops: str | Iterable[str]) -> tuple[RawOp, ...]:
+    return (_raw_op(ops),) if isinstance(ops, str) else tuple(_raw_op(op) for op in ops)
+
+
+class ManualClock:
+    """THIS IS A TEST DOUBLE: a monotonic clock (seconds) that moves only when told, for `MooncakeStore`'s
+    ``clock`` (its master-down backoff), so a replay does not depend on how long its calls take."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"ManualClock.advance({seconds!r}): a monotonic clock never goes back")
+        self.now += seconds
+
+
+def faulty_mooncake_store(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
+                          clock: Callable[[], float] = time.monotonic) -> tuple[MooncakeStore, FaultyMooncakeClient]:
+    """The real `MooncakeStore` over a `FaultyMooncakeClient` over a real client of `config`'s master (or
+    `embedded`'s): the wrapper under test, faults injected below it. Close the store as usual."""
+    raw, config = open_client(config, embedded=embedded)
+    client = FaultyMooncakeClient(raw)
+    return MooncakeStore(client, config, embedded, clock=clock), client

@@ -171,7 +171,7 @@ class Harness:
         self._verified: dict[str, int] = {}
         self.garbage: list[str] = []  # S7 violations: (req_id, position, rank) read wrong KV
         self.stats = RunStats()
-        self.key_builders = [w.worker_side.keys for w in self.workers]  # type: ignore[union-attr]
+        self.key_builders = [w.worker_side.steps.keys for w in self.workers]  # type: ignore[union-attr]
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
         self._scratch_plan: Any = None
@@ -206,7 +206,7 @@ class Harness:
         sc = self.scheduler_connector.scheduler_side
         sc.store = wrap(sc.store)  # type: ignore[union-attr]
         for w in self.workers:
-            w.worker_side.store = wrap(w.worker_side.store)  # type: ignore[union-attr]
+            w.worker_side.steps.store = wrap(w.worker_side.steps.store)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -414,8 +414,8 @@ class Harness:
             ws = w.worker_side
             if ws.has_pending_work():  # type: ignore[union-attr]
                 problems.append(f"rank {r} has pending jobs or loads")
-            if ws.errors:  # type: ignore[union-attr]
-                problems.append(f"rank {r} handler errors: {ws.errors[:3]}")  # type: ignore[union-attr]
+            if ws.steps.errors:  # type: ignore[union-attr]
+                problems.append(f"rank {r} handler errors: {ws.steps.errors[:3]}")  # type: ignore[union-attr]
         self.rested = not problems
         return problems
 

@@ -46,8 +46,8 @@ def test_preemption_storm_then_store_hits(store_config: StoreConfig, tp_size: in
         assert ss.num_loads > 0
         assert h.scheduler_connector.stats.totals.data.get("loaded_tokens", 0) > 0
         for w in h.workers:
-            assert w.worker_side.num_loads > 0
-            assert w.worker_side.num_load_blocks_failed == 0
+            assert w.worker_side.steps.stats.total("loads") > 0
+            assert w.worker_side.steps.stats.total("load_errors_reported") == 0
 
 
 def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig):
@@ -114,7 +114,7 @@ def test_finished_request_frees_at_once_and_pins_keep_the_engine_stepping(store_
     prompt = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=3)[0]
     with Harness(store_config, tp_size=2, num_blocks=16) as h:
         for w in h.workers:
-            w.worker_side.store = SlowStore(w.worker_side.store)
+            w.worker_side.steps.store = SlowStore(w.worker_side.steps.store)
         h.add_request("req-0", prompt, 1)
         pinned_after_finish = 0
         while h.step():
@@ -195,7 +195,7 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
     with Harness(store_config, tp_size=2, num_blocks=14) as h:
         _run_pass(h, prompts, max_tokens=8)
         for w in h.workers:
-            w.worker_side.store = SlowGet(w.worker_side.store)
+            w.worker_side.steps.store = SlowGet(w.worker_side.steps.store)
         for i, p in enumerate(prompts):
             h.add_request(f"req-{i}", p, 8)
         ss = h.scheduler_connector.scheduler_side

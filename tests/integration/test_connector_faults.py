@@ -30,8 +30,8 @@ def _pass(h: Harness, prompts: list[list[int]]) -> None:
 def _wrap_workers(h: Harness, plan: FaultPlan) -> list[FaultyStore]:
     faulty = []
     for r, w in enumerate(h.workers):
-        fs = FaultyStore(w.worker_side.store, FaultPlan(plan.rules, seed=plan.seed + r))
-        w.worker_side.store = fs
+        fs = FaultyStore(w.worker_side.steps.store, FaultPlan(plan.rules, seed=plan.seed + r))
+        w.worker_side.steps.store = fs
         faulty.append(fs)
     return faulty
 
@@ -93,7 +93,7 @@ def test_put_failures_and_store_pressure_lose_nothing(store_config: StoreConfig)
         _pass(h, prompts)
         assert sum(len(f.injected) for f in faulty) > 0
         ws = h.workers[0].worker_side
-        assert ws.num_saves_failed > 0
+        assert ws.steps.stats.total("failed_jobs") > 0
         for i, p in enumerate(prompts):
             assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
         _common_checks(h)  # every job was reported: no pin outlived its job
@@ -128,7 +128,7 @@ def test_master_killed_then_restarted(own_master: EmbeddedMooncake):
         assert h.garbage == [] and h.check_at_rest() == []
         own_master.start_master()
         for conn in [h.scheduler_connector, *h.workers]:  # end the backoff the failures started
-            store = conn.scheduler_side.store if conn.scheduler_side else conn.worker_side.store
+            store = conn.scheduler_side.store if conn.scheduler_side else conn.worker_side.steps.store
             store._skip_until = 0.0
         import time
         time.sleep(3.0)  # clients re-mount their segments (~2 s, see reference/mooncake-store.md)

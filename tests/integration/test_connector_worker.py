@@ -102,7 +102,7 @@ def _save_blocks(ws: WorkerSide, caches, hashes: Sequence[bytes], block_ids: Seq
     meta = KVLedgerConnectorMetadata(step=job + 1, saves=[SaveSpec(req_id, job, 0, 0, len(hashes), tuple(block_ids),
                                                                    tuple(hashes))])
     ws.end_step(meta)
-    _wait(lambda: not ws.has_pending_work() or bool(ws.ledger._completed))
+    _wait(lambda: not ws.has_pending_work() or bool(ws.steps.ledger._completed))
     assert ws.build_worker_meta().completed_saves == {job: 1}
 
 
@@ -151,7 +151,7 @@ def test_empty_key_list_load_is_finished_not_stuck(writer):
     ws, _, _ = writer
     finished, errors = _load(ws, LoadSpec("empty", (), ()), 1)
     assert finished == {"empty"} and errors == set()
-    assert ws.errors == []
+    assert ws.steps.errors == []
 
 
 @pytest.mark.parametrize("tp_rank", [1, 3])
@@ -215,7 +215,7 @@ def test_oversized_keys_are_reported_not_sent(engine, writer, store, cfg):
         assert errors == {6}
         assert _holds(rc, 5, 0) and _holds(rc, 7, 1)
         assert all(torch.equal(t[6], torch.full_like(t[6], -1.0)) for t in rc.values())  # never written
-        assert reader.stats.totals.data.get(f"fail_code.{int(StoreCode.KEY_TOO_LONG)}") == 1
+        assert reader.steps.stats.total(f"fail_code.{int(StoreCode.KEY_TOO_LONG)}") == 1
     finally:
         reader.shutdown()
 
@@ -242,15 +242,15 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     gate = threading.Event()
 
     blocker_hash = _hash(99, salt)
-    ws.store = _GatedStore(ws.store, gate)
+    ws.steps.store = _GatedStore(ws.steps.store, gate)
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 0, 1, (3,), (blocker_hash,))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 2, (1, 2), tuple(hashes))]))
     ws.start_step(KVLedgerConnectorMetadata(step=3, preempted_req_ids=["r"]))  # DropGeneration before it ran
     gate.set()
-    _wait(lambda: not ws.ledger.has_pending_work() or len(ws.ledger._completed) == 2)
+    _wait(lambda: not ws.steps.ledger.has_pending_work() or len(ws.steps.ledger._completed) == 2)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
-    assert ws.num_saves_stale == 1
-    assert store.batch_is_exist(ws.keys.keys(hashes)) == [0, 0]  # the stale job stored nothing
+    assert ws.steps.stats.total("stale_jobs") == 1
+    assert store.batch_is_exist(ws.steps.keys.keys(hashes)) == [0, 0]  # the stale job stored nothing
 
 
 def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, request):
@@ -260,17 +260,17 @@ def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, reque
     ws = _worker(engine, store, cfg, salt=salt, store_queue_size=1)
     _register(ws, _caches(engine))
     gate = threading.Event()
-    ws.store = _GatedStore(store, gate)
+    ws.steps.store = _GatedStore(store, gate)
     try:
         for job in range(3):  # job 0 is taken by the thread, job 1 fills the queue, job 2 is rejected
             ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
                 SaveSpec(f"r{job}", job, 0, 0, 1, (job + 1,), (_hash(job, salt),))]))
             if job == 0:
                 _wait(lambda: ws._store_q.empty())
-        assert ws.num_saves_rejected == 1
+        assert ws.steps.stats.total("rejected_jobs") == 1
         assert ws.build_worker_meta().completed_saves == {2: 1}
         gate.set()
-        _wait(lambda: len(ws.ledger._completed) == 2)
+        _wait(lambda: len(ws.steps.ledger._completed) == 2)
         assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
     finally:
         gate.set()
@@ -282,7 +282,7 @@ def test_full_load_queue_reports_every_block(engine, store, cfg, request):
     ws = _worker(engine, store, cfg, salt=salt, load_queue_size=1)
     _register(ws, _caches(engine))
     gate = threading.Event()
-    ws.store = _GatedStore(store, gate)
+    ws.steps.store = _GatedStore(store, gate)
     try:
         ws.start_step(KVLedgerConnectorMetadata(step=1, loads=[LoadSpec("a", (1,), (_hash(0, salt),))]))
         _wait(lambda: ws._load_q.empty())
@@ -306,10 +306,10 @@ def test_jobs_after_shutdown_are_reported_at_once_not_queued(engine, store, cfg,
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("r", 7, 0, 0, 1, (1,), (_hash(0, salt),))],
                                           loads=[LoadSpec("l", (2, 3), (_hash(1, salt), _hash(2, salt)))]))
     assert ws.build_worker_meta().completed_saves == {7: 1}
-    assert ws.num_saves_rejected == 1
+    assert ws.steps.stats.total("rejected_jobs") == 1
     assert ws.take_finished_loads() == {"l"} and ws.take_load_errors() == {2, 3}
     assert not ws.has_pending_work()
-    assert store.batch_is_exist(ws.keys.keys([_hash(0, salt)])) == [0]  # nothing ran
+    assert store.batch_is_exist(ws.steps.keys.keys([_hash(0, salt)])) == [0]  # nothing ran
 
 
 def test_worker_metadata_aggregates_and_pickles():
@@ -332,7 +332,7 @@ def test_shutdown_drains_queued_jobs_and_reports_them(engine, store, cfg, reques
     ws.shutdown()
     assert all(not t.is_alive() for t in ws._threads)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
-    assert ws.errors == []
+    assert ws.steps.errors == []
 
 
 def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, store):
@@ -342,13 +342,13 @@ def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, sto
     ws, caches, salt = writer
     gate = threading.Event()
 
-    ws.store = _GatedStore(ws.store, gate)
+    ws.steps.store = _GatedStore(ws.steps.store, gate)
     h_old, h_new = _hash(0, salt + "old"), _hash(0, salt + "new")
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("blocker", 0, 0, 0, 1, (3,), (_hash(9, salt),))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 1, (1,), (h_old,))]))
     ws.end_step(KVLedgerConnectorMetadata(step=3, saves=[SaveSpec("r", 2, 1, 0, 1, (2,), (h_new,))]))
     gate.set()
-    _wait(lambda: len(ws.ledger._completed) == 3)
+    _wait(lambda: len(ws.steps.ledger._completed) == 3)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
-    assert ws.num_saves_stale == 1
-    assert store.batch_is_exist(ws.keys.keys([h_old, h_new])) == [0, 1]
+    assert ws.steps.stats.total("stale_jobs") == 1
+    assert store.batch_is_exist(ws.steps.keys.keys([h_old, h_new])) == [0, 1]

@@ -320,7 +320,7 @@ def _check_clean(h: Harness) -> None:
     checked, polluted = h.check_store()
     assert checked > 0 and polluted == 0
     for w in h.workers:
-        assert w.worker_side.num_load_blocks_failed == 0 and w.worker_side.errors == []  # type: ignore
+        assert w.worker_side.steps.stats.total("load_errors_reported") == 0 and w.worker_side.steps.errors == []  # type: ignore
 
 
 def _loads_from_store(h: Harness, prompts: list[list[int]]) -> None:
@@ -333,7 +333,7 @@ def _loads_from_store(h: Harness, prompts: list[list[int]]) -> None:
     loads = ss.num_loads  # type: ignore[union-attr]
     _pass(h, prompts)
     assert ss.num_loads > loads  # type: ignore[union-attr]
-    assert all(w.worker_side.num_loads > 0 for w in h.workers)  # type: ignore[union-attr]
+    assert all(w.worker_side.steps.stats.total("loads") > 0 for w in h.workers)  # type: ignore[union-attr]
     _check_clean(h)
 
 

@@ -27,13 +27,6 @@ class GatedGet:
         return getattr(self.inner, name)
 
 
-def _set_store(worker_side, store) -> None:
-    worker_side.store = store
-    steps = getattr(worker_side, "steps", None)  # the rank's step functions hold the store too
-    if steps is not None and hasattr(steps, "store"):
-        steps.store = store
-
-
 def _wait(cond, timeout: float = 20.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -55,7 +48,7 @@ def test_aborted_load_stays_pinned_until_every_rank_finished(store_config: Store
         ss = h.scheduler_connector.scheduler_side
         ledger = ss.ledger
         rank0, rank1 = (w.worker_side for w in h.workers)
-        _set_store(rank1, GatedGet(rank1.store, gate))
+        rank1.steps.store = GatedGet(rank1.steps.store, gate)  # the store the rank's step functions call
         h.add_request("victim", prompt, 4)
         while "victim" not in ledger.pinned_loads():
             assert h.step()
@@ -64,8 +57,8 @@ def test_aborted_load_stays_pinned_until_every_rank_finished(store_config: Store
         assert h.scheduler.requests["victim"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         # the request is aborted mid-load: vLLM frees its blocks at once (request_finished never delays)
         h.scheduler.finish_requests("victim", RequestStatus.FINISHED_ABORTED)
-        assert _wait(lambda: rank0.loads.num_inflight_loads == 0)  # rank 0 finished its part
-        assert rank1.loads.num_inflight_loads == 1  # rank 1 is still writing into `dest`
+        assert _wait(lambda: rank0.steps.loads.num_inflight_loads == 0)  # rank 0 finished its part
+        assert rank1.steps.loads.num_inflight_loads == 1  # rank 1 is still writing into `dest`
         for _ in range(3):  # engine steps go on: rank 0 reports, the aggregator waits for rank 1
             h.step()
             assert ledger.load_pinned_block_ids("victim") == dest
@@ -75,7 +68,7 @@ def test_aborted_load_stays_pinned_until_every_rank_finished(store_config: Store
                 [h.block_pool.blocks[b].ref_cnt for b in dest]
         assert ss.has_pending_push_work()
         gate.set()
-        assert _wait(lambda: rank1.loads.num_inflight_loads == 0)
+        assert _wait(lambda: rank1.steps.loads.num_inflight_loads == 0)
         h.run()
         assert "victim" not in ledger.pinned_loads() and ledger.num_load_pinned_blocks == 0
         free = {b.block_id for b in h.block_pool.free_block_queue.get_all_free_blocks()}

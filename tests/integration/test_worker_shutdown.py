@@ -126,7 +126,7 @@ def _one_shutdown(engine, cfg, it: int, rng: random.Random) -> dict:
             "close_s": round(close_s, 3), "timeout": timeout, "clean": clean, "again": again, "closed": closed,
             "leaked": store.num_close_leaked, "left_running": ws.num_threads_left_running,
             "alive_after": sum(t.is_alive() for t in ws._threads), "calls_inside": store.calls_inside,
-            "driver_alive": driver.is_alive(), "errors": [e for e in ws.errors if "still running" not in e]}
+            "driver_alive": driver.is_alive(), "errors": [e for e in ws.steps.errors if "still running" not in e]}
 
 
 def child_stress(args: argparse.Namespace) -> None:
