@@ -38,7 +38,7 @@ import kvledger_connector.keys
 import kvledger_connector.kvlayout
 import kvledger_connector.reset
 import kvledger_connector.scheduler_steps
-from conformance import kvprobes, probes_parts
+from conformance import kvprobes, probes_parts, probes_sched
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
 from conformance.kvdriver import KVDriver, MooncakeBackend
@@ -62,7 +62,7 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 # two ranks at the pin cap: a count of 2 reports in one Collect, a pin released after one rank's report
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
-PROBES: list[kvprobes.Probe] = kvprobes.PROBES + probes_parts.PROBES
+PROBES: list[kvprobes.Probe] = kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
 # what a replay counts as a named check besides a field diff and Refused
 REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
@@ -414,6 +414,9 @@ MUTANTS: dict[str, list[Patch]] = {
     "runtime_dir_any_directory": [(rendezvous, "runtime_dir", _runtime_dir_any_directory)],
     "sweep_ignores_liveness": [(rendezvous, "_alive", _sweep_ignores_liveness)],
 }
+# the scheduler side's steps (kvledger_connector/scheduler_steps.py): pin choice, tail, deferral, collect,
+# finish notices of a reused req_id, generations, loaded blocks, lookups
+MUTANTS.update(probes_sched.MUTANTS)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import kvledger.codes as codes
 import kvledger_connector.jobs as jobs
 import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
+from conformance import probes_sched
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank
 from conformance.probes_parts import BASE, HASH, check_layout, foreign_dir, reset_case, runtime_dir_env
 from kvledger.errors import LedgerInputError, LedgerInvariantError
@@ -307,3 +308,7 @@ def _() -> None:
 @shows("sweep_ignores_liveness")
 def _() -> None:
     check(rendezvous._alive(os.getpid()), "this very process counts as dead")
+
+
+# the scheduler side's mutants are shown by their own probes (conformance/probes_sched.py)
+SHOWS.update(probes_sched.SHOWS)
