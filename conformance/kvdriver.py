@@ -51,6 +51,7 @@ Abstract state compared after every step (field: model -> impl):
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,7 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger
-from kvledger_connector.jobs import WorkerSteps, no_lock
+from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.scheduler_steps import SchedulerSteps, tail_hash
@@ -74,6 +75,23 @@ ROW = 16  # float32 elements per block row: one code repeated (a torn copy would
 BS = 4  # tokens per block: a chunk of the model is one block; 4 leaves room for a partial tail of 2 tokens
 CODE_NO_CONTENT = 0.0
 STORE_DOWN = -900
+
+
+class _Sink:
+    """The trace the ledgers write to: off while a finished behaviour's jobs are abandoned."""
+
+    def __init__(self, trace: Any) -> None:
+        self.trace, self.on = trace, True
+
+    def emit(self, actor: str, action: str, fields: dict[str, Any]) -> None:
+        if self.on:
+            self.trace.emit(actor, action, fields)
+
+
+class InjectedHandlerError(RuntimeError):
+    """The model's DmaRead outcome "failed": the store handler raised (thrown into the save generator)."""
+
+
 XFER_FAIL = -800
 NO_SPACE = -200
 
@@ -282,7 +300,9 @@ class KVDriver:
         self.kv = self._kv_rows(self.num_blocks + 1)
         self.kv.zero_()
         # the ledger's cap is the model's PinCap (jobs; blocks: every job may pin the whole pool)
-        tr = self.trace
+        self._abandon()
+        self._sink = _Sink(self.trace)
+        tr = self._sink if self.trace is not None else None
         self.sched = SchedulerLedger(self.pool, world_size=len(self.ranks), max_inflight_jobs=self.pin_cap,
                                      max_pinned_blocks=self.pin_cap * self.num_blocks, first_job_id=1,
                                      trace=tr)
@@ -296,12 +316,14 @@ class KVDriver:
                         for i, w in enumerate(self.ranks)}
         self.loads = {w: LoadLedger(i, max_inflight_loads=len(self.req), trace=tr)
                       for i, w in enumerate(self.ranks)}
-        # the connector's own per-job steps, one per rank, over this driver's store
+        # the connector's own per-job steps, one per rank, over this driver's store. tp_rank 0 on every rank:
+        # the model loads a rank's keys in index order; the rotation by tp_rank is a load-balancing order
+        # (probe rotated_load_reports_the_right_block, mutant load_ids_not_rotated)
         self.store = DriverStore(self.backend)
         self.store.rows = {b: self.kv[b] for b in range(1, self.num_blocks + 1)}
         self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
-                                     buffers=_buffers, tp_rank=i, block_size=BS, key_bytes=ROW_BYTES,
-                                     keys=self.kb, lock=no_lock())
+                                     buffers=_buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
+                                     keys=self.kb, load_sub_batch_keys=self.sub_batch, lock=no_lock())
                       for i, w in enumerate(self.ranks)}
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
         self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
@@ -319,6 +341,7 @@ class KVDriver:
         self.queue: dict[str, list[int]] = {w: [] for w in self.ranks}  # received, not yet read
         self.notice: dict[str, set[tuple[str, int, str]]] = {w: set() for w in self.ranks}
         self.busy: dict[str, int | None] = {w: None for w in self.ranks}  # job on the store thread
+        self.gens: dict[str, Any] = {w: None for w in self.ranks}  # its save generator (WorkerSteps.save_steps)
         self.buf: dict[str, dict[int, torch.Tensor]] = {w: {} for w in self.ranks}
         self.up = True
         self.ld: dict[str, dict[str, Any]] = {r: self._ld_idle() for r in self.req}
@@ -338,10 +361,29 @@ class KVDriver:
 
     @staticmethod
     def _ld_idle() -> dict[str, Any]:
-        return {"ph": "idle", "n": 0, "bad": set(), "load_ids": {}, "blocks": [], "pin": False}
+        return {"ph": "idle", "n": 0, "bad": set(), "gens": {}, "blocks": [], "pin": False}
 
     def close(self) -> None:
-        pass
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """End the jobs and loads a finished behaviour left under way, with no event and no log: closing a
+        generator fails and reports its job (S5, S8) into ledgers that are about to be dropped. Before the
+        next behaviour or the log file closes, never at garbage collection."""
+        gens = [g for g in getattr(self, "gens", {}).values() if g is not None]
+        gens += [g for ld in getattr(self, "ld", {}).values() for g in ld["gens"].values()]
+        if not gens:
+            return
+        log = logging.getLogger("kvledger_connector.jobs")
+        was, log.disabled, self._sink.on = log.disabled, True, False
+        try:
+            for g in gens:
+                g.close()
+        finally:
+            log.disabled, self._sink.on = was, True
+        self.gens = {w: None for w in self.gens}
+        for ld in self.ld.values():
+            ld["gens"] = {}
 
     # ------------------------------------------------------------------ helpers
     def code(self, r: str, c: int) -> float:
@@ -520,38 +562,42 @@ class KVDriver:
         self.steps[w].drop_generation(r, finished=(kind == "finish"), generation=g)
 
     def do_DmaRead(self, a: dict[str, Any]) -> None:
+        """The store thread takes the job: the connector's save generator (`WorkerSteps.save_steps`, what
+        `run_save` drains) does DmaRead; the driver's DMA copies the rows of the plan's blocks now (the
+        put then reads that copy: the model's read happens here, the write at Put)."""
         w = a["w"]
         if self.busy[w] is not None or not self.queue[w]:
             raise Refused(f"{w}: store thread busy or queue empty")
+        failed = a.get("outcome") == "failed"  # injected: the handler raised before the read
+        if failed:
+            self._fault("dma")  # before anything moves: a refused fault leaves every part as it was
         j = self.queue[w].pop(0)
+        spec = self.specs[j]
         self.busy[w] = j
-        wl = self.workers[w]
-        if a.get("outcome") == "failed":  # injected: the handler raised before the read
-            req = wl.job_request(j)
-            if j not in req.live or (req.pressure_skip and wl.under_pressure):
-                self.queue[w].insert(0, j)
-                self.busy[w] = None
-                raise Refused(f"{w}: job {j} would not run, so it cannot fail in the read")
-            try:
-                self._fault("dma")
-            except Refused:
-                self.queue[w].insert(0, j)
-                self.busy[w] = None
-                raise
-            self.steps[w].fail_save(j)
+        gen = self.steps[w].save_steps(spec.req_id, j, spec.end_block, spec.block_ids, spec.block_hashes,
+                                       full_end_block=spec.full_end_block)
+        self.gens[w] = gen
+        if failed:
+            step = gen.throw(InjectedHandlerError(f"injected: DmaRead of job {j} raised"))
+            self._expect_step(step, JobAction.DMA_READ, j)
             return
-        r, g, ids, lo, hi = self.jobs[j]
-        plan = self.steps[w].begin_save(j, hi)  # a chunk is a block: positions 0.. are chunks 1..
-        if plan.run:
-            rows = {p + 1: self.kv[ids[p]] for p in plan.positions}
+        step = next(gen)
+        self._expect_step(step, JobAction.DMA_READ, j)
+        if step.plan is not None and step.plan.run:
+            rows = {p: self.kv[spec.block_ids[p]] for p in step.plan.positions}  # position p is chunk p + 1
             if self.device.type == "cuda":  # as the connector: async device->host copies, then an event
-                staged = {c: row.to("cpu", non_blocking=True) for c, row in rows.items()}
+                staged = {p: row.to("cpu", non_blocking=True) for p, row in rows.items()}
                 done = torch.cuda.Event()
                 done.record()
                 done.synchronize()
-                self.buf[w] = staged
             else:
-                self.buf[w] = {c: row.clone() for c, row in rows.items()}
+                staged = {p: row.clone() for p, row in rows.items()}
+            self.buf[w] = {p + 1: row for p, row in staged.items()}
+
+    @staticmethod
+    def _expect_step(step: Any, action: JobAction, job: int) -> None:
+        if step.action is not action:
+            raise Refused(f"job {job}: the connector's job steps did {step.action.value}, the model {action.value}")
 
     def _busy(self, w: str, *phases: str) -> int:
         j = self.busy[w]
@@ -562,7 +608,7 @@ class KVDriver:
     def do_Put(self, a: dict[str, Any]) -> None:
         w, outcome = a["w"], a["outcome"]
         j = self._busy(w, "running")
-        r, g, ids, lo, hi = self.jobs[j]
+        spec = self.specs[j]
         if outcome == "ok" and not self.up:
             raise Refused("the store is down: a put cannot succeed")
         if outcome == "pressure" and not self.up:
@@ -570,23 +616,24 @@ class KVDriver:
         if outcome != "ok" and self.up:
             self._fault("put" if outcome == "fail" else "pressure")
         staged, self.buf[w] = self.buf[w], {}
-        chunks = sorted(staged)
-        for c in chunks:
-            self.store.rows[STAGED + c] = staged[c]
+        kv_rows = dict(self.store.rows)
+        for c, row in staged.items():  # the put reads what the DMA read
+            self.store.rows[spec.block_ids[c - 1]] = row
         # the injected outcome: the store answers every exist/put of this job with the code
         self.store.fault = None if outcome == "ok" else NO_SPACE if outcome == "pressure" else XFER_FAIL
         try:
-            codes = self.steps[w].put([self.skey(r, c) for c in chunks], [STAGED + c for c in chunks])
+            step = next(self.gens[w])
         finally:
             self.store.fault = None
-            for c in chunks:
-                del self.store.rows[STAGED + c]
-        self.steps[w].record_put(j, codes, len(chunks), self.specs[j].full_end_block * BS)
+            self.store.rows = kv_rows
+        self._expect_step(step, JobAction.PUT, j)
 
     def do_Report(self, a: dict[str, Any]) -> None:
         w = a["w"]
         j = self._busy(w, "stored", "failed", "stale", "skipped")
-        self.steps[w].report_save(j)
+        step = next(self.gens[w])
+        self._expect_step(step, JobAction.REPORT, j)
+        self.gens[w] = None  # the generator has nothing left but its end
         self.busy[w] = None
         self.uncollected.add((w, j))
 
@@ -640,11 +687,17 @@ class KVDriver:
         (spec,) = self.ss.take_loads()
         ld["spec"] = spec
         ld["blocks"], ld["pin"] = list(spec.block_ids), True
-        ld["load_ids"] = {w: self.steps[w].begin_load(r, spec.block_ids) for w in self.ranks}
+        # every rank's load thread takes it: the connector's load generator does EmitLoad (begin_load)
+        ld["gens"] = {w: self.steps[w].load_steps(spec.req_id, spec.block_ids, spec.block_hashes)
+                      for w in self.ranks}
+        for w in self.ranks:
+            self._expect_step(next(ld["gens"][w]), JobAction.EMIT_LOAD, 0)
         ld["done"] = {w: 0 for w in self.ranks}
         ld["ph"] = "loading"
 
     def do_Load(self, a: dict[str, Any]) -> None:
+        """One sub-batch of the rank's load generator (`WorkerSteps.load_steps`, what `run_load` drains);
+        the last one finishes the load. A transfer failure is injected on the model's failing keys."""
         w, r = a["w"], a["r"]
         ld = self.ld[r]
         if ld["ph"] != "loading" or ld["done"][w] >= ld["n"]:
@@ -654,20 +707,18 @@ class KVDriver:
         model_failed = set(a.get("failed", []))
         if self.up and any(i in model_failed and self.backend.exists(self.skey(r, i)) for i in batch):
             self._fault("load")  # a transfer failure of a key the store has
-        ids = [ld["blocks"][i - 1] for i in batch]  # the load's destination (its request may be gone)
         keys = self.kb.keys([ld["spec"].block_hashes[i - 1] for i in batch])
-        # injected transfer failure (the model's xfail) of a key the store has
         self.store.xfail = {k for i, k in zip(batch, keys) if i in model_failed and self.backend.exists(k)}
-        steps = self.steps[w]
         try:
-            failed = steps.load_batch(ld["load_ids"][w], keys, ids)
+            step = next(ld["gens"][w])
         finally:
             self.store.xfail = set()
-        ld["bad"] |= {batch[ids.index(b)] for b, _code in failed}
+        self._expect_step(step, JobAction.LOAD, 0)
+        ids = ld["blocks"]
+        ld["bad"] |= {ids.index(b) + 1 for b, _code in step.failed}
         ld["done"][w] = batch[-1]
-        if not steps.pending(ld["load_ids"][w]):
-            steps.finish_load(ld["load_ids"][w], "not attempted")
-            steps.take_finished_loads()  # the driver's engine reads the load's end from ld, not this set
+        if step.result is not None:  # the load finished on this rank
+            self.steps[w].take_finished_loads()  # the driver's engine reads the load's end from ld, not this set
         if all(ld["done"][v] >= ld["n"] for v in self.ranks):
             ld["ph"] = "loaded"
 

@@ -191,6 +191,7 @@ def record_logs(exp: ex.Export, backend: Any, out_dir: Path, behaviours: Iterabl
         with path.open("w", encoding="utf-8") as f:
             drv = KVDriver(backend, exp.consts, trace=NdjsonTrace(f))
             div = rp.replay_behaviour(drv, exp.steps(b), idx, origin)
+            drv.close()  # jobs left under way end here, unlogged
         if div is not None:
             raise RuntimeError(f"cannot record a log of a diverging behaviour:\n{div}")
         paths.append(path)

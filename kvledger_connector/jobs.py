@@ -89,6 +89,7 @@ class SaveStep:
     action: JobAction
     job_id: int
     verdict: Verdict | None = None  # from DMA_READ on (None if the job failed before the verdict)
+    plan: SavePlan | None = None  # DMA_READ: the block positions the put reads
     outcome: codes.PutOutcome | None = None  # PUT: the put's classified outcome
     error: str | None = None  # the job failed in this action: the handler raised (or an exception was thrown in)
 
@@ -306,7 +307,7 @@ class WorkerSteps:
                 plan = self.begin_save(job_id, end_block)
                 verdict = plan.verdict
                 nxt = JobAction.PUT if plan.run else JobAction.REPORT
-                yield SaveStep(JobAction.DMA_READ, job_id, verdict)
+                yield SaveStep(JobAction.DMA_READ, job_id, verdict, plan)
                 if plan.run:
                     pos = list(plan.positions)
                     keys = self._key_list([block_hashes[i] for i in pos])
@@ -314,7 +315,7 @@ class WorkerSteps:
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
-                    yield SaveStep(JobAction.PUT, job_id, verdict, out)
+                    yield SaveStep(JobAction.PUT, job_id, verdict, outcome=out)
             except Exception as e:  # the job fails; it is reported below all the same
                 msg = f"{type(e).__name__}: {e}"
                 self._fail(job_id, f"save job {job_id} ({req_id}): {msg}")
