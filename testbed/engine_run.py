@@ -21,13 +21,20 @@ The spec (all keys but `workdir` and `prompts` optional):
     request_ids    "fixed": every pass adds its requests itself (`llm_engine.add_request`) as "req-<i>" and
                    steps until they finish, so pass n reuses pass n-1's ids after they finished; sets
                    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (else vLLM appends 8 random characters to every
-                   id and the scheduler never sees an id twice). Default: `LLM.generate`'s own ids
-    progress       with request_ids "fixed": print `ENGINE_RUN_PROGRESS pass <n>: <done>/<total> requests` to
-                   stdout (flushed) whenever a request finishes
+                   id and the scheduler never sees an id twice). "per_pass": the same, but pass n's ids are
+                   "p<n>-req-<i>" (no id is seen twice). Default: `LLM.generate`'s own ids
+    progress       with request_ids "fixed" or "per_pass" (both meant by "fixed" below): print
+                   `ENGINE_RUN_PROGRESS pass <n>: <done>/<total> requests` to stdout (flushed) whenever a
+                   request finishes
     step_times     with request_ids "fixed": record every engine step's wall time (`llm_engine.step()`, the
                    whole EngineCore step when mp=0) per pass: `steps`, `step_s` {"sum", "median", "mean", "p90"}
     stall_timeout_s  with request_ids "fixed": raise when no request finished for this long (mp=0: the
                    message lists the scheduler's requests and their states)
+    preload        list of "module:function" names, each called with no arguments in this process before vLLM
+                   is imported (its return value is in the result's `preloaded`): a test double a driver
+                   installs for one engine only (bench.engine installs bench/cuda_event_stub.py's for
+                   upstream's connector). With mp=0 and the uni executor this process is the whole engine;
+                   spawned processes do not get it
     barrier        {"dir": D, "passes": [n, ...]}: before pass n (after its reset) write D/before-pass-<n>
                    and wait (at most "timeout_s", default 120) for D/go-pass-<n>: the test acts meanwhile
                    (e.g. restarts the Mooncake master)
@@ -138,11 +145,12 @@ PROGRESS_PREFIX = "ENGINE_RUN_PROGRESS "
 
 def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any, *, pass_no: int = 0,
                         progress: bool = False, step_times: list[float] | None = None,
-                        stall_timeout_s: float | None = None) -> list[Any]:
-    """Adds "req-<i>" itself and steps until every one finished (the ids come back in the next pass).
-    `progress`: a progress line per finished request; `step_times`: every step's wall time appended."""
+                        stall_timeout_s: float | None = None, id_prefix: str = "") -> list[Any]:
+    """Adds "<id_prefix>req-<i>" itself and steps until every one finished (with no prefix the ids come back
+    in the next pass). `progress`: a progress line per finished request; `step_times`: every step's wall
+    time appended."""
     engine = llm.llm_engine
-    ids = [f"req-{i}" for i in range(len(prompts))]
+    ids = [f"{id_prefix}req-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     done: dict[str, Any] = {}
@@ -191,12 +199,24 @@ def _inproc_state(llm: Any) -> dict[str, Any] | None:
     return state
 
 
+def _preload(names: list[str]) -> dict[str, Any]:
+    """Each "module:function" called; its return value recorded (`preloaded` in the result)."""
+    import importlib
+    done: dict[str, Any] = {}
+    for name in names:
+        mod, _, fn = name.partition(":")
+        done[name] = getattr(importlib.import_module(mod), fn)()
+    return done
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     mp = int(spec.get("mp", 0))
     _setup_env(mp)
-    fixed_ids = spec.get("request_ids") == "fixed"
+    fixed_ids = spec.get("request_ids") in ("fixed", "per_pass")
+    per_pass = spec.get("request_ids") == "per_pass"
     if fixed_ids:
         os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
+    preloaded = _preload(spec.get("preload") or ())
     t0 = time.monotonic()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -226,6 +246,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 128)),
               kv_transfer_config=kvt, disable_log_stats=False)
     result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "passes": [], "driver_pid": os.getpid(),
+                              "preloaded": preloaded,
                               "engine_mooncake": {"startup": mooncake_servers_started_by_session(os.getsid(0))},
                               "rendezvous": {"startup": _rendezvous_files()}}
     # vLLM's CPU platform turns async scheduling off (platforms/cpu.py); recorded, not chosen
@@ -244,7 +265,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if fixed_ids:
             steps: list[float] | None = [] if spec.get("step_times") else None
             outs = _generate_fixed_ids(llm, prompts, sp, pass_no=n, progress=bool(spec.get("progress")),
-                                       step_times=steps, stall_timeout_s=spec.get("stall_timeout_s"))
+                                       step_times=steps, stall_timeout_s=spec.get("stall_timeout_s"),
+                                       id_prefix=f"p{n}-" if per_pass else "")
             if steps:
                 ordered = sorted(steps)
                 entry["steps"] = len(steps)
