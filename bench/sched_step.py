@@ -123,20 +123,16 @@ class TeeSchedulerConnector(KVConnectorBase_V1):
     def _both(self, hook: str, ours: Callable[[], Any], up: Callable[[], Any]) -> tuple[Any, Any]:
         """Call ours() and up(), in this step's order, adding each one's time; both results returned."""
         pc = time.perf_counter_ns
+        first, second = (up, ours) if self._flip else (ours, up)
+        t0 = pc()
+        r1 = first()
+        t1 = pc()
+        r2 = second()
+        t2 = pc()
         if self._flip:
-            t0 = pc()
-            r_up = up()
-            t1 = pc()
-            r_ours = ours()
-            t2 = pc()
-            dt_up, dt_ours = t1 - t0, t2 - t1
+            r_up, r_ours, dt_up, dt_ours = r1, r2, t1 - t0, t2 - t1
         else:
-            t0 = pc()
-            r_ours = ours()
-            t1 = pc()
-            r_up = up()
-            t2 = pc()
-            dt_ours, dt_up = t1 - t0, t2 - t1
+            r_ours, r_up, dt_ours, dt_up = r1, r2, t1 - t0, t2 - t1
         st = self.step
         st.ns["ours"] += dt_ours
         st.ns["upstream"] += dt_up
