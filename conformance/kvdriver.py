@@ -50,10 +50,11 @@ Abstract state compared after every step (field: model -> impl):
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
@@ -68,7 +69,9 @@ from kvledger.worker import WorkerLedger
 from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.config import StoreConfig
 from kvledger_connector.scheduler_steps import SchedulerSteps, tail_hash
+from testbed.faults import BATCH_OPS, FaultyMooncakeClient, ManualClock, RawFault, faulty_mooncake_store
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
@@ -137,111 +140,80 @@ class DriverRequest:
         return self.prompt_token_ids
 
 
-class MemStoreBackend:
-    """Only for unit tests of the driver itself where no Mooncake is wanted; replay uses Mooncake."""
+class MooncakeBackend:
+    """The driver's store: the connector's own `MooncakeStore` wrapper over a `FaultyMooncakeClient` (a
+    labelled test double, testbed/faults.py) over a real client of a loopback Mooncake master, the wrapper's
+    master-down backoff on a `ManualClock` (the replay moves time, not the machine). The model's store
+    faults are injected below the wrapper, so its code classification, backoff and skipped calls are
+    replayed; the driver reads, evicts and wipes keys through the real client underneath (``raw``)."""
 
-    def __init__(self) -> None:
-        self.d: dict[str, torch.Tensor] = {}
+    def __init__(self, store: Any, client: FaultyMooncakeClient, clock: ManualClock) -> None:
+        self.store, self.client, self.clock = store, client, clock
+        self.raw = client.inner
+        self.scratch = torch.zeros(ROW, dtype=torch.float32)
+        self._registered: set[int] = set()
+        self._memory: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.register(self.scratch)
 
-    def put(self, key: str, row: torch.Tensor) -> int:
-        self.d.setdefault(key, row.clone())
-        return 0
+    @classmethod
+    @contextlib.contextmanager
+    def on_master(cls, embedded: Any) -> Iterator["MooncakeBackend"]:
+        """A backend on the master of ``embedded`` (an EmbeddedMooncake or testbed's mooncake_servers)."""
+        clock = ManualClock()
+        cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
+        store, client = faulty_mooncake_store(cfg, embedded=embedded, clock=clock)
+        try:
+            yield cls(store, client, clock)
+        finally:
+            store.close()
 
-    def get(self, key: str, out: torch.Tensor) -> int:
-        if key not in self.d:
-            return -704
-        out.copy_(self.d[key])
-        return out.numel() * 4
+    def register(self, t: torch.Tensor) -> None:
+        """Register a tensor's memory with the client once (the connector registers its KV cache so)."""
+        if t.data_ptr() not in self._registered:
+            self.store.register_buffer(t.data_ptr(), t.numel() * t.element_size())
+            self._registered.add(t.data_ptr())
+
+    def memory(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Memory the drivers on this backend share, made once per key and registered: it lives as long as
+        the client (a freed registered region would be re-registered overlapping, which Mooncake refuses)."""
+        t = self._memory.get(key)
+        if t is None:
+            t = self._memory[key] = make()
+            if t.device.type == "cpu":
+                self.register(t)
+        return t
 
     def exists(self, key: str) -> bool:
-        return key in self.d
+        return self.raw.batch_is_exist([key])[0] == 1
 
-    def remove(self, key: str) -> None:
-        self.d.pop(key, None)
-
-    def close(self) -> None:
-        self.d.clear()
-
-
-class MooncakeBackend:
-    """A real Mooncake client on a loopback master; one registered staging tensor for transfers.
-    Keys are namespaced per behaviour (`prefix`), so a new behaviour starts on an empty store."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.stage = torch.zeros(ROW, dtype=torch.float32)
-        self.nbytes = self.stage.numel() * self.stage.element_size()
-        store.register_buffer(self.stage.data_ptr(), self.nbytes)
-        self.prefix = ""
-
-    def put(self, key: str, row: torch.Tensor) -> int:
-        self.stage.copy_(row)
-        return self.store.batch_put([self.prefix + key], [[self.stage.data_ptr()]], [[self.nbytes]])[0]
-
-    def get(self, key: str, out: torch.Tensor) -> int:
-        self.stage.zero_()
-        code = self.store.batch_get([self.prefix + key], [[self.stage.data_ptr()]], [[self.nbytes]])[0]
+    def read(self, key: str, out: torch.Tensor) -> int:
+        self.scratch.zero_()
+        code = self.raw.batch_get_into_multi_buffers([key], [[self.scratch.data_ptr()]], [[ROW_BYTES]])[0]
         if code >= 0:
-            out.copy_(self.stage)
+            out.copy_(self.scratch)
         return code
 
-    def exists(self, key: str) -> bool:
-        return self.store.batch_is_exist([self.prefix + key])[0] == 1
-
     def remove(self, key: str) -> None:
-        self.store.remove(self.prefix + key, force=True)
+        self.raw.remove(key, True)
 
-    def close(self) -> None:
-        pass
+    def settle(self) -> None:
+        """A new behaviour: no standing fault, and the wrapper past any backoff a last one left."""
+        self.client.clear()
+        self.clock.advance(self.backoff_s)
 
-
-class DriverStore:
-    """The store the connector's step functions (kvledger_connector/jobs.py) call in the driver: the batch
-    calls of the connector's KVStore over the driver's backend. A buffer "pointer" is a handle of a row
-    registered in `rows` (a KV cache row, or a staged row of a DMA read), so CPU and CUDA rows alike work.
-    The model's faults are injected here: `down` (every call -900), `fault` (every code of the next
-    exist/put calls), `xfail` (keys whose get fails in transfer)."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.rows: dict[int, torch.Tensor] = {}
-        self.down = False
-        self.fault: int | None = None
-        self.xfail: set[str] = set()
-
-    def _fails(self, n: int) -> list[int] | None:
-        if self.down:
-            return [STORE_DOWN] * n
-        if self.fault is not None:
-            return [self.fault] * n
-        return None
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return self._fails(len(keys)) or [1 if self.backend.exists(k) else 0 for k in keys]
-
-    def batch_put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        return self._fails(len(keys)) or [self.backend.put(k, self.rows[p[0]]) for k, p in zip(keys, ptrs)]
-
-    def batch_get(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        if self.down:
-            return [STORE_DOWN] * len(keys)
-        return [XFER_FAIL if k in self.xfail else self.backend.get(k, self.rows[p[0]])
-                for k, p in zip(keys, ptrs)]
+    @property
+    def backoff_s(self) -> float:
+        return self.store.config.unhealthy_backoff_ms / 1000.0
 
 
 ROW_BYTES = ROW * 4
-STAGED = 1 << 20  # handle of staged chunk c: STAGED + c (block ids are below)
-
-
-def _buffers(ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-    return [[i] for i in ids], [[ROW_BYTES]] * len(ids)
 
 
 _behaviour_ids = itertools.count()
 
 
 class KVDriver:
-    """See the module doc. `backend` is a MooncakeBackend (replay, fuzz) or MemStoreBackend.
+    """See the module doc. `backend`: a MooncakeBackend (`MooncakeBackend.on_master`).
 
     `consts`: the config's CONSTANTS (`conformance.engine.export.cfg_constants`); the bounds the model puts on
     a behaviour (MaxGen, MaxJobs, PinCap, SubBatch) come from there. `trace`: a TraceSink shared by
@@ -267,20 +239,30 @@ class KVDriver:
         self.fault_kinds = set(consts.get("FaultKinds", ["evict", "fail", "put", "pressure", "dma", "load"]))
         self.trace = trace
         self.device = torch.device(device)
-        self._rows: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
     def _kv_rows(self, num_blocks: int) -> torch.Tensor:
-        """The KV cache from vLLM's own allocator (testbed.kvcache), built once per pool size: one layer,
-        one head, one token per block, C = ROW float32 (K|V), so block b's page is row b."""
-        rows = self._rows.get(num_blocks)
-        if rows is None:
+        """The KV cache from vLLM's own allocator (testbed.kvcache), built once per pool size and device (and
+        registered with the client, as the connector registers its KV cache): one layer, one head, one
+        token per block, C = ROW float32 (K|V), so block b's page is row b."""
+        def make() -> torch.Tensor:
             vc = VllmConfig(cache_config=CacheConfig(block_size=1), device_config=DeviceConfig("cpu"))
             specs = attention_specs(1, block_size=1, num_kv_heads=1, head_size=ROW // 2)
             cfg = build_kv_cache_config(vc, specs, num_blocks, "LBNHC")
             (view,) = allocate(cfg, "LBNHC", device=self.device).values()
-            rows = self._rows[num_blocks] = view.view(num_blocks, ROW)
-        return rows
+            return view.view(num_blocks, ROW)
+        return self.backend.memory(("kv", num_blocks, str(self.device)), make)
+
+    def _stage(self, w: str) -> torch.Tensor:
+        """Rank w's staging rows (host memory): the DMA read copies into them."""
+        return self.backend.memory(("stage", w, self.num_chunks),
+                                   lambda: torch.zeros(self.num_chunks, ROW, dtype=torch.float32))
+
+    def _buffers(self, ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(ptrs, sizes) of blocks, as the connector's copy plan gives them: a block's KV row, or while a
+        put runs the DMA's copy of it."""
+        rows = [self.read_from.get(b, self.kv[b]) for b in ids]
+        return [[r.data_ptr()] for r in rows], [[ROW_BYTES]] * len(ids)
 
     def reset(self, init: dict[str, Any]) -> None:
         self.req = sorted(init["status"])
@@ -292,10 +274,7 @@ class KVDriver:
         if self.cfg_max_jobs is not None and int(self.cfg_max_jobs) != self.max_jobs:
             raise ValueError(f"MaxJobs={self.cfg_max_jobs} in the config, but the model state has "
                              f"{self.max_jobs} job slots: constants of another config?")
-        if isinstance(self.backend, MooncakeBackend):
-            self.backend.prefix = f"b{next(_behaviour_ids)}-"
-        else:
-            self.backend.d.clear()
+        self.backend.settle()
         self.pool = BlockPool(num_gpu_blocks=self.num_blocks + 1, enable_caching=False, hash_block_size=16)
         self.kv = self._kv_rows(self.num_blocks + 1)
         self.kv.zero_()
@@ -308,9 +287,10 @@ class KVDriver:
                                      trace=tr)
         # the model's store has one key per chunk that every rank writes (first writer wins): every rank
         # and the scheduler's lookup share one key layout (a tp_size 1 layout)
+        # (a namespace per behaviour: each starts on an empty store)
         self.kb = KeyBuilder(KeyLayout(model="kvdriver", tp_rank=0, tp_size=1, block_size=BS,
                                        dtype="torch.float32", kv_layout="LBNHC", num_layers=1, num_kv_heads=1,
-                                       head_size=ROW // 2))
+                                       head_size=ROW // 2), namespace=f"b{next(_behaviour_ids)}")
         self.requests = {r: self._request(r) for r in self.req}
         self.workers = {w: WorkerLedger(i, max_live_jobs=self.max_jobs + 1, trace=tr)
                         for i, w in enumerate(self.ranks)}
@@ -319,10 +299,11 @@ class KVDriver:
         # the connector's own per-job steps, one per rank, over this driver's store. tp_rank 0 on every rank:
         # the model loads a rank's keys in index order; the rotation by tp_rank is a load-balancing order
         # (probe rotated_load_reports_the_right_block, mutant load_ids_not_rotated)
-        self.store = DriverStore(self.backend)
-        self.store.rows = {b: self.kv[b] for b in range(1, self.num_blocks + 1)}
+        self.store = self.backend.store  # the connector's MooncakeStore
+        self.stage = {w: self._stage(w) for w in self.ranks}
+        self.read_from: dict[int, torch.Tensor] = {}  # block id -> the row a put reads (the DMA's copy)
         self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
-                                     buffers=_buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
+                                     buffers=self._buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
                                      keys=self.kb, load_sub_batch_keys=self.sub_batch, lock=no_lock())
                       for i, w in enumerate(self.ranks)}
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
@@ -591,7 +572,10 @@ class KVDriver:
                 done.record()
                 done.synchronize()
             else:
-                staged = {p: row.clone() for p, row in rows.items()}
+                stage = self.stage[w]
+                for p, row in rows.items():
+                    stage[p].copy_(row)
+                staged = {p: stage[p] for p in rows}
             self.buf[w] = {p + 1: row for p, row in staged.items()}
 
     @staticmethod
@@ -616,16 +600,16 @@ class KVDriver:
         if outcome != "ok" and self.up:
             self._fault("put" if outcome == "fail" else "pressure")
         staged, self.buf[w] = self.buf[w], {}
-        kv_rows = dict(self.store.rows)
-        for c, row in staged.items():  # the put reads what the DMA read
-            self.store.rows[spec.block_ids[c - 1]] = row
-        # the injected outcome: the store answers every exist/put of this job with the code
-        self.store.fault = None if outcome == "ok" else NO_SPACE if outcome == "pressure" else XFER_FAIL
+        self.read_from = {spec.block_ids[c - 1]: row for c, row in staged.items()}  # what the DMA read
+        # the injected outcome: the client under the wrapper answers every exist/put of this job with it
+        code = None if outcome == "ok" or not self.up else NO_SPACE if outcome == "pressure" else XFER_FAIL
+        fault = self.backend.client.during(("exist", "put"), RawFault(code=code)) if code is not None \
+            else contextlib.nullcontext()
         try:
-            step = next(self.gens[w])
+            with fault:
+                step = next(self.gens[w])
         finally:
-            self.store.fault = None
-            self.store.rows = kv_rows
+            self.read_from = {}
         self._expect_step(step, JobAction.PUT, j)
 
     def do_Report(self, a: dict[str, Any]) -> None:
@@ -650,7 +634,7 @@ class KVDriver:
             raise Refused("already down")
         self._fault("fail")
         self.up = False
-        self.store.down = True
+        self.backend.client.always(BATCH_OPS, RawFault(code=STORE_DOWN))  # the master is gone
         self._emit("store", "StoreFail")
 
     def do_StoreRestart(self, a: dict[str, Any]) -> None:
@@ -659,7 +643,9 @@ class KVDriver:
         for r in self.req:
             for c in range(1, self.num_chunks + 1):
                 self.backend.remove(self.skey(r, c))
-        self.up, self.store.down = True, False
+        self.backend.client.always(BATCH_OPS, None)
+        self.backend.clock.advance(self.backend.backoff_s)  # time passes: the wrapper calls the store again
+        self.up = True
         self._emit("store", "StoreRestart")
 
     def do_Lookup(self, a: dict[str, Any]) -> None:
@@ -708,11 +694,11 @@ class KVDriver:
         if self.up and any(i in model_failed and self.backend.exists(self.skey(r, i)) for i in batch):
             self._fault("load")  # a transfer failure of a key the store has
         keys = self.kb.keys([ld["spec"].block_hashes[i - 1] for i in batch])
-        self.store.xfail = {k for i, k in zip(batch, keys) if i in model_failed and self.backend.exists(k)}
-        try:
+        xfail = {k: XFER_FAIL for i, k in zip(batch, keys) if i in model_failed and self.backend.exists(k)}
+        fault = self.backend.client.during(("get",), RawFault(keys=xfail)) if xfail and self.up \
+            else contextlib.nullcontext()
+        with fault:
             step = next(ld["gens"][w])
-        finally:
-            self.store.xfail = set()
         self._expect_step(step, JobAction.LOAD, 0)
         ids = ld["blocks"]
         ld["bad"] |= {ids.index(b) + 1 for b, _code in step.failed}
@@ -782,7 +768,7 @@ class KVDriver:
         for k in self.keys:
             r, c = _key(k)
             out = torch.zeros(ROW)
-            code = self.backend.get(self.skey(r, c), out) if self.up or True else -1
+            code = self.backend.read(self.skey(r, c), out)
             store[k] = self.decode(out) if code >= 0 else ["NoReq", 0]
         return {
             "status": dict(self.status), "gen": dict(self.gen), "ncomp": dict(self.ncomp),

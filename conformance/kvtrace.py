@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logs = list(a.logs)
     if a.record:
-        from conformance.kvdriver import MemStoreBackend
+        from conformance.mutants import mooncake_backend
         exp = ex.simulated_export(a.cfg.parent, "KVLedger", a.cfg.name, num=max(50, a.record), depth=60, seed=1)
-        logs += record_logs(exp, MemStoreBackend(), LOG_DIR, interesting(exp, a.record))
+        with mooncake_backend() as backend:
+            logs += record_logs(exp, backend, LOG_DIR, interesting(exp, a.record))
     if not logs:
         ap.error("no log to check (give paths or --record N)")
     bad = tc.check_many(logs, lambda log: check_log(log, a.cfg))

@@ -459,18 +459,12 @@ class ProbingDriver(KVDriver):
 
 @contextlib.contextmanager
 def mooncake_backend() -> Iterator[MooncakeBackend]:
-    """A loopback Mooncake master (testbed.procs.mooncake_servers) and a client, as the replay stage uses."""
-    from kvledger_connector.config import StoreConfig
-    from kvledger_connector.store import MooncakeStore
+    """A loopback Mooncake master (testbed.procs.mooncake_servers) and the driver's backend, as the replay
+    stage uses."""
     from testbed.procs import mooncake_servers
 
-    with mooncake_servers(rpc_timeout_ms=2000) as mc:
-        store = MooncakeStore.connect(StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20,
-                                                  rpc_timeout_ms=2000), embedded=mc)
-        try:
-            yield MooncakeBackend(store)
-        finally:
-            store.close()
+    with mooncake_servers(rpc_timeout_ms=2000) as mc, MooncakeBackend.on_master(mc) as backend:
+        yield backend
 
 
 @dataclasses.dataclass

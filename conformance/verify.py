@@ -110,20 +110,18 @@ def witness_stage(_done: Done) -> StageResult:
     return StageResult("witnesses (TLC)", code == 0, {}, exit_code=code)
 
 
-def _mooncake() -> tuple[Any, Any, Any]:
+@contextlib.contextmanager
+def _mooncake() -> Iterator[Any]:
+    """A loopback master and the driver's backend on it (the connector's MooncakeStore over a fault client)."""
     from conformance.kvdriver import MooncakeBackend
-    from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.store import MooncakeStore
 
     mc = EmbeddedMooncake(rpc_timeout_ms=2000)
     try:
-        store = MooncakeStore.connect(StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20,
-                                                  rpc_timeout_ms=2000), embedded=mc)
-    except BaseException:
+        with MooncakeBackend.on_master(mc) as backend:
+            yield backend
+    finally:
         mc.stop()
-        raise
-    return mc, store, MooncakeBackend(store)
 
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
@@ -160,8 +158,7 @@ def replay_stage(_done: Done) -> StageResult:
     faults = ex.export(ROOT / "tla", "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
     sim = ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1)
     one_rank = ex.simulated_export(ONE_RANK_CFG.parent, "KVLedger", ONE_RANK_CFG.name, num=300, depth=40, seed=1)
-    mc, store, backend = _mooncake()
-    try:
+    with _mooncake() as backend:
         reps = []
         with line_coverage(COVERED) as covered:
             for e in (ci, faults, sim, one_rank):
@@ -171,9 +168,6 @@ def replay_stage(_done: Done) -> StageResult:
                 reps.append(r)
         logs = kvtrace.record_logs(sim, backend, kvtrace.LOG_DIR, kvtrace.interesting(sim, 4))
         logs += kvtrace.record_logs(faults, backend, kvtrace.LOG_DIR, kvtrace.interesting(faults, 2))
-    finally:
-        store.close()
-        mc.stop()
     n = sum(r.behaviours for r in reps)
     good = sum(r.conforming for r in reps)
     cov = taken / max(total, 1)

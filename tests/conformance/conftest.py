@@ -1,5 +1,6 @@
 """Shared fixtures of the conformance tests: one real Mooncake master on 127.0.0.1 per session
-(started here, stopped by pid), with a client and the driver's staging buffer registered."""
+(started here, stopped by pid), with the driver's backend on it (the connector's MooncakeStore over a
+fault-injecting client)."""
 from __future__ import annotations
 
 import pytest
@@ -7,18 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def mooncake_backend():
-    from conformance.kvdriver import MooncakeBackend
-    from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.store import MooncakeStore
+    from conformance.mutants import mooncake_backend
 
-    mc = EmbeddedMooncake(rpc_timeout_ms=2000)
-    try:
-        cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
-        store = MooncakeStore.connect(cfg, embedded=mc)
-        try:
-            yield MooncakeBackend(store)
-        finally:
-            store.close()
-    finally:
-        mc.stop()
+    with mooncake_backend() as backend:
+        yield backend
