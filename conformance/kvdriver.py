@@ -1,40 +1,46 @@
 """The replay/fuzz driver of tla/KVLedger.tla (fixed design) on the real parts.
 
+The driver brings the schedule (TLC's behaviour: which action, which request, rank and fault) and the store
+(a loopback Mooncake master); every decision of the connector is the connector's own code: the scheduler
+side's steps (kvledger_connector/scheduler_steps.py, `SchedulerSteps`: what `SchedulerSide` runs in vLLM's
+scheduler thread) and each rank's job generators (kvledger_connector/jobs.py, `WorkerSteps.save_steps` /
+`load_steps`: what `run_save` / `run_load` drain on the connector's store and load threads), over the
+connector's `MooncakeStore` with faults injected below it.
+
 Model action              -> real system
-Admit/Compute/Preempt/Finish  request bookkeeping of this harness (the role of vLLM's Scheduler) on
-                              vLLM's real BlockPool (allocation from the free queue head; each
-                              free_blocks call prepends the blocks it frees, LIFO, a table tail first)
-                              and a KV cache from vLLM's allocator (one block = one row): Compute
-                              writes chunk <<r, c>>'s code into the block's row
-EmitStore(r)              -> SchedulerLedger.open_job(req_id, block_ids, tail_block_ids)  (pins via BlockPool.touch;
-                             PartialTail: a job reaching the last chunk passes that block as the tail)
-Collect                   -> KVLedgerWorkerMetadata(WorkerSteps.take_reports()) of every rank, merged with
-                             its aggregate (as vLLM's executor) -> SchedulerLedger.collect
-                             (completed in ascending job id order: the model frees released jobs so)
-Receive .. HandleLoadErrors on a rank: the connector's own step functions (kvledger_connector/jobs.py,
-                             WorkerSteps: the code the connector's store and load threads run) over a
-                             DriverStore (the backend behind the connector's store calls; faults injected
-                             there). Per action:
-Receive(w)                -> WorkerSteps.receive: WorkerLedger.register(req_id, job, generation)
-DropGeneration(w, r, g)   -> WorkerSteps.drop_generation(req_id, finished=, generation=g)
-DmaRead(w)                -> WorkerSteps.begin_save (WorkerLedger.begin) then a real tensor copy of the pinned blocks'
-                             rows from the rank's saved offset; outcome "failed" = injected handler error
-Put(w)                    -> WorkerSteps.put (batch_is_exist, then a real Mooncake batch_put of the staged
-                             rows not yet stored: first writer wins) and WorkerSteps.record_put
-                             (kvledger.codes -> record_saved / record_failed); "fail" and "pressure" are
-                             store codes (-800 / -200) injected as the answers of these calls; while the
-                             store is down every call answers -900
-Report(w)                 -> WorkerSteps.report_save: WorkerLedger.finish(job)
-Lookup/EmitLoad            -> Mooncake batch_is_exist / BlockPool allocation + SchedulerLedger.pin_load
-                             (logs EmitLoad) + WorkerSteps.begin_load
-CollectLoad(r)            -> SchedulerLedger.collect_loads({r: every rank}) (vLLM's finished_recving)
-Load(w, r)                -> WorkerSteps.load_batch: a real batch_get into the block rows, classified by
-                             kvledger.codes (a transfer failure "xfail" is an injected -800), then
-                             WorkerSteps.finish_load when no key is pending
-HandleLoadErrors          -> WorkerSteps.take_load_errors of every rank
-Evict(k)                  -> Mooncake remove(key, force=True)
-StoreFail / StoreRestart  -> the store marked down (an injected fault: every call fails with -900) /
-                             every key of this behaviour removed, store up again
+Admit/Compute/Preempt/Finish  vLLM's Scheduler's part, played here: requests in plain values
+                              (`DriverRequest`: chunk c = block c of BS tokens), vLLM's real BlockPool
+                              (allocation from the free queue head; each free_blocks call prepends the
+                              blocks it frees, LIFO, a table tail first) and a KV cache from vLLM's
+                              allocator (one block = one row): Compute writes chunk <<r, c>>'s code into
+                              the block's row. Preempt/Finish then take the connector's notices
+                              (`SchedulerSteps.notices`, `request_finished`) -- not on the
+                              reset_prefix_cache path (PreemptNotices FALSE), where vLLM tells it nothing
+Lookup(r)                 -> SchedulerSteps.lookup(req, 0) (batch_is_exist through the wrapper)
+EmitLoad(r)               -> BlockPool allocation, SchedulerSteps.emit_load (pins) + take_loads, and on every
+                             rank the load generator's first step (LoadLedger.begin_load)
+EmitStore(r)              -> SchedulerSteps.emit_stores({r: 0}, table): the blocks the job pins, its SaveSpec
+Collect                   -> every rank's WorkerSteps.take_reports(), merged by KVLedgerWorkerMetadata's
+                             aggregate (as vLLM's executor) -> SchedulerSteps.collect
+Receive(w)                -> WorkerSteps.receive(spec.req_id, job, spec.generation) (WorkerSide.end_step's call)
+DropGeneration(w, r, g)   -> WorkerSteps.drop_generation(req_id, finished=, generation=g) (start_step's call)
+DmaRead(w)                -> the job's save generator, created from its SaveSpec, one step: the verdict and
+                             plan; the driver's DMA copies the plan's rows into registered staging rows (the
+                             put reads them); outcome "failed" = an exception thrown into the generator
+Put(w)                    -> one step: batch_is_exist, batch_put of the missing keys, the outcome recorded;
+                             "fail" / "pressure" are codes (-800 / -200) the client under the wrapper
+                             answers for this job's calls
+Report(w)                 -> one step: WorkerLedger.finish
+Load(w, r)                -> one step of the rank's load generator: one sub-batch's batch_get into the block
+                             rows (a transfer failure "xfail" is -800 for those keys below the wrapper); the
+                             last one finishes the load
+CollectLoad(r)            -> SchedulerSteps.collect_loads([r]) (vLLM's finished_recving)
+HandleLoadErrors(r)       -> WorkerSteps.take_load_errors of every rank; vLLM's recompute policy keeps the
+                             prefix before the first failed block; SchedulerSteps.load_done
+Evict(k)                  -> Mooncake remove(key, force=True) on the real client
+StoreFail / StoreRestart  -> the client under the wrapper answers every call -900 (the wrapper backs off) /
+                             every key of this behaviour removed, the fault lifted, the wrapper's clock moved
+                             past its backoff
 
 Abstract state compared after every step (field: model -> impl):
   status gen ncomp emitted table     the request bookkeeping (table = block ids)
@@ -530,8 +536,8 @@ class KVDriver:
         if not self.inbox[w]:
             raise Refused(f"{w} has no emitted job")
         j = self.inbox[w].pop(0)
-        r, g, *_ = self.jobs[j]
-        self.steps[w].receive(r, j, g)
+        spec = self.specs[j]
+        self.steps[w].receive(spec.req_id, j, spec.generation)
         self.queue[w].append(j)
 
     def do_DropGeneration(self, a: dict[str, Any]) -> None:
