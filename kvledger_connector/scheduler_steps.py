@@ -149,6 +149,7 @@ class _RequestState:
     loaded_blocks: int = 0  # blocks [0, n) of a load from block 0 (this generation); see `load_done`
     loaded_tail: bool = False  # ... whose last block was the prompt's partial tail
     load_pending: bool = False  # that load's outcome is not applied yet
+    prompt_saved: bool = False  # without save_decode: every block a job of this generation may save is covered
 
     def new_generation(self) -> None:
         self.saved_blocks = 0
@@ -156,7 +157,7 @@ class _RequestState:
         self.deferred = False
         self.lookup = None
         self.loaded_blocks = 0
-        self.loaded_tail = self.load_pending = False
+        self.loaded_tail = self.load_pending = self.prompt_saved = False
 
 
 class _RequestTable:
@@ -245,7 +246,7 @@ class _RequestTable:
             st.tail_done = st.tail_stored = False
             st.deferred = False
             st.loaded_blocks = 0
-            st.loaded_tail = st.load_pending = False
+            st.loaded_tail = st.load_pending = st.prompt_saved = False
         self._deferred.clear()
         self._lookup_lru.clear()
 
@@ -336,6 +337,8 @@ class SchedulerSteps:
         question, same answer: cached per (req_id, generation, num_computed_tokens) while it waits."""
         self.num_match_calls += 1
         st = self._reqs.ensure(request)
+        if self.store is None or not self.load_enabled:  # nothing to ask, nothing to cache
+            return 0
         gen = generation_of(request)
         hit = st.lookup
         if hit is None or hit.generation != gen or hit.num_computed_tokens != num_computed_tokens:
@@ -499,8 +502,8 @@ class SchedulerSteps:
         (the tail block as ``tail_block_ids``), or DEFER at the caps (the blocks stay the request's;
         retried in a later step), or dropped when the job could never be admitted (a cache miss)."""
         st = self._reqs.get(req_id)
-        if st is None:
-            return
+        if st is None or st.prompt_saved and st.generation == generation_of(st.request):
+            return  # decode steps of a saved prompt: nothing to decide
         request = st.request
         bs = self.block_size
         token_len = request.num_computed_tokens + num_scheduled  # KV that exists after this step
@@ -512,6 +515,7 @@ class SchedulerSteps:
         saved = self._reqs.current(st).saved_blocks
         tail = self._due_tail(st, token_len, end)
         if end <= saved and tail is None:
+            self._note_prompt_saved(st)
             return
         rng = StoreRange(saved, end, tail, request.num_prompt_tokens % bs if tail is not None else 0)
         table = table_of(req_id)
@@ -522,6 +526,7 @@ class SchedulerSteps:
         if rng.reach > self.max_pinned_blocks:  # could never be admitted: a cache miss, not an error
             self.num_saves_dropped += 1
             st.saved_blocks, st.tail_done = rng.end, True
+            self._note_prompt_saved(st)
             return
         gen = generation_of(request)
         job_id = self._ledger().open_job(req_id, block_ids, tail_ids, generation=gen)
@@ -542,6 +547,15 @@ class SchedulerSteps:
             self.num_tail_saves += 1
             self.stats.add("tail_saves")
         self.stats.add("store_jobs")
+        self._note_prompt_saved(st)
+
+    def _note_prompt_saved(self, st: _RequestState) -> None:
+        """Without save_decode, once the prompt's full blocks are covered and its tail is done (or tails
+        are off), no later step of this generation saves anything: the next ones skip the decision."""
+        request = st.request
+        st.prompt_saved = (not self.save_decode and not st.load_pending
+                           and st.saved_blocks >= request.num_prompt_tokens // self.block_size
+                           and (st.tail_done or not self.save_partial_tail))
 
     # ------------------------------------------------------------------ Collect / CollectLoad
     def collect(self, completed_saves: Mapping[int, int]) -> int:
