@@ -97,6 +97,17 @@ class _Sink:
             self.trace.emit(actor, action, fields)
 
 
+@contextlib.contextmanager
+def _quiet_jobs() -> Iterator[None]:
+    """The job steps' error log off, for failures the driver injects or abandons on purpose."""
+    log = logging.getLogger("kvledger_connector.jobs")
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
+
+
 class InjectedHandlerError(RuntimeError):
     """The model's DmaRead outcome "failed": the store handler raised (thrown into the save generator)."""
 
@@ -361,13 +372,13 @@ class KVDriver:
         gens += [g for ld in getattr(self, "ld", {}).values() for g in ld["gens"].values()]
         if not gens:
             return
-        log = logging.getLogger("kvledger_connector.jobs")
-        was, log.disabled, self._sink.on = log.disabled, True, False
+        self._sink.on = False
         try:
-            for g in gens:
-                g.close()
+            with _quiet_jobs():
+                for g in gens:
+                    g.close()
         finally:
-            log.disabled, self._sink.on = was, True
+            self._sink.on = True
         self.gens = {w: None for w in self.gens}
         for ld in self.ld.values():
             ld["gens"] = {}
@@ -565,7 +576,8 @@ class KVDriver:
                                        full_end_block=spec.full_end_block)
         self.gens[w] = gen
         if failed:
-            step = gen.throw(InjectedHandlerError(f"injected: DmaRead of job {j} raised"))
+            with _quiet_jobs():  # the job's error log is the point of the injection, not news
+                step = gen.throw(InjectedHandlerError(f"injected: DmaRead of job {j} raised"))
             self._expect_step(step, JobAction.DMA_READ, j)
             return
         step = next(gen)
