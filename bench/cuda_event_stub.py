@@ -6,7 +6,7 @@ before reading the blocks. On a CPU-only torch that constructor raises ("Tried t
 class Event"), so upstream cannot run in the CPU engine at all. On CPU there is no stream to order: the
 forward has finished writing the KV cache when `wait_for_save` runs, so an event that records, waits and
 synchronizes nothing keeps upstream's semantics there. `install()` replaces ``torch.cuda.Event`` with
-`NoOpCudaEvent` in the calling process only; bench.engine asks testbed/engine_run.py to call it in the
+`CudaEventStandIn` in the calling process only; bench.engine asks testbed/engine_run.py to call it in the
 upstream engine's own subprocess (spec key ``preload``), never in ours or the no-connector one. Where CUDA
 is available it installs nothing (the real event is needed there, and works).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 
-class NoOpCudaEvent:
+class CudaEventStandIn:
     """Records nothing, waits for nothing; queried, it is always complete."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
@@ -42,5 +42,5 @@ def install() -> str:
     import torch
     if torch.cuda.is_available():
         return "not installed: CUDA is available"
-    torch.cuda.Event = NoOpCudaEvent  # type: ignore[misc,assignment]
-    return "torch.cuda.Event -> bench.cuda_event_stub.NoOpCudaEvent"
+    torch.cuda.Event = CudaEventStandIn  # type: ignore[misc,assignment]
+    return "torch.cuda.Event -> bench.cuda_event_stub.CudaEventStandIn"
