@@ -11,11 +11,12 @@ BlockPool is vLLM's own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from vllm.v1.core.block_pool import BlockPool
 
+from conformance.kvdriver import DriverRequest
 from conformance.kvprobes import ProbeStore, check
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector.keys import KeyBuilder, KeyLayout
@@ -25,28 +26,11 @@ from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable
 BS = 4  # tokens per block
 
 
-@dataclass
-class Req:
-    """A request in plain values (`scheduler_steps.RequestLike`); blocks hashed by their index."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_preemptions: int = 0
-    num_computed_tokens: int = 0
-    prompt_token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.prompt_token_ids = [7 + t for t in range(self.num_prompt_tokens)]
-        self.block_hashes = [f"{self.request_id}:{i}".encode() for i in range(self.num_prompt_tokens // BS)]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
+def Req(request_id: str, num_prompt_tokens: int) -> DriverRequest:
+    """A request in plain values (`scheduler_steps.RequestLike`), as vLLM counts generations (from 0);
+    blocks hashed by their index."""
+    return DriverRequest(request_id, num_prompt_tokens, [7 + t for t in range(num_prompt_tokens)],
+                         [f"{request_id}:{i}".encode() for i in range(num_prompt_tokens // BS)], num_preemptions=0)
 
 
 def _kb(tp_rank: int = 0, tp_size: int = 1) -> KeyBuilder:
@@ -71,7 +55,7 @@ class Sched:
     def step(self, scheduled: dict[str, int]) -> list[SaveSpec]:
         return self.steps.emit_stores(scheduled, self.table.get)
 
-    def stored(self, req: Req, n: int, shards: Sequence[int] = (0,)) -> None:
+    def stored(self, req: DriverRequest, n: int, shards: Sequence[int] = (0,)) -> None:
         """Blocks [0, n) of ``req`` in the store, for the given shards."""
         for s in shards:
             for k in self.steps.key_builders[s].keys(req.block_hashes[:n]):
@@ -88,7 +72,7 @@ def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: b
     return Sched(steps, led, pool, store, {})
 
 
-def _run(s: Sched, req: Req, tokens: int) -> list[SaveSpec]:
+def _run(s: Sched, req: DriverRequest, tokens: int) -> list[SaveSpec]:
     """One engine step computing ``tokens`` more tokens of ``req`` (blocks allocated first)."""
     s.alloc(req.request_id, -(-(req.num_computed_tokens + tokens) // BS))
     saves = s.step({req.request_id: tokens})
