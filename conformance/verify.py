@@ -7,14 +7,15 @@ Then conformance, on a real Mooncake master on 127.0.0.1
 (started here, stopped by pid):
 
   replay     TLC's full graph of tla/MC_conformance_2ranks.cfg (the CI graph: 2 requests, 2 ranks,
-             1 block, one preemption, a load fault; 34,091 states) exported with seeded random
+             1 block, one preemption, a load fault; 37,591 states) exported with seeded random
              behaviours + paths covering every edge, all replayed against the real parts; plus the
              whole graph of tests/conformance/kv/MC_replay_tiny.cfg (every store fault kind), and
              simulated behaviours (coverage not measured) of tla/MC_conformance.cfg (1 rank, both
-             requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, 2 blocks, faults)
+             requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, 3 blocks, 2 chunks with a
+             partial tail, faults); the line coverage of the connector's step functions is reported
   trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
   real run   the whole demo (vLLM's real Scheduler, 2 ranks, embedded Mooncake, 240 requests twice,
-             ~8,000 events) with the connector's `trace_path` log checked by TLC against the job
+             ~7,000 events) with the connector's `trace_path` log checked by TLC against the job
              lifecycle (tla/TraceRuntime.tla, conformance.runlog), and a copy corrupted at one event
              rejected at that event; `make test` checks every integration and engine test's log
   mutants    the runtime mutants' kill table (conformance.mutants)

@@ -166,7 +166,7 @@ class StoreEvents:
 
     # ------------------------------------------------------------------ removed
     def looked_up(self, hashes: Sequence[bytes], codes: Sequence[int]) -> None:
-        """A prefix lookup's ``batch_is_exist`` answer (shard-major, as SchedulerSide._query asks): an announced
+        """A prefix lookup's ``batch_is_exist`` answer (shard-major, as SchedulerSteps._query asks): an announced
         block that some shard answered 0 for is gone (evicted or removed); an error code proves nothing."""
         if not self._announced:
             return
