@@ -107,18 +107,6 @@ SaveSteps = Generator[SaveStep, None, None]
 LoadSteps = Generator[LoadStep, None, None]
 
 
-@dataclass(frozen=True)
-class Counters:
-    """COMPATIBILITY SHIM (conformance/kvprobes.py reads ``WorkerSteps.counters``): a snapshot of the
-    whole-run counts in ``stats``, the one counter system. New code reads ``stats.total(name)``."""
-    saves_run: int = 0
-    saves_stale: int = 0
-    saves_skipped: int = 0
-    saves_failed: int = 0
-    load_blocks_failed: int = 0
-    store_exceptions: int = 0
-
-
 class WorkerSteps:
     """One rank's step functions over its ledgers and store. ``lock`` guards the ledgers (the connector
     shares it with the model runner thread); store calls run outside it."""
@@ -146,13 +134,6 @@ class WorkerSteps:
         # loads of one reused req_id may finish before a step takes them, and each must be reported
         self.finished_loads: list[str] = []
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
-
-    @property
-    def counters(self) -> Counters:
-        """COMPATIBILITY SHIM for conformance/kvprobes.py (see `Counters`)."""
-        t = self.stats.total
-        return Counters(int(t("run_jobs")), int(t("stale_jobs")), int(t("skipped_jobs")), int(t("failed_jobs")),
-                        int(t("load_errors_reported")), int(t("store_exceptions")))
 
     def note_error(self, msg: str) -> None:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
