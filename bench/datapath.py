@@ -185,10 +185,10 @@ class _Ours(_Path):
     def _drop(self, req_id: str) -> None:
         """DropGeneration (finished) through the worker's step hook, and take the reports: keeps the ledger
         bounded over many jobs."""
-        from kvledger_connector.metadata import KVLedgerConnectorMetadata
+        from kvledger_connector.metadata import DropNotice, KVLedgerConnectorMetadata
 
         self.step += 1
-        self.ws.start_step(KVLedgerConnectorMetadata(step=self.step, finished_req_ids=[req_id]))
+        self.ws.start_step(KVLedgerConnectorMetadata(step=self.step, drops=[DropNotice(req_id, 0, True)]))
         self.ws.build_worker_meta()
 
     def put_call(self, tag: str) -> tuple[list[str], Callable[[], None]]:
@@ -199,9 +199,11 @@ class _Ours(_Path):
         self._req = f"ours-{tag}"
         spec = SaveSpec(req_id=self._req, store_job_id=self.job, generation=0, start_block=0,
                         end_block=len(self.block_ids), block_ids=self.block_ids, block_hashes=hashes)
-        self.ws.steps.ledger.register(spec.req_id, spec.store_job_id, spec.generation)  # Receive (model runner side)
+        job = self.ws.steps.receive_save(spec)  # Receive (model runner side)
+        if job is None:
+            raise BenchError(f"the worker refused {spec}: {self.ws.steps.errors[-1:]}")
         self._failed0 = self.ws.steps.stats.total("failed_jobs")
-        return self.ws.steps.keys.keys(hashes), lambda: self.ws._handle_save(spec, None)
+        return self.ws.steps.keys.keys(hashes), lambda: self.ws._handle_save(job, None)
 
     def settle_put(self) -> None:
         self._drop(self._req)

@@ -72,7 +72,7 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger
-from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
+from kvledger_connector.jobs import JobAction, SaveJob, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.config import StoreConfig
@@ -329,6 +329,8 @@ class KVDriver:
                                  save_partial_tail=self.partial_tail, trace=tr)
         self.ss.bind_ledger(self.sched)
         self.specs: dict[int, SaveSpec] = {}  # the SaveSpec of each emitted job
+        # each rank's received job, its blocks resolved by the rank (WorkerSteps.receive_save)
+        self.received: dict[str, dict[int, SaveJob]] = {w: {} for w in self.ranks}
         self.emitted_at_finish: dict[str, int] = {}
         self.status = {r: "waiting" for r in self.req}
         self.gen = {r: 0 for r in self.req}
@@ -481,13 +483,15 @@ class KVDriver:
         self._running_done(r)
         if self.sched.next_job_id > self.max_jobs:
             raise Refused(f"the model has only {self.max_jobs} job ids")
+        lo = self.ss.emitted_blocks(r) + 1  # the model's emitted[r] + 1
         saves = self.ss.emit_stores({r: 0}, lambda q: [b.block_id for b in self.table[q]])
         if len(saves) != 1:
             raise Refused(f"the connector's EmitStore step opened {len(saves)} jobs for {r}")
         (spec,) = saves
         j = spec.store_job_id
         self.specs[j] = spec
-        self.jobs[j] = (r, self.gen[r], list(spec.block_ids), spec.start_block + 1, spec.end_block)
+        ids = [b.block_id for b in self.table[r][:spec.end_block]]  # what the job may read
+        self.jobs[j] = (r, self.gen[r], ids, lo, spec.end_block)
         for w in self.ranks:
             self.inbox[w].append(j)
 
@@ -507,9 +511,9 @@ class KVDriver:
         req.num_computed_tokens = 0
         req.num_preemptions += 1  # vLLM counts the preemption at once
         if self.preempt_notices:  # the connector's notice (and its Preempt event)
-            g = self.ss.notices([], [r]).get(r)
+            (nt,) = self.ss.notices([], [r])
             for w in self.ranks:
-                self.notice[w].add((r, g, "preempt"))
+                self.notice[w].add((r, nt.generation, "preempt"))
         else:  # reset_prefix_cache(reset_running_requests=True): the connector is not told
             self._emit("sched", "Preempt", req_id=r, generation=self.gen[r])
 
@@ -527,9 +531,9 @@ class KVDriver:
         self.status[r] = "finished"
         self.emitted_at_finish[r] = self.ss.emitted_blocks(r)  # the model keeps it; vLLM forgets the request
         self.ss.request_finished(self.requests[r])
-        g = self.ss.notices([r], []).get(r)  # the connector's notice (and its Finish event)
+        (nt,) = self.ss.notices([r], [])  # the connector's notice (and its Finish event)
         for w in self.ranks:
-            self.notice[w].add((r, g, "finish"))
+            self.notice[w].add((r, nt.generation, "finish"))
 
     def do_Collect(self, a: dict[str, Any]) -> None:
         # each rank's worker metadata, merged as vLLM's executor does (KVLedgerWorkerMetadata.aggregate)
@@ -547,8 +551,13 @@ class KVDriver:
         if not self.inbox[w]:
             raise Refused(f"{w} has no emitted job")
         j = self.inbox[w].pop(0)
-        spec = self.specs[j]
-        self.steps[w].receive(spec.req_id, j, spec.generation)
+        job = self.steps[w].receive_save(self.specs[j])
+        # S2: the blocks the rank resolved (the spec's, after those earlier specs sent) are the job's table
+        if job is None or list(job.block_ids) != self.jobs[j][2]:
+            raise LedgerInvariantError.of("S2", f"{w} resolved job {j}'s blocks as "
+                                                f"{None if job is None else list(job.block_ids)}, pinned "
+                                                f"{self.jobs[j][2]} {self.steps[w].errors[-1:]}")
+        self.received[w][j] = job
         self.queue[w].append(j)
 
     def do_DropGeneration(self, a: dict[str, Any]) -> None:
@@ -570,10 +579,10 @@ class KVDriver:
         if failed:
             self._fault("dma")  # before anything moves: a refused fault leaves every part as it was
         j = self.queue[w].pop(0)
-        spec = self.specs[j]
+        job = self.received[w].pop(j)
         self.busy[w] = j
-        gen = self.steps[w].save_steps(spec.req_id, j, spec.end_block, spec.block_ids, spec.block_hashes,
-                                       full_end_block=spec.full_end_block)
+        gen = self.steps[w].save_steps(job.req_id, j, job.end_block, job.block_ids, job.block_hashes,
+                                       full_end_block=job.full_end_block)
         self.gens[w] = gen
         if failed:
             with _quiet_jobs():  # the job's error log is the point of the injection, not news
@@ -583,7 +592,7 @@ class KVDriver:
         step = next(gen)
         self._expect_step(step, JobAction.DMA_READ, j)
         if step.plan is not None and step.plan.run:
-            rows = {p: self.kv[spec.block_ids[p]] for p in step.plan.positions}  # position p is chunk p + 1
+            rows = {p: self.kv[job.block_ids[p]] for p in step.plan.positions}  # position p is chunk p + 1
             if self.device.type == "cuda":  # as the connector: async device->host copies, then an event
                 staged = {p: row.to("cpu", non_blocking=True) for p, row in rows.items()}
                 done = torch.cuda.Event()
@@ -610,7 +619,7 @@ class KVDriver:
     def do_Put(self, a: dict[str, Any]) -> None:
         w, outcome = a["w"], a["outcome"]
         j = self._busy(w, "running")
-        spec = self.specs[j]
+        ids = self.jobs[j][2]
         if outcome == "ok" and not self.up:
             raise Refused("the store is down: a put cannot succeed")
         if outcome == "pressure" and not self.up:
@@ -618,7 +627,7 @@ class KVDriver:
         if outcome != "ok" and self.up:
             self._fault("put" if outcome == "fail" else "pressure")
         staged, self.buf[w] = self.buf[w], {}
-        self.read_from = {spec.block_ids[c - 1]: row for c, row in staged.items()}  # what the DMA read
+        self.read_from = {ids[c - 1]: row for c, row in staged.items()}  # what the DMA read
         # the injected outcome: the client under the wrapper answers every exist/put of this job with it
         code = None if outcome == "ok" or not self.up else NO_SPACE if outcome == "pressure" else XFER_FAIL
         fault = self.backend.client.during(("exist", "put"), RawFault(code=code)) if code is not None \

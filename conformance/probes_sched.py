@@ -20,7 +20,7 @@ from conformance.kvdriver import DriverRequest
 from conformance.kvprobes import ProbeStore, check
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.metadata import SaveSpec
+from kvledger_connector.metadata import DropNotice, SaveSpec
 from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable
 
 BS = 4  # tokens per block
@@ -83,14 +83,15 @@ def _run(s: Sched, req: DriverRequest, tokens: int) -> list[SaveSpec]:
 # ---------------------------------------------------------------- probes (they kill)
 def probe_second_job_pins_from_block_0() -> None:
     """A request's second store job pins every block from block 0 (a rank whose put failed resumes from its
-    own saved offset, which lags), not only the blocks new since the first job."""
+    own saved offset, which lags), not only the blocks new since the first job; it sends only those (the
+    ranks hold the first job's)."""
     s = sched()
     req = Req("a", 3 * BS + 1)
     s.steps.on_new_request(req)
     (j1,) = _run(s, req, 2 * BS)
     (j2,) = _run(s, req, BS + 1)
     want = s.table["a"][:3]
-    check(list(j2.block_ids) == want and s.ledger.pinned_block_ids(j2.store_job_id) == want,
+    check(s.ledger.pinned_block_ids(j2.store_job_id) == want and list(j2.block_ids) == want[2:],
           f"the second job pins {s.ledger.pinned_block_ids(j2.store_job_id)}, sends {list(j2.block_ids)}; "
           f"the table's first 3 blocks are {want}")
     check(j1.end_block == 2 and j2.start_block == 2 and j2.end_block == 3,
@@ -108,7 +109,8 @@ def probe_tail_only_once_the_prompt_is_computed() -> None:
     check(j1.tail_tokens == 0 and j1.end_block == 1, f"the first job (1 block computed) carries a tail: {j1}")
     (j2,) = _run(s, req, BS + 2)
     t = s.table["a"]
-    check(j2.tail_tokens == 2 and list(j2.block_ids) == t[:3], f"the prompt-completing job: {j2}")
+    check(j2.tail_tokens == 2 and j2.start_block == 1 and list(j2.block_ids) == t[1:3],
+          f"the prompt-completing job: {j2}")
     check(s.ledger.pinned_block_ids(j2.store_job_id) == t[:3], "the tail block is not pinned")
 
 
@@ -160,7 +162,7 @@ def probe_finish_notice_keeps_a_reused_id() -> None:
     check(ext == 2 * BS, f"the new request's lookup hit {ext} tokens, expected {2 * BS}")
     s.steps.emit_load(new, s.alloc("a (new)", 3), ext)
     drops = s.steps.notices(["a"], [])
-    check(drops == {"a": 0}, f"the finish notice closes {drops}")
+    check(drops == [DropNotice("a", 0, True)], f"the finish notice closes {drops}")
     loads = s.steps.take_loads()
     check(len(loads) == 1 and s.steps.num_live_requests == 1,
           f"after the notice: {len(loads)} loads to send, {s.steps.num_live_requests} live requests")
@@ -193,7 +195,8 @@ def probe_failed_load_blocks_are_saved() -> None:
     # the policy kept block 0 only (block 1 failed): vLLM recomputes from there
     req.num_computed_tokens = BS
     saves = _run(s, req, BS + 1)
-    check(len(saves) == 1 and (saves[0].start_block, saves[0].end_block) == (1, 2),
+    check(len(saves) == 1 and (saves[0].start_block, saves[0].end_block) == (0, 2)
+          and s.ledger.pinned_block_ids(saves[0].store_job_id) == s.table["a"][:2],
           f"after a load that kept 1 of 2 blocks the next step opened {saves}")
 
 
@@ -215,7 +218,7 @@ def probe_preempt_notice_names_the_ended_generation() -> None:
     _run(s, req, BS)
     req.num_preemptions += 1
     drops = s.steps.notices([], ["a"])
-    check(drops == {"a": 0}, f"the preemption notice closes {drops}, expected generation 0")
+    check(drops == [DropNotice("a", 0, False)], f"the preemption notice closes {drops}, expected generation 0")
 
 
 PROBES: list[Callable[[], None]] = [
@@ -236,6 +239,17 @@ def _pins_from_saved_offset(orig):  # a job pins only the blocks new since the l
             t = table_of(q)
             return None if t is None else [0] * min(skip, len(t)) + list(t[skip:])  # 0: vLLM's null block
         return orig(self, saves, req_id, num_scheduled, table)
+    return emit_store
+
+
+def _sends_from_saved_offset(orig):  # a spec's ids start at the saved offset, not where the last spec stopped
+    def emit_store(self, saves, req_id, num_scheduled, table_of):
+        st = self._reqs.get(req_id)
+        if st is not None and st.generation == st.request.num_preemptions:
+            if st.load_pending and not self._ledger().has_pinned_load(req_id):
+                self.load_done(st.request)  # as emit_store does first: the kept blocks count as saved
+            st.sent_blocks = max(st.sent_blocks, st.saved_blocks)  # after a load the ranks lack [0, kept)
+        return orig(self, saves, req_id, num_scheduled, table_of)
     return emit_store
 
 
@@ -298,10 +312,8 @@ def _lookup_own_shard_only(orig):  # the lookup asks its own shard's keys only
 def _preempt_notice_off_by_one(orig):  # the notice names the new generation, not the one that ended
     def notices(self, finished_req_ids, preempted_req_ids):
         drops = orig(self, finished_req_ids, preempted_req_ids)
-        for r in preempted_req_ids:
-            if r in drops:
-                drops[r] += 1
-        return drops
+        return [DropNotice(d.req_id, d.generation + 1, d.finished)
+                if not d.finished and d.generation is not None else d for d in drops]
     return notices
 
 
@@ -316,6 +328,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_failed_load_counted_saved": [(SchedulerSteps, "load_done", _load_counted_whole)],
     "sched_lookup_own_shard_only": [(SchedulerSteps, "_query", _lookup_own_shard_only)],
     "sched_preempt_notice_off_by_one": [(SchedulerSteps, "notices", _preempt_notice_off_by_one)],
+    "sched_sends_from_saved_offset": [(SchedulerSteps, "emit_store", _sends_from_saved_offset)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -324,4 +337,5 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
     probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
+    probe_failed_load_blocks_are_saved,
 ]))

@@ -13,7 +13,7 @@ Who calls what, per engine step (one scheduler, ranks w = 0..world_size-1)::
   scheduler process                                  worker rank w (one WorkerLedger, one LoadLedger)
   -----------------                                  ------------------------------------------------
   schedule() / build_connector_meta                  start_load_kv (WorkerSide.start_step), drops first:
-    preempted / finished req ids  ─────────────────────►  WorkerLedger.drop_generation(req_id) DropGeneration
+    DropNotice(req_id, generation) ──────────────────►  WorkerLedger.drop_generation(req_id) DropGeneration
     update_state_after_alloc: SchedulerLedger.pin_load(req_id, block_ids)     EmitLoad: pool.touch(dest)
     SchedulerLedger.open_job(req_id, block_ids)  ──► SaveSpec(store_job_id) ──► wait_for_save (end_step):
       EmitStore: job id, pool.touch(blocks)              WorkerLedger.register(req_id, job)    Receive

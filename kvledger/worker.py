@@ -97,6 +97,10 @@ class WorkerLedger:
         self._next_generation = 0
         self._trace = trace
 
+    @property
+    def max_requests(self) -> int:
+        return self._max_requests
+
     # ---------------------------------------------------------------- Receive
     def register(self, req_id: str, job_id: int, generation: int | None = None) -> None:
         """Receive: put ``job_id`` in the live set of ``req_id``'s open generation. Call before the job is

@@ -5,8 +5,9 @@ the replay/fuzz driver (conformance/kvdriver.py) advances it one model action at
 second copy of this orchestration.
 
     model action   step                                    ledger calls (under ``lock``)
-    Receive        WorkerSteps.receive(req_id, job, gen)   WorkerLedger.register
-    DropGeneration WorkerSteps.drop_generation(req_id, ..) WorkerLedger.drop_generation
+    Receive        WorkerSteps.receive_save(spec) -> job   WorkerLedger.register; the job's blocks [0, end)
+                                                           from `SentBlocks` (each id crosses once)
+    DropGeneration WorkerSteps.drop_generation(req_id, ..) WorkerLedger.drop_generation, SentBlocks.drop
     Collect        WorkerSteps.take_reports()              WorkerLedger.take_completed (this rank's part)
     (a save job)   gen = WorkerSteps.save_steps(...)       started, stopped at START: nothing done yet
     DmaRead        next(gen) -> SaveStep(DMA_READ)         begin_save: WorkerLedger.begin, saved_offset
@@ -37,7 +38,7 @@ import threading
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 from kvledger import codes
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
@@ -46,6 +47,9 @@ from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import StoreCode
+
+if TYPE_CHECKING:
+    from kvledger_connector.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,86 @@ class LoadStep:
     result: LoadResult | None = None  # set on the step that finished the load (then the generator ends)
 
 
+@dataclass(frozen=True)
+class SaveJob:
+    """A received store job, its blocks [0, end_block) resolved (`SentBlocks.resolve`): what the store
+    thread runs (`WorkerSteps.run_save`)."""
+    req_id: str
+    job_id: int
+    end_block: int
+    full_end_block: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[Any, ...]
+
+
+class SentBlocks:
+    """One rank's copy of what the scheduler's SaveSpecs sent: per req_id, the ids and hashes of its current
+    generation's full table blocks, in table order. A SaveSpec carries only the blocks no earlier job of
+    the generation sent; a job may read any block before its end (the rank resumes from its own saved
+    offset), so the rank resolves them here. A generation's table blocks never change while it lives
+    (vLLM only appends to a running request's table), so a job keeps the ids it resolved even after its
+    generation's table is dropped or replaced.
+
+    Bounded by ``max_requests`` tables (the oldest table is dropped to make room; a later spec continuing
+    it is refused as input error, and its job reported at once: a cache miss, never a wrong block) and each
+    by the request's table."""
+
+    def __init__(self, max_requests: int) -> None:
+        if max_requests.__class__ is not int or max_requests <= 0:
+            raise LedgerInputError("max_requests", max_requests, "must be an int > 0")
+        self.max_requests = max_requests
+        self._tables: dict[str, tuple[int, list[int], list[Any]]] = {}  # req_id -> (generation, ids, hashes)
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def resolve(self, spec: SaveSpec) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The job's blocks [0, spec.end_block): the table's, extended by the spec's new full blocks, then
+        its partial tail if it has one. Refuses (LedgerInputError, the table unchanged) a spec whose
+        blocks do not continue its generation's table."""
+        start, end, tail = spec.start_block, spec.end_block, spec.tail_tokens
+        where = f"SaveSpec job {spec.store_job_id} ({spec.req_id!r})"
+        for name, v in (("start_block", start), ("end_block", end), ("tail_tokens", tail),
+                        ("generation", spec.generation)):
+            if v.__class__ is not int or v < 0:
+                raise LedgerInputError(f"{where} {name}", v, "must be an int >= 0")
+        full_end = end - (tail > 0)
+        if full_end < start:
+            raise LedgerInputError(f"{where} start_block", start, f"past its last full block ({full_end})")
+        if len(spec.block_ids) != end - start or len(spec.block_hashes) != end - start:
+            raise LedgerInputError(f"{where} block_ids", len(spec.block_ids),
+                                   f"{end - start} blocks [{start}, {end}) with as many hashes "
+                                   f"({len(spec.block_hashes)} given)")
+        known = self._tables.get(spec.req_id)
+        if start == 0:
+            ids: list[int] = []
+            hashes: list[Any] = []
+        elif known is None or known[0] != spec.generation or len(known[1]) < start:
+            have = "none" if known is None else f"generation {known[0]}, {len(known[1])} blocks"
+            raise LedgerInputError(f"{where} start_block", start,
+                                   f"continues generation {spec.generation}'s blocks, this rank holds {have}")
+        else:
+            ids, hashes = known[1], known[2]
+            del ids[start:], hashes[start:]  # a spec may resend blocks; they are the same blocks
+        n_new = full_end - start
+        ids.extend(spec.block_ids[:n_new])
+        hashes.extend(spec.block_hashes[:n_new])
+        if known is None or start == 0:
+            self._tables.pop(spec.req_id, None)
+            if len(self._tables) >= self.max_requests:
+                del self._tables[next(iter(self._tables))]  # the oldest: its next spec is refused
+                self.num_evicted += 1
+        self._tables[spec.req_id] = (spec.generation, ids, hashes)
+        return (tuple(ids) + tuple(spec.block_ids[n_new:]), tuple(hashes) + tuple(spec.block_hashes[n_new:]))
+
+    def drop(self, req_id: str, generation: int | None) -> None:
+        """DropGeneration: forget ``req_id``'s table unless it is of a newer generation (a late notice)."""
+        known = self._tables.get(req_id)
+        if known is not None and (generation is None or known[0] <= generation):
+            del self._tables[req_id]
+
+
 SaveSteps = Generator[SaveStep, None, None]
 LoadSteps = Generator[LoadStep, None, None]
 
@@ -115,12 +199,14 @@ class WorkerSteps:
                  tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
                  lock: ContextManager[Any] | None = None) -> None:
+        """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation)."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
             raise LedgerInputError("load_sub_batch_keys", load_sub_batch_keys, "must be an int > 0")
         self.store = store  # tests may wrap it (e.g. to hold the store thread)
         self.ledger = ledger
+        self.sent = SentBlocks(ledger.max_requests)
         self.loads = loads
         self.buffers = buffers
         self.tp_rank = tp_rank
@@ -166,11 +252,26 @@ class WorkerSteps:
         with self.lock:
             self.ledger.register(req_id, job_id, generation)
 
+    def receive_save(self, spec: SaveSpec) -> SaveJob | None:
+        """Receive of one SaveSpec: `receive`, then the job's blocks resolved from what earlier specs of its
+        generation sent (`SentBlocks`). A spec that does not continue them is bad input: its job is
+        reported at once (its pins are released; a cache miss) and None returned."""
+        self.receive(spec.req_id, spec.store_job_id, spec.generation)
+        try:
+            with self.lock:
+                ids, hashes = self.sent.resolve(spec)
+        except LedgerInputError as e:
+            self.note_error(f"refused: {e}")
+            self.reject_save(spec.store_job_id)
+            return None
+        return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes)
+
     def drop_generation(self, req_id: str, *, finished: bool, generation: int | None) -> None:
         """DropGeneration: the scheduler preempted or finished ``req_id`` (its generation's jobs go stale,
-        or it closes when its last job reports)."""
+        or it closes when its last job reports); the blocks its specs sent are forgotten."""
         with self.lock:
             self.ledger.drop_generation(req_id, finished=finished, generation=generation)
+            self.sent.drop(req_id, generation)
 
     def take_reports(self) -> dict[int, int]:
         """The jobs reported since the last call, ``{job: 1}``: this rank's part of the step's

@@ -1,10 +1,10 @@
 """What crosses the process boundary each engine step, in both directions.
 
     scheduler ──KVLedgerConnectorMetadata──▶ every worker rank      (built in build_connector_meta)
-        saves:     SaveSpec per store job opened this step (store_job_id, generation, blocks, hashes, range)
+        drops:     DropNotice per req_id finished or preempted  (DropGeneration, before this step's jobs)
         loads:     LoadSpec per request whose external hit was allocated (blocks, hashes)
-        preempted: req_ids whose generation ended by preemption   (DropGeneration before new jobs)
-        finished:  req_ids that finished                          (DropGeneration, close when drained)
+        saves:     SaveSpec per store job opened this step (store_job_id, generation, end; only the blocks
+                   no earlier job of the generation sent: each block id and hash crosses once)
 
     worker rank ──KVLedgerWorkerMetadata──▶ engine `aggregate` ──▶ scheduler.update_connector_output
         completed_saves: {store_job_id: number of ranks that reported it this step}   (Report → Collect)
@@ -28,19 +28,21 @@ from kvledger.metadata import aggregate_into, check_completed
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """One store job (EmitStore): save blocks [start_block, end_block) of `req_id`'s current generation.
+    """One store job (EmitStore): save `req_id`'s current generation up to `end_block`.
 
-    `block_ids` / `block_hashes` cover blocks [0, end_block) so a rank whose own saved offset lags the
-    scheduler's view (a failed put on that rank) can resume from it; the scheduler pinned every one of
-    them, which is why reading any of them is safe until this job is reported by every rank.
+    A job may read every block [0, end_block) — a rank whose saved offset lags the scheduler's view (a
+    failed put on that rank) resumes from it — and the scheduler pinned them all. Their ids and hashes
+    cross once per generation: `block_ids` / `block_hashes` are blocks [start_block, end_block), the ones
+    no earlier job of this generation sent; each rank keeps the rest (`jobs.SentBlocks`). start_block 0
+    starts the generation's table afresh (its first job; a preempted or reused req_id starts over).
     """
 
     req_id: str
     store_job_id: int
     generation: int  # the scheduler's generation of the request (request.num_preemptions)
-    start_block: int
+    start_block: int  # the first block whose id and hash this spec carries
     end_block: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # blocks [start_block, end_block)
     block_hashes: tuple[bytes, ...]
     # > 0: block end_block - 1 is the prompt's partial tail holding this many tokens (its hash is the tail
     # key's, `keys.partial_tail_hash`); a rank's saved offset then stops before it, at a block boundary
@@ -50,6 +52,16 @@ class SaveSpec:
     def full_end_block(self) -> int:
         """One past the job's last full block: a rank's saved offset moves there once the put succeeded."""
         return self.end_block - (self.tail_tokens > 0)
+
+
+@dataclass(frozen=True)
+class DropNotice:
+    """DropGeneration: `req_id`'s `generation` ended — finished (it closes once its jobs drained) or
+    preempted (its queued jobs go stale). `generation` None: a req_id the scheduler side never saw."""
+
+    req_id: str
+    generation: int | None
+    finished: bool
 
 
 @dataclass(frozen=True)
@@ -70,12 +82,11 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     """Scheduler → worker payload of one step."""
 
     step: int = 0
-    saves: list[SaveSpec] = field(default_factory=list)
+    # in the order they happened (finished since the last step, then preempted in this one); each names
+    # the generation it ends, so a late or duplicate notice cannot close a newer one
+    drops: list[DropNotice] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-    # generation each preempted / finished req_id ended (a late or duplicate notice cannot close a newer one)
-    drop_generations: dict[str, int] = field(default_factory=dict)
+    saves: list[SaveSpec] = field(default_factory=list)
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):

@@ -67,9 +67,8 @@ class SchedulerSide(SchedulerSteps):
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         self._step += 1
         meta = KVLedgerConnectorMetadata(step=self._step)
-        meta.finished_req_ids = sorted(scheduler_output.finished_req_ids)
-        meta.preempted_req_ids = sorted(scheduler_output.preempted_req_ids or ())
-        meta.drop_generations = self.notices(meta.finished_req_ids, meta.preempted_req_ids)
+        meta.drops = self.notices(sorted(scheduler_output.finished_req_ids),
+                                  sorted(scheduler_output.preempted_req_ids or ()))
         meta.loads = self.take_loads()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         manager = self._kv_cache_manager

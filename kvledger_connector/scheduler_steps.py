@@ -56,7 +56,7 @@ from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger_connector.keys import KeyBuilder, partial_tail_hash
-from kvledger_connector.metadata import LoadSpec, SaveSpec
+from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 from kvledger_connector.stats import StatsRecorder
 
 #: the code a lookup counts when the store call itself raised (a raising test double, a client bug)
@@ -108,7 +108,7 @@ class StoreRange:
     from its own saved offset, which can lag), then, when ``tail`` is set, table block ``end``, the
     prompt's partial tail, stored under the tail key ``tail``."""
 
-    start: int  # full blocks already covered by earlier jobs of this generation (the wire's start_block)
+    start: int  # full blocks already covered by earlier jobs (or a load) of this generation
     end: int
     tail: bytes | None
     tail_tokens: int
@@ -142,6 +142,7 @@ class _RequestState:
     request: Any
     generation: int  # the generation the save fields below describe
     saved_blocks: int = 0  # full blocks covered by emitted store jobs (this generation)
+    sent_blocks: int = 0  # table blocks whose ids and hashes a SaveSpec of this generation carried
     tail_done: bool = False  # the prompt's partial tail was saved, loaded or given up (this generation)
     tail_stored: bool = False  # ... and it is in the store (saved or loaded): the model's chunk NumChunks
     deferred: bool = False  # the cap deferred its next save: retried in later steps
@@ -152,7 +153,7 @@ class _RequestState:
     prompt_saved: bool = False  # without save_decode: every block a job of this generation may save is covered
 
     def new_generation(self) -> None:
-        self.saved_blocks = 0
+        self.saved_blocks = self.sent_blocks = 0
         self.tail_done = self.tail_stored = False
         self.deferred = False
         self.lookup = None
@@ -449,26 +450,27 @@ class SchedulerSteps:
         return st.saved_blocks + st.tail_stored
 
     # ------------------------------------------------------------------ Preempt / Finish
-    def notices(self, finished_req_ids: Sequence[str], preempted_req_ids: Sequence[str]) -> dict[str, int]:
-        """The generation each DropGeneration notice of this step closes: a finished req_id's as it was
-        when it finished (`request_finished`), a preempted one's the generation that just ended (vLLM
-        counted the preemption already). A preempted request starts a new generation that saves from
-        block 0. A finished req_id is not forgotten here: `request_finished` did that when it finished, and
-        forgetting again would wipe a NEW request reusing the id, admitted in this very step."""
+    def notices(self, finished_req_ids: Sequence[str], preempted_req_ids: Sequence[str]) -> list[DropNotice]:
+        """This step's DropGeneration notices, in the order they happened (the finishes since the last
+        step, then this step's preemptions), each with the generation it closes: a finished req_id's as it
+        was when it finished (`request_finished`), a preempted one's the generation that just ended (vLLM
+        counted the preemption already); None for a req_id never seen. A preempted request starts a new
+        generation that saves from block 0. A finished req_id is not forgotten here: `request_finished` did
+        that when it finished, and forgetting again would wipe a NEW request reusing the id, admitted in
+        this very step."""
         trace = self.trace
-        drops: dict[str, int] = {}
+        drops: list[DropNotice] = []
         for req_id in finished_req_ids:
-            if req_id in self._finished_out:
-                drops[req_id] = self._finished_out[req_id]
+            drops.append(DropNotice(req_id, self._finished_out.get(req_id), True))
             if trace is not None:  # the notice every rank gets (a DropGeneration each)
-                trace.emit("sched", "Finish", {"req_id": req_id, "generation": drops.get(req_id)})
+                trace.emit("sched", "Finish", {"req_id": req_id, "generation": drops[-1].generation})
         self._finished_out.clear()
         for req_id in preempted_req_ids:
             st = self._reqs.get(req_id)
-            if st is not None:
-                drops[req_id] = max(generation_of(st.request) - 1, 0)
+            drops.append(DropNotice(req_id, max(generation_of(st.request) - 1, 0) if st is not None else None,
+                                    False))
             if trace is not None:
-                trace.emit("sched", "Preempt", {"req_id": req_id, "generation": drops.get(req_id)})
+                trace.emit("sched", "Preempt", {"req_id": req_id, "generation": drops[-1].generation})
             self._reqs.new_generation(req_id)
         return drops
 
@@ -536,9 +538,11 @@ class SchedulerSteps:
             self._reqs.set_deferred(st, True)
             return
         self._reqs.set_deferred(st, False)
-        hashes = tuple(request.block_hashes[:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
-        saves.append(SaveSpec(req_id, job_id, gen, rng.start, rng.reach, tuple(block_ids + tail_ids), hashes,
+        sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
+        hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
+        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(block_ids[sent:] + tail_ids), hashes,
                               tail_tokens=rng.tail_tokens))
+        st.sent_blocks = rng.end
         if self.events is not None and rng.end > rng.start:  # routers hear of full blocks only
             self.events.job_opened(job_id, request, rng.start, rng.end)
         st.saved_blocks = rng.end

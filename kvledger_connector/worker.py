@@ -3,10 +3,11 @@
     model runner thread                          store thread                   load thread(s)
     ───────────────────                          ────────────                   ──────────────
     start_load_kv / wait_for_save:
-      DropGeneration(preempted, finished)
+      DropGeneration (the step's drops, in order)
       EmitLoad  → load queue (bounded) ───────────────────────────────────────▶ Load: batch_get per
-      Receive: register(job) then enqueue ──▶ store queue (bounded)             sub-batch; every block not
-                (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP   loaded is reported (S8)
+      Receive: register(job), blocks [0, end)                                  sub-batch; every block not
+               from SentBlocks, then enqueue ──▶ store queue (bounded)         loaded is reported (S8)
+                (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP
                                                Put: exist? → put missing keys
                                                Report: finish(job) in `finally`
     get_finished            ◀── finished loads
@@ -36,10 +37,10 @@ from typing import Any
 import torch
 
 from kvledger_connector.config import ConnectorConfig
-from kvledger_connector.jobs import WorkerSteps
+from kvledger_connector.jobs import SaveJob, WorkerSteps
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
-from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import KVStore
 from kvledger.errors import LedgerInputError
@@ -126,11 +127,8 @@ class WorkerSide:
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
-        gens = meta.drop_generations
-        for req_id in meta.preempted_req_ids:
-            self.steps.drop_generation(req_id, finished=False, generation=gens.get(req_id))
-        for req_id in meta.finished_req_ids:
-            self.steps.drop_generation(req_id, finished=True, generation=gens.get(req_id))
+        for nt in meta.drops:
+            self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
         for spec in meta.loads:
             self._enqueue_load(spec)
 
@@ -144,9 +142,9 @@ class WorkerSide:
             event = torch.cuda.Event()
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
-            self.steps.receive(spec.req_id, spec.store_job_id, spec.generation)
-            if self._offer(self._store_q, (spec, event)) is not None:  # bounded, or shut down
-                self.steps.reject_save(spec.store_job_id)
+            job = self.steps.receive_save(spec)  # None: refused, and already reported
+            if job is not None and self._offer(self._store_q, (job, event)) is not None:  # bounded, or shut down
+                self.steps.reject_save(job.job_id)
 
     def _enqueue_load(self, spec: LoadSpec) -> None:
         why = self._offer(self._load_q, spec)
@@ -182,17 +180,17 @@ class WorkerSide:
             item = self._store_q.get()
             if item is _STOP:
                 return
-            spec, event = item
+            job, event = item
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
-                self._handle_save(spec, event)
+                self._handle_save(job, event)
             except Exception as e:
-                self.steps.note_error(f"store thread: save job {spec.store_job_id}: {type(e).__name__}: {e}")
+                self.steps.note_error(f"store thread: save job {job.job_id}: {type(e).__name__}: {e}")
 
-    def _handle_save(self, spec: SaveSpec, event: Any) -> None:
+    def _handle_save(self, job: SaveJob, event: Any) -> None:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
         forward's CUDA event before it reads the blocks."""
-        self.steps.run_save(spec.req_id, spec.store_job_id, spec.end_block, spec.block_ids, spec.block_hashes,
-                            event.synchronize if event is not None else None, spec.full_end_block)
+        self.steps.run_save(job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
+                            event.synchronize if event is not None else None, job.full_end_block)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:

@@ -25,7 +25,13 @@ from kvledger_connector.connector import key_layout
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import plan_block_copies
-from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec, SaveSpec
+from kvledger_connector.metadata import (
+    DropNotice,
+    KVLedgerConnectorMetadata,
+    KVLedgerWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvledger_connector.store import MooncakeStore, StoreCode
 from kvledger_connector.worker import WorkerSide
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
@@ -245,7 +251,7 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     ws.steps.store = _GatedStore(ws.steps.store, gate)
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 0, 1, (3,), (blocker_hash,))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 2, (1, 2), tuple(hashes))]))
-    ws.start_step(KVLedgerConnectorMetadata(step=3, preempted_req_ids=["r"]))  # DropGeneration before it ran
+    ws.start_step(KVLedgerConnectorMetadata(step=3, drops=[DropNotice("r", 0, False)]))  # DropGeneration before it ran
     gate.set()
     _wait(lambda: not ws.steps.ledger.has_pending_work() or len(ws.steps.ledger._completed) == 2)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}

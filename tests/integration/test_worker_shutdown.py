@@ -68,7 +68,7 @@ def _drive(ws, salt: str, stop: threading.Event) -> None:
     """The model runner's side: every step saves 4 blocks and loads the previous step's 4, until `stop`."""
     import hashlib
 
-    from kvledger_connector.metadata import KVLedgerConnectorMetadata, LoadSpec, SaveSpec
+    from kvledger_connector.metadata import DropNotice, KVLedgerConnectorMetadata, LoadSpec, SaveSpec
 
     def h(i: int) -> bytes:
         return hashlib.sha256(f"{salt}/{i}".encode()).digest()
@@ -79,7 +79,7 @@ def _drive(ws, salt: str, stop: threading.Event) -> None:
         prev = tuple(1 + (4 * (step - 1) + j) % (NBLOCKS - 1) for j in range(4))
         loads = [LoadSpec(f"l{step}", prev, tuple(h(4 * (step - 1) + j) for j in range(4)))] if step else []
         ws.end_step(KVLedgerConnectorMetadata(
-            step=step, loads=loads, finished_req_ids=[f"s{step - 1}"] if step else [],
+            step=step, loads=loads, drops=[DropNotice(f"s{step - 1}", None, True)] if step else [],
             saves=[SaveSpec(f"s{step}", step, 0, 0, 4, ids, tuple(h(4 * step + j) for j in range(4)))]))
         ws.take_finished_loads()
         ws.take_load_errors()
