@@ -50,8 +50,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 WAYS = ("none", "ours", "upstream")
-MAX_TOKENS = 16
-PROMPT = {"num_prefixes": 4, "prefix_len": 48, "suffix_len": 16}
+MAX_TOKENS = 40
+PROMPT = {"num_prefixes": 4, "prefix_len": 48, "suffix_len": 20}
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,8 @@ def _wrap_raw(h: Any, **kw: Any) -> list[Any]:
     return wrapped
 
 
-def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str) -> dict[str, Any]:
+def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
+            reuse_ids: bool = False) -> dict[str, Any]:
     from testbed.harness import Harness, expected_output, shared_prefix_prompts
     prompts = shared_prefix_prompts(n, seed=wl.seed, **PROMPT)
     extra = {"cache_prefix": uuid.uuid4().hex[:8]} if way == "upstream" else None  # its keys: this run's
@@ -288,14 +289,14 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str) -> 
                 if wl.fault == "evict" and way != "none":
                     raws = _wrap_raw(h, evict_before_get=True)
             for i, pr in enumerate(prompts):
-                h.add_request(f"p{p}-req-{i}", pr, MAX_TOKENS)
+                h.add_request(f"req-{i}" if reuse_ids else f"p{p}-req-{i}", pr, MAX_TOKENS)
             t = time.perf_counter()
             h.run(max_steps=200_000, timeout_s=900)
             wall += time.perf_counter() - t
         wrong_out = errors = 0
-        for p in (1, 2):
+        for p in ((2,) if reuse_ids else (1, 2)):
             for i, pr in enumerate(prompts):
-                rid = f"p{p}-req-{i}"
+                rid = f"req-{i}" if reuse_ids else f"p{p}-req-{i}"
                 reason = h.stats.finished.get(rid)
                 if reason == "error":
                     errors += 1
@@ -354,6 +355,13 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
               f"{_f(_pct(r['queue_ms'], .99), '.1f', 8)}"
               f"{r['remote_wait']:>7}{_f(r['deferrals'], 'd', 6)}{r['preemptions']:>8}{r['hits']:>5}"
               f"{r['hit_tokens']:>8}{r['wrong_kv'] + r['wrong_out']:>8}{r['leaked']:>5}{r['errors']:>5}")
+        if r["run_ms"]:
+            print(f"   {way}: store job run ms p50 {statistics.median(r['run_ms']):.1f} p99 "
+                  f"{_pct(r['run_ms'], .99):.1f}; last report -> release ms p50 "
+                  f"{statistics.median(r['collect_ms']) if r['collect_ms'] else 0:.1f} p99 "
+                  f"{_pct(r['collect_ms'], .99) or 0:.1f}; pin-only block-steps {r['pin_only_block_steps']}; "
+                  f"steps with only pins left {r['push_work_steps']}; wall per step "
+                  f"{r['wall'] / r['steps'] * 1e3:.2f} ms")
         if r["at_rest"]:
             print(f"   {way} not at rest: {r['at_rest'][:3]}")
     o, u = rows.get("ours"), rows.get("upstream")
@@ -368,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer prompts per workload")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--ways", nargs="*", default=list(WAYS))
+    ap.add_argument("--reuse-ids", action="store_true",
+                    help="the same request ids in both passes (upstream then hangs in pass 2, bench/engine.py)")
     args = ap.parse_args([] if argv is None else argv)
     from kvledger_connector.config import StoreConfig
     from testbed.procs import mooncake_servers
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             for way in order:
                 with tempfile.TemporaryDirectory(prefix=f"kvledger-bench-sched-{way}-") as wd:
                     try:
-                        rows[way] = run_way(way, wl, n, cfg, wd)
+                        rows[way] = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids)
                     except Exception as e:  # a bench: say what failed and go on
                         rows[way] = {"failed": f"{type(e).__name__}: {e}"[:300]}
                         rc = 1 if way != "upstream" else rc

@@ -430,20 +430,18 @@ class RawClientFaults:
         self.num_delayed_puts = 0
         self.num_evicted_keys = 0
 
-    def batch_put_from_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-                                     sizes: Sequence[Sequence[int]]) -> Any:
-        if self.put_delay_s:
+    def batch_put_from_multi_buffers(self, keys: Sequence[str], *args: Any) -> Any:
+        if self.put_delay_s:  # upstream passes its ReplicateConfig as a 4th argument: forwarded as given
             time.sleep(self.put_delay_s)
             self.num_delayed_puts += 1
-        return self.inner.batch_put_from_multi_buffers(keys, ptrs, sizes)
+        return self.inner.batch_put_from_multi_buffers(keys, *args)
 
-    def batch_get_into_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-                                     sizes: Sequence[Sequence[int]]) -> Any:
+    def batch_get_into_multi_buffers(self, keys: Sequence[str], *args: Any) -> Any:
         if self.evict_before_get:
             for k in keys:
                 self.inner.remove(k, True)
                 self.num_evicted_keys += 1
-        return self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        return self.inner.batch_get_into_multi_buffers(keys, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
