@@ -11,7 +11,7 @@ ranks, KV caches from vLLM's allocator, the stand-in forward that writes and che
             constructor, and bench/cuda_event_stub.py's no-op torch.cuda.Event)
 
 on one Mooncake master on 127.0.0.1 that the bench starts. Each workload: the same prompts (shared-prefix,
-64 tokens, 16 generated) in two passes with reset_prefix_cache() between them, so pass 2 finds its
+68 tokens, 40 generated) in two passes with reset_prefix_cache() between them, so pass 2 finds its
 prefixes in the store, not in vLLM's cache; each pass its own request ids ("p<n>-req-<i>"; bench/engine.py
 says why upstream needs that). Workloads (--quick: fewer prompts):
 
