@@ -3,7 +3,8 @@ same run (these machines are noisy, so only same-run ratios mean anything)."""
 import importlib
 import sys
 
-SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine")
+SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
+          "bench.scheduler")
 
 
 def main() -> int:

@@ -407,3 +407,41 @@ def faulty_mooncake_store(config: StoreConfig, *, embedded: EmbeddedMooncake | A
     raw, config = open_client(config, embedded=embedded)
     client = FaultyMooncakeClient(raw)
     return MooncakeStore(client, config, embedded, clock=clock), client
+
+
+class RawClientFaults:
+    """THIS IS A TEST DOUBLE: the raw Mooncake client under either connector (ours: `MooncakeStore`'s client;
+    upstream MooncakeStoreConnector: its worker's and threads' `store`), forwarding every call to the real
+    `MooncakeDistributedStore` (``inner``), for bench.scheduler's fault workloads, the same below both:
+
+    * ``put_delay_s``: every `batch_put_from_multi_buffers` call sleeps this long first (a slow store);
+    * ``evict_before_get``: every key of a `batch_get_into_multi_buffers` call is removed from the real store
+      (``remove(key, force=True)``) just before the call is forwarded, so the real store answers it as
+      missing: keys that a lookup found are gone when the load runs.
+
+    Every other call (and attribute) is the real client's."""
+
+    def __init__(self, inner: Any, *, put_delay_s: float = 0.0, evict_before_get: bool = False) -> None:
+        if not put_delay_s >= 0:
+            raise ValueError(f"RawClientFaults put_delay_s={put_delay_s!r}: must be >= 0")
+        self.inner = inner
+        self.put_delay_s = put_delay_s
+        self.evict_before_get = evict_before_get
+        self.num_delayed_puts = 0
+        self.num_evicted_keys = 0
+
+    def batch_put_from_multi_buffers(self, keys: Sequence[str], *args: Any) -> Any:
+        if self.put_delay_s:  # upstream passes its ReplicateConfig as a 4th argument: forwarded as given
+            time.sleep(self.put_delay_s)
+            self.num_delayed_puts += 1
+        return self.inner.batch_put_from_multi_buffers(keys, *args)
+
+    def batch_get_into_multi_buffers(self, keys: Sequence[str], *args: Any) -> Any:
+        if self.evict_before_get:
+            for k in keys:
+                self.inner.remove(k, True)
+                self.num_evicted_keys += 1
+        return self.inner.batch_get_into_multi_buffers(keys, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -25,6 +25,11 @@ holds that block's KV).
 
 This is the harness the conformance suite reuses: `Harness(...)`, `add_request`, `step`, `run`,
 `check_at_rest`, `check_store`, `connector(rank)`, `scheduler_connector`.
+
+`connector=` picks what vLLM loads: "ours" (the default, everything above), "none" (no kv_transfer_config:
+the same forward and KV checks, no store) or "upstream" (vLLM's own MooncakeStoreConnector on the same
+master, testbed/upstream.py: `store_config` gives it the master's addresses and sizes, `extra` its
+extra config; `check_store` is ours only). bench.scheduler runs the three on the same workloads.
 """
 from __future__ import annotations
 
@@ -98,7 +103,11 @@ class Harness:
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
-                 kv_events: Any = None) -> None:
+                 kv_events: Any = None, connector: str = "ours") -> None:
+        if connector not in ("ours", "upstream", "none"):
+            raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
+        self.connector_kind = connector
+        self._upstream: Any = None
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
         self.stall_timeout_s = stall_timeout_s
@@ -114,10 +123,22 @@ class Harness:
         self.device = device
         model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
                                     num_kv_heads=num_kv_heads * tp_size, head_size=head_size)
+        upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
-        if "trace_path" not in extra and Harness.runlog_dir is not None:
+        if connector == "ours" and "trace_path" not in extra and Harness.runlog_dir is not None:
             extra["trace_path"] = os.path.join(Harness.runlog_dir, f"harness-{len(Harness.opened)}.ndjson")
-        self.trace_path: str | None = extra.get("trace_path")
+        self.trace_path: str | None = extra.get("trace_path") if connector == "ours" else None
+        kv_transfer_config = None
+        if connector == "ours":
+            kv_transfer_config = KVTransferConfig(kv_connector="KVLedgerConnector",
+                                                  kv_connector_module_path="kvledger_connector.connector",
+                                                  kv_role=kv_role, kv_connector_extra_config=extra,
+                                                  kv_load_failure_policy=policy)
+        elif connector == "upstream":
+            from testbed import upstream
+            kv_transfer_config = KVTransferConfig(kv_connector=upstream.UPSTREAM, kv_role=kv_role,
+                                                  kv_connector_extra_config=upstream.extra_config(upstream_extra),
+                                                  kv_load_failure_policy=policy)
         self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
@@ -129,10 +150,7 @@ class Harness:
                                              is_encoder_decoder=False),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
             parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-            kv_transfer_config=KVTransferConfig(kv_connector="KVLedgerConnector",
-                                                kv_connector_module_path="kvledger_connector.connector",
-                                                kv_role=kv_role, kv_connector_extra_config=extra,
-                                                kv_load_failure_policy=policy),
+            kv_transfer_config=kv_transfer_config,
             device_config=DeviceConfig("cpu"),
             kv_events_config=kv_events)  # a vllm.config.KVEventsConfig: the Scheduler's publisher
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -147,13 +165,18 @@ class Harness:
         self._hasher = get_request_block_hasher(block_size, sha256)
         self.content = KVContent(num_kv_heads, head_size, device)
         # workers first (as in vLLM: KV caches exist before the scheduler)
-        self.workers: list[KVLedgerConnector] = []
+        self.workers: list[Any] = []  # KVLedgerConnector (ours) or MooncakeStoreConnector (upstream)
         self.kv_caches: list[dict[str, torch.Tensor]] = []
         try:
-            self._build_workers(extra, tp_size, num_blocks, block_size, num_kv_heads, head_size, device)
+            if connector == "ours":
+                self._build_workers(extra, tp_size, num_blocks, block_size, num_kv_heads, head_size, device)
+            else:
+                self._build_other_workers(store_config, workdir)
         except BaseException:
             for w in self.workers:
                 w.shutdown()
+            if self._upstream is not None:
+                self._upstream.close()
             if self._tmp is not None:
                 self._tmp.cleanup()
             raise
@@ -161,9 +184,10 @@ class Harness:
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size, log_stats=True)
         conn = self.scheduler.get_kv_connector()
-        if not isinstance(conn, KVLedgerConnector):
-            raise TypeError(f"vLLM built {type(conn).__name__}, expected KVLedgerConnector")
-        self.scheduler_connector: KVLedgerConnector = conn
+        want = {"ours": "KVLedgerConnector", "upstream": "MooncakeStoreConnector", "none": "NoneType"}[connector]
+        if type(conn).__name__ != want or (connector == "ours" and not isinstance(conn, KVLedgerConnector)):
+            raise TypeError(f"vLLM built {type(conn).__name__}, expected {want}")
+        self.scheduler_connector: Any = conn
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
         self.aggregator = KVOutputAggregator(tp_size)
         self.requests: dict[str, Request] = {}  # latest request per req_id (ids are reused)
@@ -171,11 +195,12 @@ class Harness:
         self._verified: dict[str, int] = {}
         self.garbage: list[str] = []  # S7 violations: (req_id, position, rank) read wrong KV
         self.stats = RunStats()
-        self.key_builders = [w.worker_side.steps.keys for w in self.workers]  # type: ignore[union-attr]
+        self.key_builders = ([w.worker_side.steps.keys for w in self.workers]  # type: ignore[union-attr]
+                             if connector == "ours" else [])
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
         self._scratch_plan: Any = None
-        emb = self.workers[0]._embedded if store_config.embedded else None
+        emb = self.workers[0]._embedded if store_config.embedded and connector == "ours" else None
         # embedded default: the connectors started a private master; the checker joins it
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
                               if emb is not None else store_config)
@@ -195,6 +220,25 @@ class Harness:
                               kernel_block_sizes=self.kernel_block_sizes)
             w.register_kv_caches(caches)
             self.kv_caches.append(caches)
+
+    def _build_other_workers(self, store_config: StoreConfig, workdir: str) -> None:
+        """KV caches from vLLM's allocator for every rank; for "upstream", its worker connector on each."""
+        for _ in range(self.tp_size):
+            self.kv_caches.append(allocate(self.kv_cache_config, self.kv_layout, device=self.device,
+                                           kernel_block_sizes=self.kernel_block_sizes))
+        if self.connector_kind != "upstream":
+            return
+        from testbed import upstream
+        if store_config.embedded:
+            raise ValueError("Harness connector='upstream': store_config must name a running master")
+        path = upstream.write_config(os.path.join(workdir, "mooncake-upstream.json"), store_config.master_server_address,
+                                     store_config.metadata_server,
+                                     global_segment_size=store_config.global_segment_size,
+                                     local_buffer_size=store_config.local_buffer_size)
+        self._upstream = upstream.UpstreamRanks(self.vllm_config, self.kv_cache_config, path, self.tp_size)
+        self.workers = self._upstream.workers
+        for w, caches in zip(self.workers, self.kv_caches):
+            w.register_kv_caches(caches)
 
     # ------------------------------------------------------------------ access
     def connector(self, rank: int) -> KVLedgerConnector:
@@ -248,7 +292,8 @@ class Harness:
         """One engine step; False when the engine would stop (Scheduler.has_requests() is False)."""
         if not self.scheduler.has_requests():
             return False
-        if not self.scheduler.has_unfinished_requests() and self.scheduler_connector.has_pending_push_work():
+        if (not self.scheduler.has_unfinished_requests() and self.scheduler_connector is not None
+                and self.scheduler_connector.has_pending_push_work()):
             self.stats.push_work_steps += 1
         out = self.scheduler.schedule()
         self.stats.steps += 1
@@ -264,15 +309,20 @@ class Harness:
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             w.wait_for_save()
-            _, recving = w.get_finished(out.finished_req_ids)
-            kvo = KVConnectorOutput(finished_recving=recving,
+            results = w.get_transfer_results(out.finished_req_ids)  # what vLLM's model runner asks
+            kvo = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                    finished_recving=results.finished_recving or None,
+                                    failed_recving=results.failed_recving,
                                     invalid_block_ids=w.get_block_ids_with_load_errors(),
                                     kv_connector_stats=w.get_kv_connector_stats(),
                                     kv_connector_worker_meta=w.build_connector_worker_meta())
             w.clear_connector_metadata()
             outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                              sampled_token_ids=sampled, kv_connector_output=kvo))
-        merged = self.aggregator.aggregate(outputs)
+        if not self.workers:  # no connector: one output, as a model runner without one returns
+            outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                             sampled_token_ids=sampled))
+        merged = self.aggregator.aggregate(outputs) if self.workers else outputs[0]
         if merged.kv_connector_output is not None:
             self.stats.load_error_blocks += len(merged.kv_connector_output.invalid_block_ids)
         eco = self.scheduler.update_from_output(out, merged)
@@ -287,6 +337,8 @@ class Harness:
         return True
 
     def _check_progress(self, scheduled: bool) -> None:
+        if self.connector_kind != "ours":
+            return self._check_progress_other(scheduled)
         ss = self.scheduler_connector.scheduler_side
         ledger = ss.ledger  # type: ignore[union-attr]
         mark = (ledger.num_jobs_opened, ledger.num_jobs_released, ss.num_load_pins,  # type: ignore[union-attr]
@@ -304,6 +356,22 @@ class Harness:
                 f"after {self.stats.steps} steps: running={len(self.scheduler.running)} "
                 f"waiting={len(self.scheduler.waiting)} pinned jobs={ledger.inflight_jobs()[:10]} "  # type: ignore
                 f"load pins={ss.num_load_pins} ranks with queued/running work={busy}")  # type: ignore[union-attr]
+
+    def _check_progress_other(self, scheduled: bool) -> None:
+        """The same bound for "none" and "upstream" (its pins: `_pinned_saves`, its job counter)."""
+        cs = getattr(self.scheduler_connector, "connector_scheduler", None)
+        pins = (cs._next_store_job_id, len(cs._pinned_saves)) if cs is not None else ()
+        mark = (*pins, len(self.stats.finished), len(self.scheduler.requests))
+        now = time.monotonic()
+        if scheduled or mark != self._progress_mark:
+            self._progress_mark, self._last_progress = mark, now
+            return
+        if now - self._last_progress > self.stall_timeout_s:
+            stalled, self._last_progress = now - self._last_progress, now
+            raise HarnessStallError(
+                f"no progress for {stalled:.1f}s (stall_timeout_s={self.stall_timeout_s}) after "
+                f"{self.stats.steps} steps ({self.connector_kind}): running={len(self.scheduler.running)} "
+                f"waiting={len(self.scheduler.waiting)} pinned jobs={sorted(cs._pinned_saves)[:10] if cs else []}")
 
     def _forward(self, out: Any, req_ids: list[str]) -> list[list[int]]:
         """Stand-in for the model: check earlier KV (S7), write this step's KV, sample one token per
@@ -388,7 +456,14 @@ class Harness:
                 break
         raise TimeoutError(f"engine still busy after {self.stats.steps} steps: running="
                            f"{len(self.scheduler.running)} waiting={len(self.scheduler.waiting)} "
-                           f"pins={self.scheduler_connector.scheduler_side.ledger.num_inflight_jobs}")  # type: ignore
+                           f"pins={self._num_pinned_jobs()}")
+
+    def _num_pinned_jobs(self) -> int:
+        if self.connector_kind == "ours":
+            return self.scheduler_connector.scheduler_side.ledger.num_inflight_jobs  # type: ignore
+        if self.connector_kind == "upstream":
+            return len(self.scheduler_connector.connector_scheduler._pinned_saves)
+        return 0
 
     @property
     def max_inflight_jobs(self) -> int:
@@ -405,6 +480,12 @@ class Harness:
         held = [b.block_id for b in self.block_pool.blocks[1:] if b.ref_cnt != 0]
         if held:
             problems.append(f"blocks with ref_cnt != 0: {held[:20]}")
+        if self.connector_kind != "ours":
+            if self.connector_kind == "upstream":
+                from testbed import upstream
+                problems += upstream.at_rest_problems(self.scheduler_connector, self.workers)
+            self.rested = not problems
+            return problems
         ledger = self.scheduler_connector.scheduler_side.ledger  # type: ignore[union-attr]
         if ledger.has_pending_work():
             problems.append(f"pins held by jobs {ledger.inflight_jobs()[:20]}")
@@ -423,6 +504,8 @@ class Harness:
         """S1 NoPollution over every full block of every request seen: (keys checked, polluted keys).
         Each stored object is read into block 1 of a scratch KV cache that vLLM's allocator builds with
         the same spec and layout, and compared through vLLM's view, token by token."""
+        if self.connector_kind != "ours":
+            raise NotImplementedError(f"check_store reads our keys; this harness runs {self.connector_kind!r}")
         if self._checker is None:
             self._checker = MooncakeStore.connect(self._store_config.replace(global_segment_size=0))
         store = self._checker
@@ -505,7 +588,10 @@ class Harness:
             self._checker.close()
         for w in self.workers:
             w.shutdown()
-        self.scheduler_connector.shutdown()
+        if self._upstream is not None:
+            self._upstream.close()
+        if self.scheduler_connector is not None:
+            self.scheduler_connector.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
 

@@ -1,0 +1,408 @@
+"""Engine steps under pool pressure through vLLM 0.32's real Scheduler: no connector vs ours vs upstream,
+same harness, same run. Same-run ratios only, nothing asserted.
+
+Every way runs in testbed/harness.py (vLLM's real `Scheduler` and `BlockPool` on CPU, two emulated TP
+ranks, KV caches from vLLM's allocator, the stand-in forward that writes and checks every position's KV):
+
+  none      no kv_transfer_config
+  ours      KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool)
+  upstream  vLLM 0.32's MooncakeStoreConnector (testbed/upstream.py: configured by its MOONCAKE_CONFIG_PATH
+            file; test doubles there only: each rank's identity in vLLM's distributed groups for its
+            constructor, and bench/cuda_event_stub.py's no-op torch.cuda.Event)
+
+on one Mooncake master on 127.0.0.1 that the bench starts. Each workload: the same prompts (shared-prefix,
+68 tokens, 40 generated) in two passes with reset_prefix_cache() between them, so pass 2 finds its
+prefixes in the store, not in vLLM's cache; each pass its own request ids ("p<n>-req-<i>"; bench/engine.py
+says why upstream needs that). Workloads (--quick: fewer prompts):
+
+  pool48       120 prompts x 2 passes, 48-block pool
+  storm28      200 prompts x 2 passes, 28-block pool (preemption storm)
+  evict-fail   120 prompts x 2 passes, 48 blocks, kv_load_failure_policy "fail", every key a pass-2 load
+               asks for removed just before the load (testbed.faults.RawClientFaults under both connectors)
+  slow-put     120 prompts x 2 passes, 48 blocks, every batch put call 20 ms slower (the same test double)
+
+Per way: engine steps, wall time (both passes' step loops), steps in which requests waited while blocks were
+held only by save pins ("pin-wait steps"; with the mean of such blocks), store jobs and their pin hold time
+(emit -> release, median and p99, ms and steps), the save queue wait (enqueue -> the store thread starts it,
+median/p99 over ranks' jobs), request-steps waiting for remote KV (loads), deferrals under the caps (ours;
+upstream has no cap), preemptions, store hits (requests and tokens vLLM accepted from the connector),
+wrong KV (positions read wrong before a compute, S7) and leaked blocks at rest. The instrumentation is the
+bench's (`Probe`): it wraps instance attributes of the harness's objects and reads their state; nothing in
+the shipped code is changed for it.
+
+    python -m bench.scheduler [--quick] [--only WORKLOAD ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+WAYS = ("none", "ours", "upstream")
+MAX_TOKENS = 40
+PROMPT = {"num_prefixes": 4, "prefix_len": 48, "suffix_len": 20}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: int
+    quick_prompts: int
+    num_blocks: int
+    policy: str = "recompute"
+    fault: str | None = None  # "evict" (pass 2's loads) or "slow" (every put)
+    seed: int = 0
+
+
+WORKLOADS = (
+    Workload("pool48", 120, 24, 48, seed=1),
+    Workload("storm28", 200, 40, 28, seed=2),
+    Workload("evict-fail", 120, 24, 48, policy="fail", fault="evict", seed=3),
+    Workload("slow-put", 120, 24, 48, fault="slow", seed=4),
+)
+SLOW_PUT_S = 0.020
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class TimedPins(dict):
+    """The connector's own pin table (ours: SchedulerLedger._pinned, upstream: _pinned_saves), as a dict
+    that notes when each job id is first set (EmitStore) and deleted (released)."""
+
+    def __init__(self, probe: Probe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        if k not in self:
+            self.probe.emitted[k] = (time.perf_counter(), self.probe.step)
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        super().__delitem__(k)
+        self.probe.released[k] = (time.perf_counter(), self.probe.step)
+
+    def pop(self, k: Any, *d: Any) -> Any:
+        had = k in self
+        v = super().pop(k, *d)
+        if had:
+            self.probe.released[k] = (time.perf_counter(), self.probe.step)
+        return v
+
+
+@dataclass
+class Probe:
+    """The bench's instrumentation of one harness (see the module doc)."""
+    h: Any
+    step: int = 0
+    emitted: dict[Any, tuple[float, int]] = field(default_factory=dict)
+    released: dict[Any, tuple[float, int]] = field(default_factory=dict)
+    enqueued: dict[tuple[int, Any], float] = field(default_factory=dict)
+    started: dict[tuple[int, Any], float] = field(default_factory=dict)
+    ended: dict[tuple[int, Any], float] = field(default_factory=dict)
+    pin_wait_steps: int = 0
+    pin_wait_blocks: int = 0
+    pin_only_block_steps: int = 0
+    remote_wait: int = 0
+    empty_steps: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    jobs_by_req: Counter = field(default_factory=Counter)
+
+    def install(self) -> Probe:
+        h = self.h
+        sched = h.scheduler
+        orig_schedule = sched.schedule
+
+        def schedule(*a: Any, **kw: Any) -> Any:
+            out = orig_schedule(*a, **kw)
+            self.step += 1
+            self._sample(out)
+            return out
+        sched.schedule = schedule
+        conn = h.scheduler_connector
+        if conn is None:
+            return self
+        orig_alloc = conn.update_state_after_alloc
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            if num_external_tokens > 0:
+                self.hits += 1
+                self.hit_tokens += num_external_tokens
+            return orig_alloc(request, blocks, num_external_tokens)
+        conn.update_state_after_alloc = update_state_after_alloc
+        if h.connector_kind == "ours":
+            ledger = conn.scheduler_side.ledger
+            assert not ledger._pinned
+            ledger._pinned = self.pins = TimedPins(self)
+            for r, w in enumerate(h.workers):
+                self._wrap_ours(r, w.worker_side)
+        else:
+            cs = conn.connector_scheduler
+            assert not cs._pinned_saves
+            cs._pinned_saves = self.pins = TimedPins(self)
+            for r, w in enumerate(h.workers):
+                self._wrap_upstream(r, w.connector_worker.kv_send_thread)
+        return self
+
+    def _wrap_ours(self, r: int, ws: Any) -> None:
+        orig_offer, orig_handle = ws._offer, ws._handle_save
+
+        def _offer(q: Any, item: Any) -> Any:
+            if q is ws._store_q:
+                self.enqueued[(r, item[0].store_job_id)] = time.perf_counter()
+                if r == 0:
+                    self.jobs_by_req[item[0].req_id] += 1
+            return orig_offer(q, item)
+
+        def _handle_save(spec: Any, event: Any) -> Any:
+            self.started[(r, spec.store_job_id)] = time.perf_counter()
+            try:
+                return orig_handle(spec, event)
+            finally:
+                self.ended[(r, spec.store_job_id)] = time.perf_counter()
+        ws._offer, ws._handle_save = _offer, _handle_save
+
+    def _wrap_upstream(self, r: int, st: Any) -> None:
+        orig_add, orig_handle = st.add_request, st._handle_request
+
+        def add_request(req: Any) -> Any:
+            self.enqueued[(r, req.store_job_id)] = time.perf_counter()
+            if r == 0:
+                self.jobs_by_req[req.req_id] += 1
+            return orig_add(req)
+
+        def _handle_request(req: Any) -> Any:
+            self.started[(r, req.store_job_id)] = time.perf_counter()
+            try:
+                return orig_handle(req)
+            finally:
+                self.ended[(r, req.store_job_id)] = time.perf_counter()
+        st.add_request, st._handle_request = add_request, _handle_request
+
+    def _sample(self, out: Any) -> None:
+        from vllm.v1.request import RequestStatus
+        if not out.num_scheduled_tokens:
+            self.empty_steps += 1
+        waiting = remote = 0
+        for req in self.h.scheduler.requests.values():
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                waiting += 1
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                remote += 1
+        self.remote_wait += remote
+        pins = getattr(self, "pins", None)
+        if not pins:
+            return
+        per_block: Counter = Counter()
+        for rec in pins.values():
+            for b in rec[0]:
+                per_block[b if isinstance(b, int) else b.block_id] += 1
+        blocks = self.h.block_pool.blocks
+        pin_only = sum(1 for b, n in per_block.items() if blocks[b].ref_cnt <= n)
+        self.pin_only_block_steps += pin_only
+        if waiting and pin_only:
+            self.pin_wait_steps += 1
+            self.pin_wait_blocks += pin_only
+
+    def hold(self) -> tuple[list[float], list[int]]:
+        ms, steps = [], []
+        for j, (t0, s0) in self.emitted.items():
+            if j in self.released:
+                t1, s1 = self.released[j]
+                ms.append((t1 - t0) * 1e3)
+                steps.append(s1 - s0)
+        return ms, steps
+
+    def queue_wait_ms(self) -> list[float]:
+        return [(self.started[k] - t) * 1e3 for k, t in self.enqueued.items() if k in self.started]
+
+    def run_ms(self) -> list[float]:
+        return [(self.ended[k] - t) * 1e3 for k, t in self.started.items() if k in self.ended]
+
+    def report_to_release_ms(self) -> list[float]:
+        """Last rank's handler end -> the pin's release (waiting for the next step's collect)."""
+        out = []
+        for j, (t1, _) in self.released.items():
+            ends = [t for (r, jj), t in self.ended.items() if jj == j]
+            if ends:
+                out.append((t1 - max(ends)) * 1e3)
+        return out
+
+
+def _wrap_raw(h: Any, **kw: Any) -> list[Any]:
+    """Put RawClientFaults under every worker rank's store calls (ours or upstream)."""
+    from testbed.faults import RawClientFaults
+    wrapped = []
+    for w in h.workers:
+        if h.connector_kind == "ours":
+            store = w.worker_side.steps.store
+            store._raw = RawClientFaults(store._raw, **kw)
+            wrapped.append(store._raw)
+        else:
+            cw = w.connector_worker
+            raw = RawClientFaults(cw.store, **kw)
+            cw.store = raw
+            cw.kv_send_thread.store = raw
+            for t in cw.kv_recv_threads:
+                t.store = raw
+            wrapped.append(raw)
+    return wrapped
+
+
+def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
+            reuse_ids: bool = False) -> dict[str, Any]:
+    from testbed.harness import Harness, expected_output, shared_prefix_prompts
+    prompts = shared_prefix_prompts(n, seed=wl.seed, **PROMPT)
+    extra = {"cache_prefix": uuid.uuid4().hex[:8]} if way == "upstream" else None  # its keys: this run's
+    res: dict[str, Any] = {"way": way}
+    with Harness(store_config, tp_size=2, num_blocks=wl.num_blocks, policy=wl.policy, max_num_seqs=8,
+                 max_num_batched_tokens=128, connector=way, extra=extra, workdir=workdir,
+                 stall_timeout_s=60) as h:
+        probe = Probe(h).install()
+        raws = _wrap_raw(h, put_delay_s=SLOW_PUT_S) if wl.fault == "slow" and way != "none" else []
+        wall = 0.0
+        for p in (1, 2):
+            if p == 2:
+                for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
+                    if h.scheduler.reset_prefix_cache():
+                        break
+                    h.step()
+                else:
+                    raise RuntimeError(f"{way}: reset_prefix_cache() never succeeded")
+                if wl.fault == "evict" and way != "none":
+                    raws = _wrap_raw(h, evict_before_get=True)
+            for i, pr in enumerate(prompts):
+                h.add_request(f"req-{i}" if reuse_ids else f"p{p}-req-{i}", pr, MAX_TOKENS)
+            t = time.perf_counter()
+            h.run(max_steps=200_000, timeout_s=900)
+            wall += time.perf_counter() - t
+        wrong_out = errors = 0
+        for p in ((2,) if reuse_ids else (1, 2)):
+            for i, pr in enumerate(prompts):
+                rid = f"req-{i}" if reuse_ids else f"p{p}-req-{i}"
+                reason = h.stats.finished.get(rid)
+                if reason == "error":
+                    errors += 1
+                elif h.stats.outputs.get(rid) != expected_output(pr, MAX_TOKENS):
+                    wrong_out += 1
+        problems = h.check_at_rest()
+        ms, steps = probe.hold()
+        qw, run, rel = probe.queue_wait_ms(), probe.run_ms(), probe.report_to_release_ms()
+        ours = way == "ours"
+        res.update({
+            "steps": h.stats.steps, "wall": wall, "empty_steps": probe.empty_steps,
+            "pin_wait_steps": probe.pin_wait_steps,
+            "pin_wait_blocks": probe.pin_wait_blocks / probe.pin_wait_steps if probe.pin_wait_steps else 0.0,
+            "pin_only_block_steps": probe.pin_only_block_steps,
+            "jobs": len(probe.emitted), "hold_ms": ms, "hold_steps": steps,
+            "queue_ms": qw, "run_ms": run, "collect_ms": rel,
+            "remote_wait": probe.remote_wait,
+            "deferrals": h.scheduler_connector.scheduler_side.ledger.num_deferrals if ours else None,
+            "pin_cap": (h.scheduler_connector.scheduler_side.max_pinned_blocks if ours else None),
+            "preemptions": h.stats.preemptions, "hits": probe.hits, "hit_tokens": probe.hit_tokens,
+            "wrong_kv": len(h.garbage), "wrong_out": wrong_out, "errors": errors,
+            "leaked": h.num_blocks - 1 - h.block_pool.get_num_free_blocks(), "at_rest": problems,
+            "jobs_per_req": (statistics.mean(probe.jobs_by_req.values()) if probe.jobs_by_req else 0.0),
+            "push_work_steps": h.stats.push_work_steps,
+            "faults": sum(r.num_delayed_puts + r.num_evicted_keys for r in raws),
+        })
+    return res
+
+
+def _f(v: Any, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else format(v, f">{width}{spec}")
+
+
+def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, policy {wl.policy}"
+          + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step)")
+    hdr = (f"{'way':<9}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
+           f"{'hold ms p50':>12}{'p99':>8}{'hold st p50':>12}{'p99':>6}{'queue ms p50':>13}{'p99':>8}"
+           f"{'remote':>7}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'wrongKV':>8}{'leak':>5}"
+           f"{'err':>5}")
+    print(hdr)
+    for way in WAYS:
+        r = rows.get(way)
+        if r is None:
+            continue
+        if "failed" in r:
+            print(f"{way:<9} failed: {r['failed']}")
+            continue
+        print(f"{way:<9}{r['steps']:>7}{r['wall']:>8.1f}{r['empty_steps']:>7}{r['pin_wait_steps']:>8}"
+              f"{r['pin_wait_blocks']:>5.1f}{r['jobs']:>6}{r['jobs_per_req']:>6.1f}"
+              f"{_f(statistics.median(r['hold_ms']) if r['hold_ms'] else None, '.1f', 12)}"
+              f"{_f(_pct(r['hold_ms'], .99), '.1f', 8)}"
+              f"{_f(statistics.median(r['hold_steps']) if r['hold_steps'] else None, '.0f', 12)}"
+              f"{_f(_pct(r['hold_steps'], .99), '.0f', 6)}"
+              f"{_f(statistics.median(r['queue_ms']) if r['queue_ms'] else None, '.1f', 13)}"
+              f"{_f(_pct(r['queue_ms'], .99), '.1f', 8)}"
+              f"{r['remote_wait']:>7}{_f(r['deferrals'], 'd', 6)}{r['preemptions']:>8}{r['hits']:>5}"
+              f"{r['hit_tokens']:>8}{r['wrong_kv'] + r['wrong_out']:>8}{r['leaked']:>5}{r['errors']:>5}")
+        if r["run_ms"]:
+            print(f"   {way}: store job run ms p50 {statistics.median(r['run_ms']):.1f} p99 "
+                  f"{_pct(r['run_ms'], .99):.1f}; last report -> release ms p50 "
+                  f"{statistics.median(r['collect_ms']) if r['collect_ms'] else 0:.1f} p99 "
+                  f"{_pct(r['collect_ms'], .99) or 0:.1f}; pin-only block-steps {r['pin_only_block_steps']}; "
+                  f"steps with only pins left {r['push_work_steps']}; wall per step "
+                  f"{r['wall'] / r['steps'] * 1e3:.2f} ms")
+        if r["at_rest"]:
+            print(f"   {way} not at rest: {r['at_rest'][:3]}")
+    o, u = rows.get("ours"), rows.get("upstream")
+    if o and u and "failed" not in o and "failed" not in u:
+        print(f"ours/upstream: steps {o['steps'] / u['steps']:.2f}, wall {o['wall'] / u['wall']:.2f} "
+              f"(target <= 1.0); ours pin cap {o['pin_cap']} blocks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer prompts per workload")
+    ap.add_argument("--only", nargs="*", default=None, help="workload names")
+    ap.add_argument("--ways", nargs="*", default=list(WAYS))
+    ap.add_argument("--reuse-ids", action="store_true",
+                    help="the same request ids in both passes (upstream then hangs in pass 2, bench/engine.py)")
+    args = ap.parse_args([] if argv is None else argv)
+    from kvledger_connector.config import StoreConfig
+    from testbed.procs import mooncake_servers
+    rc = 0
+    with mooncake_servers(rpc_timeout_ms=5000) as mc:
+        cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=16 << 20,
+                          rpc_timeout_ms=5000).with_addresses(mc.master_address, mc.metadata_server)
+        for k, wl in enumerate(WORKLOADS):
+            if args.only and wl.name not in args.only:
+                continue
+            n = wl.quick_prompts if args.quick else wl.prompts
+            rows: dict[str, dict[str, Any]] = {}
+            ways = [w for w in WAYS if w in args.ways]
+            order = ways[k % len(ways):] + ways[:k % len(ways)]  # rotate: drift spreads over the ways
+            for way in order:
+                with tempfile.TemporaryDirectory(prefix=f"kvledger-bench-sched-{way}-") as wd:
+                    try:
+                        rows[way] = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids)
+                    except Exception as e:  # a bench: say what failed and go on
+                        rows[way] = {"failed": f"{type(e).__name__}: {e}"[:300]}
+                        rc = 1 if way != "upstream" else rc
+                print(f"[bench.scheduler] {wl.name} {way}: done", flush=True)
+            print_table(wl, n, rows)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
