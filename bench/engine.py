@@ -11,7 +11,7 @@ pass 2 loads from the store; each pass its own request ids, see below) and the s
             with metadata_server, master_server_address, protocol "tcp", device_name "",
             global_segment_size, local_buffer_size) on the same master. Test double in its subprocess only:
             upstream's worker orders saves with ``torch.cuda.Event``, which a CPU-only torch cannot create,
-            so bench/cuda_event_stub.py replaces it there with a no-op event (record, wait, synchronize do
+            so testbed/cuda_event_stub.py replaces it there with a no-op event (record, wait, synchronize do
             nothing: on CPU there is no stream to order, the forward has written the KV when
             wait_for_save runs). Without it upstream cannot run on CPU
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "upstream": ({"name": "MooncakeStoreConnector", "module_path": None, "policy": "recompute", "extra": {}},
                      {"MOONCAKE_CONFIG_PATH": str(cfg)}),
     }
-    preload = {"upstream": ["bench.cuda_event_stub:install"]}  # the test double, upstream's subprocess only
+    preload = {"upstream": ["testbed.cuda_event_stub:install"]}  # the test double, upstream's subprocess only
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in WAYS}
     failed: dict[str, str] = {}
     try:

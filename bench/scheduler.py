@@ -8,7 +8,7 @@ ranks, KV caches from vLLM's allocator, the stand-in forward that writes and che
   ours      KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool)
   upstream  vLLM 0.32's MooncakeStoreConnector (testbed/upstream.py: configured by its MOONCAKE_CONFIG_PATH
             file; test doubles there only: each rank's identity in vLLM's distributed groups for its
-            constructor, and bench/cuda_event_stub.py's no-op torch.cuda.Event)
+            constructor, and testbed/cuda_event_stub.py's no-op torch.cuda.Event)
 
 on one Mooncake master on 127.0.0.1 that the bench starts. Each workload: the same prompts (shared-prefix,
 68 tokens, 40 generated) in two passes with reset_prefix_cache() between them, so pass 2 finds its
@@ -81,7 +81,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-class TimedPins(dict):
+class PinClock(dict):
     """The connector's own pin table (ours: SchedulerLedger._pinned, upstream: _pinned_saves), as a dict
     that notes when each job id is first set (EmitStore) and deleted (released)."""
 
@@ -150,13 +150,13 @@ class Probe:
         if h.connector_kind == "ours":
             ledger = conn.scheduler_side.ledger
             assert not ledger._pinned
-            ledger._pinned = self.pins = TimedPins(self)
+            ledger._pinned = self.pins = PinClock(self)
             for r, w in enumerate(h.workers):
                 self._wrap_ours(r, w.worker_side)
         else:
             cs = conn.connector_scheduler
             assert not cs._pinned_saves
-            cs._pinned_saves = self.pins = TimedPins(self)
+            cs._pinned_saves = self.pins = PinClock(self)
             for r, w in enumerate(h.workers):
                 self._wrap_upstream(r, w.connector_worker.kv_send_thread)
         return self

@@ -285,7 +285,7 @@ KEYS: tuple[Key, ...] = (
         "after a master failure (-900/-901), skip store calls this long instead of paying a reconnect per call",
         lo=0, hi=_MS_BOUND,
         tests="test_store_faults.py::test_killed_master_gives_codes_then_fast_skips_then_recovers_without_old_keys"),
-    Key("max_inflight_jobs", "int", 64, "store",
+    Key("max_inflight_jobs", "int", 64, "connector",
         "cap on store jobs holding pinned blocks; beyond it the scheduler defers saves (retried, not dropped)",
         lo=1, hi=1 << 16, tests="test_connector_e2e.py::test_cap_defers_saves_and_everything_still_drains"),
     Key("load_sub_batch_keys", "int", 64, "store", "keys per `batch_get_into_multi_buffers` call", lo=1, hi=1 << 12,
@@ -371,8 +371,6 @@ class StoreConfig:
 
     `master_server_address` None means *embedded mode*: the connector starts a private master and
     metadata server on 127.0.0.1 (kvledger_connector/embedded.py) and fills both addresses in.
-    `max_inflight_jobs` is the scheduler's job cap, here because the worker side sizes its ledger with it
-    from this object (kvledger_connector/worker.py).
     """
 
     master_server_address: str | None = None
@@ -384,7 +382,6 @@ class StoreConfig:
     local_buffer_size: int = 16 << 20
     rpc_timeout_ms: int = 2000
     unhealthy_backoff_ms: int = 1000
-    max_inflight_jobs: int = 64
     load_sub_batch_keys: int = 64
     max_key_bytes: int = 512
     store_queue_size: int = 128
@@ -632,6 +629,7 @@ class ConnectorConfig:
     max_lookup_cache: int = 4096
     max_kv_events: int = 10_000
     trace_path: str | None = None
+    max_inflight_jobs: int = 64
     max_pinned_blocks: int = DERIVED
 
     def __post_init__(self) -> None:
@@ -687,10 +685,6 @@ class ConnectorConfig:
                               f"smaller than max_inflight_jobs={cfg.max_inflight_jobs}",
                               settings.sources["max_pinned_blocks"])
         return cfg
-
-    @property
-    def max_inflight_jobs(self) -> int:
-        return self.store.max_inflight_jobs
 
 
 # -- derived defaults -------------------------------------------------------------------------------------

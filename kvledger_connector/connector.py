@@ -22,7 +22,6 @@ multi-node engine configures a master.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,35 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["KVLedgerConnector", "key_layout", "kv_cache_spec", "resolved_layout"]
 
 logger = logging.getLogger(__name__)
-
-_EMBEDDED_LOCK = threading.Lock()
-_EMBEDDED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake, refcount]
-
-
-def _acquire_embedded(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | AttachedMooncake:
-    """This process's handle on the engine's embedded servers: shared by the connectors of this process
-    (reference counted), found across the engine's processes through kvledger_connector/rendezvous.py."""
-    with _EMBEDDED_LOCK:
-        ent = _EMBEDDED.get(engine_id)
-        if ent is None:
-            handle = rendezvous.acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms))
-            ent = _EMBEDDED[engine_id] = [handle, 0]
-        ent[1] += 1
-        return ent[0]
-
-
-def _release_embedded(engine_id: str) -> None:
-    with _EMBEDDED_LOCK:
-        ent = _EMBEDDED.get(engine_id)
-        if ent is None:
-            return
-        ent[1] -= 1
-        if ent[1] <= 0:
-            del _EMBEDDED[engine_id]
-            if isinstance(ent[0], EmbeddedMooncake):
-                rendezvous.release(engine_id)
-            ent[0].stop()
-
 
 class KVLedgerConnector(KVConnectorBase_V1):
     """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger."""
@@ -138,7 +108,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.store = store if store is not None else self._connect(sc)
             self.worker_side = WorkerSide(
                 cfg, store=self.store, keys=KeyBuilder(facts.layout, sc.max_key_bytes, sc.namespace),
-                tp_rank=facts.tp_rank, max_requests=sc.max_inflight_jobs + 4 * facts.max_num_seqs,
+                tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace)
 
     @property
@@ -147,7 +117,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         if cfg.embedded:
-            self._embedded = _acquire_embedded(self.engine.engine_id, cfg.rpc_timeout_ms)
+            self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms)
         return MooncakeStore.connect(cfg, embedded=self._embedded)
 
     @property
@@ -276,7 +246,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         if self._embedded is not None:
             self._embedded = None
             engine_id = self.engine.engine_id
-            steps.append(lambda: _release_embedded(engine_id))
+            steps.append(lambda: rendezvous.release_shared(engine_id))
         if self._trace_file is not None:
             from kvledger_connector.tracefile import close_trace
             sink, self._trace_file = self._trace_file, None

@@ -13,7 +13,8 @@ engine carry the same `kv_transfer_config.engine_id` (the config is pickled to e
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
 
 The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created 0700 and refused when
-another user owns it. Only processes on this host can attach: a multi-node engine must configure
+another user owns it. Within one process the connectors of an engine share one handle, reference counted
+(`acquire_shared` / `release_shared`). Only processes on this host can attach: a multi-node engine must configure
 `master_server_address` (the connector refuses the embedded default when `parallel_config.nnodes > 1`).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -131,3 +133,33 @@ def release(engine_id: str) -> None:
             os.remove(path)
         except OSError:
             pass
+
+
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake | AttachedMooncake, refcount]
+
+
+def acquire_shared(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | AttachedMooncake:
+    """This process's handle on the engine's embedded servers: one per engine for every connector of this
+    process (reference counted), found across the engine's processes by `acquire`."""
+    with _SHARED_LOCK:
+        ent = _SHARED.get(engine_id)
+        if ent is None:
+            handle = acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms))
+            ent = _SHARED[engine_id] = [handle, 0]
+        ent[1] += 1
+        return ent[0]
+
+
+def release_shared(engine_id: str) -> None:
+    """One connector's release; the last one of the process stops the servers it owns (or detaches)."""
+    with _SHARED_LOCK:
+        ent = _SHARED.get(engine_id)
+        if ent is None:
+            return
+        ent[1] -= 1
+        if ent[1] <= 0:
+            del _SHARED[engine_id]
+            if isinstance(ent[0], EmbeddedMooncake):
+                release(engine_id)
+            ent[0].stop()

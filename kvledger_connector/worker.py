@@ -81,7 +81,7 @@ class WorkerSide:
         # queued + one per load thread (+1: a rejected load is begun and finished at once)
         self.steps = WorkerSteps(
             store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size, keys=keys,
-            ledger=WorkerLedger(tp_rank, max_live_jobs=config.max_inflight_jobs, max_requests=max_requests,
+            ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
                              trace=trace),

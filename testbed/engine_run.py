@@ -32,7 +32,7 @@ The spec (all keys but `workdir` and `prompts` optional):
                    message lists the scheduler's requests and their states)
     preload        list of "module:function" names, each called with no arguments in this process before vLLM
                    is imported (its return value is in the result's `preloaded`): a test double a driver
-                   installs for one engine only (bench.engine installs bench/cuda_event_stub.py's for
+                   installs for one engine only (bench.engine installs testbed/cuda_event_stub.py's for
                    upstream's connector). With mp=0 and the uni executor this process is the whole engine;
                    spawned processes do not get it
     barrier        {"dir": D, "passes": [n, ...]}: before pass n (after its reset) write D/before-pass-<n>

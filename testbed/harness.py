@@ -468,7 +468,7 @@ class Harness:
     @property
     def max_inflight_jobs(self) -> int:
         """The scheduler connector's pin cap on jobs (as its config validated it)."""
-        return self.scheduler_connector.store_config.max_inflight_jobs
+        return self.scheduler_connector.config.max_inflight_jobs
 
     # ------------------------------------------------------------------ checks
     def check_at_rest(self) -> list[str]:

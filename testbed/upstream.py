@@ -16,7 +16,7 @@ Two TEST DOUBLES, each only because the harness runs every rank in one process o
   that rank's identity (TP rank r of `tp_size`, PCP and DCP of size 1, as a TP-only engine has). Nothing
   else of vLLM is replaced, and the names are restored after each constructor.
 * ``torch.cuda.Event``: upstream's `wait_for_save` records one; a CPU-only torch cannot create it. The
-  labelled no-op stand-in of bench/cuda_event_stub.py is installed while an upstream harness is open
+  labelled no-op stand-in of testbed/cuda_event_stub.py is installed while an upstream harness is open
   (CPU only; with CUDA nothing is installed) and the real class restored on close.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class UpstreamRanks:
     """The upstream worker connectors of one harness and what they need while open (config file, stand-in)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config_path: str, tp_size: int) -> None:
-        from bench.cuda_event_stub import install
+        from testbed.cuda_event_stub import install
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
         import torch

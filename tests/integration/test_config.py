@@ -48,11 +48,12 @@ def test_file_then_extra_config_extra_wins(tmp_path: Path) -> None:
                            "global_segment_size": "4GB", "local_buffer_size": 1 << 20,
                            "device_name": "", "protocol": "tcp", "max_inflight_jobs": 8,
                            "local_hostname": "10.0.0.7"})
-    cfg = StoreConfig.from_sources({"max_inflight_jobs": 16, "global_segment_size": "512 MiB",
-                                    "kv_role": "kv_both"}, env=env, ignore={"kv_role"})
+    settings = read_settings({"max_inflight_jobs": 16, "global_segment_size": "512 MiB",
+                              "kv_role": "kv_both"}, env=env, ignore={"kv_role"})
+    cfg = settings.store()
     assert cfg.master_server_address == "10.0.0.5:50051" and not cfg.embedded
     assert cfg.global_segment_size == 512 << 20  # extra config wins over the file
-    assert cfg.max_inflight_jobs == 16 and cfg.local_buffer_size == 1 << 20
+    assert settings.given("connector")["max_inflight_jobs"] == 16 and cfg.local_buffer_size == 1 << 20
 
 
 @pytest.mark.parametrize("raw, value", [
@@ -304,10 +305,10 @@ def test_namespace_is_one_key_component(value: object) -> None:
 def test_derived_pin_cap(max_model_len: int, block_size: int, pool: int | None, jobs: int, cap: int) -> None:
     assert derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool,
                           max_inflight_jobs=jobs) == cap
-    cfg = ConnectorConfig(store=StoreConfig(max_inflight_jobs=jobs), block_size=block_size,
+    cfg = ConnectorConfig(store=StoreConfig(), max_inflight_jobs=jobs, block_size=block_size,
                           max_model_len=max_model_len, num_gpu_blocks=pool)
     assert cfg.max_pinned_blocks == cap  # derived at construction: no consumer sees an underived cap
-    explicit = ConnectorConfig(store=StoreConfig(max_inflight_jobs=1), block_size=block_size,
+    explicit = ConnectorConfig(store=StoreConfig(), max_inflight_jobs=1, block_size=block_size,
                                max_model_len=max_model_len, num_gpu_blocks=pool, max_pinned_blocks=cap)
     assert explicit.max_pinned_blocks == cap
 

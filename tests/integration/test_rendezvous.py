@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # one process of an engine: acquire the engine's servers, say what it got, release on "release\n"
 CHILD = """
 import json, sys
-from kvledger_connector.connector import _acquire_embedded, _release_embedded
+from kvledger_connector.rendezvous import acquire_shared, release_shared
 from kvledger_connector.embedded import EmbeddedMooncake
-h = _acquire_embedded(sys.argv[1], 2000)
+h = acquire_shared(sys.argv[1], 2000)
 print(json.dumps({"master": h.master_address, "metadata": h.metadata_server,
                   "owner": isinstance(h, EmbeddedMooncake),
                   "master_pid": getattr(h, "master_pid", None)}), flush=True)
 sys.stdin.readline()
-_release_embedded(sys.argv[1])
+release_shared(sys.argv[1])
 print("released", flush=True)
 """
 

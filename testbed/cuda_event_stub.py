@@ -43,4 +43,4 @@ def install() -> str:
     if torch.cuda.is_available():
         return "not installed: CUDA is available"
     torch.cuda.Event = CudaEventStandIn  # type: ignore[misc,assignment]
-    return "torch.cuda.Event -> bench.cuda_event_stub.CudaEventStandIn"
+    return "torch.cuda.Event -> testbed.cuda_event_stub.CudaEventStandIn"
