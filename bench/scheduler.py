@@ -166,17 +166,17 @@ class Probe:
 
         def _offer(q: Any, item: Any) -> Any:
             if q is ws._store_q:
-                self.enqueued[(r, item[0].store_job_id)] = time.perf_counter()
+                self.enqueued[(r, item[0].job_id)] = time.perf_counter()  # a jobs.SaveJob
                 if r == 0:
                     self.jobs_by_req[item[0].req_id] += 1
             return orig_offer(q, item)
 
-        def _handle_save(spec: Any, event: Any) -> Any:
-            self.started[(r, spec.store_job_id)] = time.perf_counter()
+        def _handle_save(job: Any, event: Any) -> Any:
+            self.started[(r, job.job_id)] = time.perf_counter()
             try:
-                return orig_handle(spec, event)
+                return orig_handle(job, event)
             finally:
-                self.ended[(r, spec.store_job_id)] = time.perf_counter()
+                self.ended[(r, job.job_id)] = time.perf_counter()
         ws._offer, ws._handle_save = _offer, _handle_save
 
     def _wrap_upstream(self, r: int, st: Any) -> None:
