@@ -2,10 +2,14 @@
 same harness, same run. Same-run ratios only, nothing asserted.
 
 Every way runs in testbed/harness.py (vLLM's real `Scheduler` and `BlockPool` on CPU, two emulated TP
-ranks, KV caches from vLLM's allocator, the stand-in forward that writes and checks every position's KV):
+ranks, KV caches from vLLM's allocator, the stand-in forward that writes and checks every position's KV and
+takes FORWARD_S per step, a stand-in for the model's time; the ranks' start_load_kv run in parallel):
 
-  none      no kv_transfer_config
-  ours      KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool)
+  none        no kv_transfer_config
+  ours        KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool; loads of
+              at most `sync_load_max_tokens` = 256 tokens inside the step that schedules the request)
+  ours-async  the same with `sync_load_max_tokens` 0: every load asynchronous, the request waiting in
+              WAITING_FOR_REMOTE_KVS (what ours did before sync loads, and what upstream does)
   upstream  vLLM 0.32's MooncakeStoreConnector (testbed/upstream.py: configured by its MOONCAKE_CONFIG_PATH
             file; test doubles there only: each rank's identity in vLLM's distributed groups for its
             constructor, and testbed/cuda_event_stub.py's no-op torch.cuda.Event)
@@ -49,7 +53,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-WAYS = ("none", "ours", "upstream")
+WAYS = ("none", "ours", "ours-async", "upstream")
+CONNECTOR = {"ours-async": "ours"}  # what vLLM loads for a way (default: its name)
+OURS_EXTRA = {"ours-async": {"sync_load_max_tokens": 0}}
+FORWARD_S = 0.004  # the stand-in forward's time per step (a small model's decode step on a GPU)
 MAX_TOKENS = 40
 PROMPT = {"num_prefixes": 4, "prefix_len": 48, "suffix_len": 20}
 
@@ -270,11 +277,12 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             reuse_ids: bool = False) -> dict[str, Any]:
     from testbed.harness import Harness, expected_output, shared_prefix_prompts
     prompts = shared_prefix_prompts(n, seed=wl.seed, **PROMPT)
-    extra = {"cache_prefix": uuid.uuid4().hex[:8]} if way == "upstream" else None  # its keys: this run's
-    res: dict[str, Any] = {"way": way}
+    extra = {"cache_prefix": uuid.uuid4().hex[:8]} if way == "upstream" else OURS_EXTRA.get(way)  # upstream's
+    res: dict[str, Any] = {"way": way}  # keys: this run's
+    connector = CONNECTOR.get(way, way)
     with Harness(store_config, tp_size=2, num_blocks=wl.num_blocks, policy=wl.policy, max_num_seqs=8,
-                 max_num_batched_tokens=128, connector=way, extra=extra, workdir=workdir,
-                 stall_timeout_s=60) as h:
+                 max_num_batched_tokens=128, connector=connector, extra=extra, workdir=workdir,
+                 stall_timeout_s=60, forward_s=FORWARD_S) as h:
         probe = Probe(h).install()
         raws = _wrap_raw(h, put_delay_s=SLOW_PUT_S) if wl.fault == "slow" and way != "none" else []
         wall = 0.0
@@ -305,7 +313,7 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
         problems = h.check_at_rest()
         ms, steps = probe.hold()
         qw, run, rel = probe.queue_wait_ms(), probe.run_ms(), probe.report_to_release_ms()
-        ours = way == "ours"
+        ours = connector == "ours"
         res.update({
             "steps": h.stats.steps, "wall": wall, "empty_steps": probe.empty_steps,
             "pin_wait_steps": probe.pin_wait_steps,
@@ -315,6 +323,7 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             "queue_ms": qw, "run_ms": run, "collect_ms": rel,
             "remote_wait": probe.remote_wait,
             "deferrals": h.scheduler_connector.scheduler_side.ledger.num_deferrals if ours else None,
+            "sync_loads": h.scheduler_connector.scheduler_side.num_sync_loads if ours else None,
             "pin_cap": (h.scheduler_connector.scheduler_side.max_pinned_blocks if ours else None),
             "preemptions": h.stats.preemptions, "hits": probe.hits, "hit_tokens": probe.hit_tokens,
             "wrong_kv": len(h.garbage), "wrong_out": wrong_out, "errors": errors,
@@ -333,9 +342,9 @@ def _f(v: Any, spec: str, width: int) -> str:
 def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
     print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, policy {wl.policy}"
           + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step)")
-    hdr = (f"{'way':<9}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
+    hdr = (f"{'way':<11}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
            f"{'hold ms p50':>12}{'p99':>8}{'hold st p50':>12}{'p99':>6}{'queue ms p50':>13}{'p99':>8}"
-           f"{'remote':>7}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'wrongKV':>8}{'leak':>5}"
+           f"{'remote':>7}{'sync':>6}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'wrongKV':>8}{'leak':>5}"
            f"{'err':>5}")
     print(hdr)
     for way in WAYS:
@@ -343,9 +352,9 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
         if r is None:
             continue
         if "failed" in r:
-            print(f"{way:<9} failed: {r['failed']}")
+            print(f"{way:<11} failed: {r['failed']}")
             continue
-        print(f"{way:<9}{r['steps']:>7}{r['wall']:>8.1f}{r['empty_steps']:>7}{r['pin_wait_steps']:>8}"
+        print(f"{way:<11}{r['steps']:>7}{r['wall']:>8.1f}{r['empty_steps']:>7}{r['pin_wait_steps']:>8}"
               f"{r['pin_wait_blocks']:>5.1f}{r['jobs']:>6}{r['jobs_per_req']:>6.1f}"
               f"{_f(statistics.median(r['hold_ms']) if r['hold_ms'] else None, '.1f', 12)}"
               f"{_f(_pct(r['hold_ms'], .99), '.1f', 8)}"
@@ -353,7 +362,7 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
               f"{_f(_pct(r['hold_steps'], .99), '.0f', 6)}"
               f"{_f(statistics.median(r['queue_ms']) if r['queue_ms'] else None, '.1f', 13)}"
               f"{_f(_pct(r['queue_ms'], .99), '.1f', 8)}"
-              f"{r['remote_wait']:>7}{_f(r['deferrals'], 'd', 6)}{r['preemptions']:>8}{r['hits']:>5}"
+              f"{r['remote_wait']:>7}{_f(r['sync_loads'], 'd', 6)}{_f(r['deferrals'], 'd', 6)}{r['preemptions']:>8}{r['hits']:>5}"
               f"{r['hit_tokens']:>8}{r['wrong_kv'] + r['wrong_out']:>8}{r['leaked']:>5}{r['errors']:>5}")
         if r["run_ms"]:
             print(f"   {way}: store job run ms p50 {statistics.median(r['run_ms']):.1f} p99 "
@@ -364,10 +373,12 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
                   f"{r['wall'] / r['steps'] * 1e3:.2f} ms")
         if r["at_rest"]:
             print(f"   {way} not at rest: {r['at_rest'][:3]}")
-    o, u = rows.get("ours"), rows.get("upstream")
-    if o and u and "failed" not in o and "failed" not in u:
-        print(f"ours/upstream: steps {o['steps'] / u['steps']:.2f}, wall {o['wall'] / u['wall']:.2f} "
-              f"(target <= 1.0); ours pin cap {o['pin_cap']} blocks")
+    u = rows.get("upstream")
+    for name in ("ours", "ours-async"):
+        o = rows.get(name)
+        if o and u and "failed" not in o and "failed" not in u:
+            print(f"{name}/upstream: steps {o['steps'] / u['steps']:.2f}, wall {o['wall'] / u['wall']:.2f}"
+                  + (f" (target <= 1.0); ours pin cap {o['pin_cap']} blocks" if name == "ours" else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

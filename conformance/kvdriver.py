@@ -34,7 +34,8 @@ Report(w)                 -> one step: WorkerLedger.finish
 Load(w, r)                -> one step of the rank's load generator: one sub-batch's batch_get into the block
                              rows (a transfer failure "xfail" is -800 for those keys below the wrapper); the
                              last one finishes the load
-CollectLoad(r)            -> SchedulerSteps.collect_loads([r]) (vLLM's finished_recving)
+CollectLoad(r)            -> SchedulerSteps.collect_loads([r]) (vLLM's finished_recving), or for a sync load
+                             collect_sync_loads of the ranks' merged worker metadata
 HandleLoadErrors(r)       -> WorkerSteps.take_load_errors of every rank; vLLM's recompute policy keeps the
                              prefix before the first failed block; SchedulerSteps.load_done
 Evict(k)                  -> Mooncake remove(key, force=True) on the real client
@@ -82,6 +83,9 @@ from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
 ROW = 16  # float32 elements per block row: one code repeated (a torn copy would show as mixed values)
 BS = 4  # tokens per block: a chunk of the model is one block; 4 leaves room for a partial tail of 2 tokens
+# loads of one chunk are sync ones (reported in the ranks' worker metadata), longer ones async (vLLM's
+# finished_recving): the model's load is the same action sequence for both, so each replay drives both paths
+SYNC_LOAD_MAX_TOKENS = BS
 CODE_NO_CONTENT = 0.0
 STORE_DOWN = -900
 
@@ -326,7 +330,8 @@ class KVDriver:
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
         self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
                                  store=self.store, max_pinned_blocks=self.pin_cap * self.num_blocks,
-                                 save_partial_tail=self.partial_tail, trace=tr)
+                                 save_partial_tail=self.partial_tail, sync_load_max_tokens=SYNC_LOAD_MAX_TOKENS,
+                                 trace=tr)
         self.ss.bind_ledger(self.sched)
         self.specs: dict[int, SaveSpec] = {}  # the SaveSpec of each emitted job
         # each rank's received job, its blocks resolved by the rank (WorkerSteps.receive_save)
@@ -701,7 +706,7 @@ class KVDriver:
         ld["spec"] = spec
         ld["blocks"], ld["pin"] = list(spec.block_ids), True
         # every rank's load thread takes it: the connector's load generator does EmitLoad (begin_load)
-        ld["gens"] = {w: self.steps[w].load_steps(spec.req_id, spec.block_ids, spec.block_hashes)
+        ld["gens"] = {w: self.steps[w].load_steps(spec.req_id, spec.block_ids, spec.block_hashes, spec.sync)
                       for w in self.ranks}
         for w in self.ranks:
             self._expect_step(next(ld["gens"][w]), JobAction.EMIT_LOAD, 0)
@@ -730,7 +735,7 @@ class KVDriver:
         ids = ld["blocks"]
         ld["bad"] |= {ids.index(b) + 1 for b, _code in step.failed}
         ld["done"][w] = batch[-1]
-        if step.result is not None:  # the load finished on this rank
+        if step.result is not None and not ld["spec"].sync:  # the async load finished on this rank
             self.steps[w].take_finished_loads()  # the driver's engine reads the load's end from ld, not this set
         if all(ld["done"][v] >= ld["n"] for v in self.ranks):
             ld["ph"] = "loaded"
@@ -741,7 +746,15 @@ class KVDriver:
         ld = self.ld[r]
         if ld["ph"] != "loaded" or not ld["pin"]:
             raise Refused(f"{r}: no finished load holding pins")
-        self.ss.collect_loads([r])  # vLLM's finished_recving (every rank finished it)
+        if ld["spec"].sync:  # each rank's worker metadata, merged as vLLM's KVOutputAggregator does
+            merged = KVLedgerWorkerMetadata(None, self.steps[self.ranks[0]].take_finished_sync_loads())
+            for w in self.ranks[1:]:
+                merged = merged.aggregate(KVLedgerWorkerMetadata(None, self.steps[w].take_finished_sync_loads()))
+            if merged.completed_loads != {r: len(self.ranks)}:
+                raise LedgerInvariantError.of("S9", f"{r}'s sync load reported as {merged.completed_loads}")
+            self.ss.collect_sync_loads(merged.completed_loads)
+        else:
+            self.ss.collect_loads([r])  # vLLM's finished_recving (every rank finished it)
         ld["pin"] = False
         if self.status[r] == "finished":  # aborted during the load: its bookkeeping ends here
             self.ld[r] = {**self._ld_idle(), "ph": "done"}

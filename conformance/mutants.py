@@ -264,13 +264,13 @@ def _report_skips_failed_by_exception(orig):
 
 
 def _load_unfinished_on_exception(orig):  # a load whose key building raises is dropped, never finished
-    def run_load(self, req_id, block_ids, block_hashes):
+    def run_load(self, req_id, block_ids, block_hashes, sync=False):
         try:
             self._key_list(block_hashes)
         except Exception as e:
             self.note_error(f"load {req_id}: {e}")
             return None
-        return orig(self, req_id, block_ids, block_hashes)
+        return orig(self, req_id, block_ids, block_hashes, sync)
     return run_load
 
 

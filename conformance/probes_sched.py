@@ -62,12 +62,14 @@ class Sched:
                 self.store.data[k] = 1
 
 
-def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False) -> Sched:
+def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False,
+          sync_load_max_tokens: int = 0) -> Sched:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
     store = ProbeStore()
     steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
-                           store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail)
+                           store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail,
+                           sync_load_max_tokens=sync_load_max_tokens)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, store, {})
 
@@ -221,11 +223,49 @@ def probe_preempt_notice_names_the_ended_generation() -> None:
     check(drops == [DropNotice("a", 0, False)], f"the preemption notice closes {drops}, expected generation 0")
 
 
+def _sync_loaded(sync_load_max_tokens: int) -> tuple[Sched, DriverRequest, int]:
+    """A request whose first 2 of 3 full blocks are stored and looked up, its blocks allocated."""
+    s = sched(sync_load_max_tokens=sync_load_max_tokens)
+    req = Req("a", 3 * BS + 1)
+    s.stored(req, 2)
+    s.steps.on_new_request(req)
+    ext = s.steps.lookup(req, 0)
+    s.alloc("a", 4)
+    return s, req, ext
+
+
+def probe_save_waits_for_the_sync_load() -> None:
+    """A sync load is scheduled with its request in one step: no store job of the request opens until the
+    ranks reported the load (a failed block would make the blocks computed after it wrong; the model's
+    EmitStore needs the load done). Then the job covers every block from 0."""
+    s, req, ext = _sync_loaded(1 << 10)
+    spec = s.steps.emit_load(req, s.table["a"], ext)
+    check(spec is not None and spec.sync, f"a load of {ext} tokens under a limit of 1024 is not sync: {spec}")
+    req.num_computed_tokens = ext
+    early = s.step({"a": req.num_prompt_tokens - ext})
+    check(early == [], f"the step of the sync load opened {early} before the load was reported")
+    req.num_computed_tokens = req.num_prompt_tokens
+    s.steps.collect_sync_loads({"a": 1})
+    later = s.step({"a": 1})
+    check(len(later) == 1 and s.ledger.pinned_block_ids(later[0].store_job_id) == s.table["a"][:3],
+          f"after the report the next step opened {later}")
+
+
+def probe_reused_id_with_a_pinned_load_loads_async() -> None:
+    """A req_id whose earlier load is still pinned (an aborted request, not reported yet) loads async: a
+    report releases the oldest pinned load of its req_id, so a sync report must never meet an older one."""
+    s, req, ext = _sync_loaded(1 << 10)
+    s.ledger.pin_load("a", s.alloc("old", 1))
+    spec = s.steps.emit_load(req, s.table["a"], ext)
+    check(spec is not None and not spec.sync, f"a load of a req_id with a pinned load is sync: {spec}")
+
+
 PROBES: list[Callable[[], None]] = [
     probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
     probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
+    probe_save_waits_for_the_sync_load, probe_reused_id_with_a_pinned_load_loads_async,
 ]
 
 
@@ -317,6 +357,23 @@ def _preempt_notice_off_by_one(orig):  # the notice names the new generation, no
     return notices
 
 
+def _save_during_sync_load(orig):  # a save opens while the request's sync load is still unreported
+    def emit_store(self, saves, req_id, num_scheduled, table_of):
+        ledger = self._ledger()
+        ledger.has_pinned_load = lambda r: False  # shadows the method for this call only
+        try:
+            return orig(self, saves, req_id, num_scheduled, table_of)
+        finally:
+            del ledger.has_pinned_load
+    return emit_store
+
+
+def _sync_despite_pinned_load(orig):  # the limit alone decides: a reused id's second load goes sync
+    def load_is_async(self, req_id, num_external_tokens):
+        return num_external_tokens > self.sync_load_max_tokens
+    return load_is_async
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
@@ -329,6 +386,8 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_lookup_own_shard_only": [(SchedulerSteps, "_query", _lookup_own_shard_only)],
     "sched_preempt_notice_off_by_one": [(SchedulerSteps, "notices", _preempt_notice_off_by_one)],
     "sched_sends_from_saved_offset": [(SchedulerSteps, "emit_store", _sends_from_saved_offset)],
+    "sched_save_during_sync_load": [(SchedulerSteps, "emit_store", _save_during_sync_load)],
+    "sched_sync_despite_pinned_load": [(SchedulerSteps, "load_is_async", _sync_despite_pinned_load)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -337,5 +396,6 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
     probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
-    probe_failed_load_blocks_are_saved,
+    probe_failed_load_blocks_are_saved, probe_save_waits_for_the_sync_load,
+    probe_reused_id_with_a_pinned_load_loads_async,
 ]))

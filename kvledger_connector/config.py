@@ -319,6 +319,13 @@ KEYS: tuple[Key, ...] = (
         "repeated prompt loads all but its last token; off by default like upstream's (one more key per prompt; "
         "multimodal and prompt-embedding requests never use it)",
         tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token"),
+    Key("sync_load_max_tokens", "int", 256, "connector",
+        "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
+        "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
+        "while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and admitted past "
+        "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour)", lo=0, hi=1 << 24,
+        tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
+              "::test_sync_load_max_tokens_zero_keeps_every_load_async"),
     Key("max_lookup_cache", "int", 4096, "connector",
         "lookup answers kept for waiting requests (vLLM asks again every step)", lo=1, hi=1 << 20,
         tests="test_connector_e2e.py::test_lookup_cache_is_bounded"),
@@ -626,6 +633,7 @@ class ConnectorConfig:
     save_decode: bool = False
     save_partial_tail: bool = False
     load_threads: int = 1
+    sync_load_max_tokens: int = 256
     max_lookup_cache: int = 4096
     max_kv_events: int = 10_000
     trace_path: str | None = None

@@ -197,7 +197,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._worker().start_step(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous (between steps): nothing to wait for inside the forward
+        return  # sync loads finished in start_load_kv, async ones between steps: nothing to wait for here
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves read whole blocks after the forward (wait_for_save)

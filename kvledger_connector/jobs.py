@@ -219,6 +219,9 @@ class WorkerSteps:
         # loads finished and not yet reported, in order (bounded by loads in flight); a list, not a set: two
         # loads of one reused req_id may finish before a step takes them, and each must be reported
         self.finished_loads: list[str] = []
+        # sync loads (run inside the step, before the forward) finished and not yet reported, in order;
+        # reported in the worker metadata's completed_loads, not through vLLM's finished_recving
+        self.finished_sync_loads: list[str] = []
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
 
     def note_error(self, msg: str) -> None:
@@ -239,7 +242,7 @@ class WorkerSteps:
         """A job not yet reported, or a load not finished or not yet taken by a step."""
         with self.lock:
             return (self.ledger.has_pending_work() or bool(self.finished_loads)
-                    or self.loads.num_inflight_loads > 0)
+                    or bool(self.finished_sync_loads) or self.loads.num_inflight_loads > 0)
 
     def busy(self) -> bool:
         """A job not yet reported or a load not yet finished (results waiting to be taken do not count)."""
@@ -461,23 +464,25 @@ class WorkerSteps:
         with self.lock:
             return self.loads.pending(load_id)
 
-    def finish_load(self, load_id: int, reason: str) -> LoadResult:
+    def finish_load(self, load_id: int, reason: str, sync: bool = False) -> LoadResult:
         """Errors first, then finished, under one lock: vLLM reads finished before errors in a step, so a
-        request is never seen finished without its failed blocks (S8 LoadErrorsReported)."""
+        request is never seen finished without its failed blocks (S8 LoadErrorsReported). A sync load is
+        reported in the worker metadata (`take_finished_sync_loads`), an async one in finished_recving."""
         with self.lock:
             self.loads.fail_pending(load_id, reason)
             result = self.loads.finish_load(load_id)
-            self.finished_loads.append(result.req_id)
+            (self.finished_sync_loads if sync else self.finished_loads).append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))
         return result
 
-    def reject_load(self, req_id: str, block_ids: Sequence[int], reason: str) -> LoadResult:
+    def reject_load(self, req_id: str, block_ids: Sequence[int], reason: str, sync: bool = False) -> LoadResult:
         """A load that is never tried (a full queue): every block reported failed, vLLM recomputes."""
         self.stats.add("rejected_loads")
-        return self.finish_load(self.begin_load(req_id, block_ids), reason)
+        return self.finish_load(self.begin_load(req_id, block_ids), reason, sync)
 
-    def load_steps(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any]) -> LoadSteps:
+    def load_steps(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
+                   sync: bool = False) -> LoadSteps:
         """One load as a generator (not started: nothing is owed before the first ``next()``). Each
         ``next()`` does the next model action and returns its `LoadStep`:
 
@@ -491,7 +496,7 @@ class WorkerSteps:
         An exception raised in a sub-batch, or thrown in before the load finished, stops it: every block not
         loaded is reported failed and the load finished (the step returned, or ``throw``'s, has ``result``).
         ``close()`` (or the generator's collection) before the load finished does the same inside
-        ``close()`` (S8)."""
+        ``close()`` (S8). ``sync``: the load is reported as a sync one (`finish_load`)."""
         load_id = self.begin_load(req_id, block_ids)
         reason = "not attempted"
         result: LoadResult | None = None
@@ -503,7 +508,7 @@ class WorkerSteps:
                 reason = f"{type(e).__name__}: {e}"
                 self.note_error(f"load {req_id}: {reason}")
             if not subs:  # nothing to load: still reported finished (upstream divides by zero here)
-                result = self.finish_load(load_id, reason)
+                result = self.finish_load(load_id, reason, sync)
             yield LoadStep(JobAction.EMIT_LOAD, load_id, result=result)
             for i, sub in enumerate(subs):
                 bad: list[tuple[int, int]] = []
@@ -513,18 +518,18 @@ class WorkerSteps:
                     reason = str(e)  # its blocks stay pending: reported when the load finishes
                     self.note_error(f"load {req_id}: {e}")
                 if i == len(subs) - 1:
-                    result = self.finish_load(load_id, reason)
+                    result = self.finish_load(load_id, reason, sync)
                 yield LoadStep(JobAction.LOAD, load_id, tuple(bad), result)
         except Exception as e:  # raised or thrown in: the rest is not tried, every block not loaded reported
             reason = f"{type(e).__name__}: {e}"
             self.note_error(f"load {req_id}: {reason}")
             if result is None:
-                result = self.finish_load(load_id, reason)
+                result = self.finish_load(load_id, reason, sync)
                 yield LoadStep(JobAction.LOAD, load_id, (), result)
         finally:
             if result is None:  # closed (abandoned) or an interrupt: S8 all the same
                 try:
-                    self.finish_load(load_id, "load abandoned")
+                    self.finish_load(load_id, "load abandoned", sync)
                 except LedgerError as e:
                     self.note_error(f"finish load {load_id} of {req_id!r}: {e}")
 
@@ -548,10 +553,11 @@ class WorkerSteps:
         pairs = [pairs[j] for j in fits]
         return [pairs[lo:lo + self.sub_batch] for lo in range(0, len(pairs), self.sub_batch)]
 
-    def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any]) -> LoadResult:
-        """One load, as a load thread runs it: `load_steps` drained."""
+    def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
+                 sync: bool = False) -> LoadResult:
+        """One load, as a load thread (or, ``sync``, the model runner thread) runs it: `load_steps` drained."""
         result: LoadResult | None = None
-        for step in self.load_steps(req_id, block_ids, block_hashes):
+        for step in self.load_steps(req_id, block_ids, block_hashes, sync):
             result = step.result or result
         if result is None:  # load_steps ends only after its finishing step
             raise LedgerInvariantError.of("S8", f"rank {self.tp_rank}: load of {req_id!r} ended unfinished")
@@ -562,15 +568,29 @@ class WorkerSteps:
         so a second finished load of the same req_id waits for the next step (one report per load: the
         scheduler releases one load pin per report, oldest first)."""
         with self.lock:
-            done: set[str] = set()
-            later: list[str] = []
-            for req_id in self.finished_loads:
-                if req_id in done:
-                    later.append(req_id)
-                else:
-                    done.add(req_id)
-            self.finished_loads = later
-        return done
+            done, self.finished_loads = self._once_each(self.finished_loads)
+        return set(done)
+
+    @staticmethod
+    def _once_each(finished: list[str]) -> tuple[list[str], list[str]]:
+        """(each req_id once, in order; the repeats, left for a later step)."""
+        done: dict[str, None] = {}
+        later: list[str] = []
+        for req_id in finished:
+            if req_id in done:
+                later.append(req_id)
+            else:
+                done[req_id] = None
+        return list(done), later
+
+    def take_finished_sync_loads(self) -> dict[str, int]:
+        """This rank's part of the step's ``completed_loads``: ``{req_id: 1}`` for each req_id whose sync load
+        finished since the last call (the engine sums the ranks' parts). As in `take_finished_loads`, a
+        second load of the same req_id waits for the next call: a count is per rank, per load."""
+        with self.lock:
+            done = self._once_each(self.finished_sync_loads)
+            self.finished_sync_loads = done[1]
+        return dict.fromkeys(done[0], 1)
 
     def take_load_errors(self) -> set[int]:
         with self.lock:

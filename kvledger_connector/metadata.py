@@ -8,6 +8,8 @@
 
     worker rank ──KVLedgerWorkerMetadata──▶ engine `aggregate` ──▶ scheduler.update_connector_output
         completed_saves: {store_job_id: number of ranks that reported it this step}   (Report → Collect)
+        completed_loads: {req_id: number of ranks that finished its sync load}        (→ CollectLoad; an
+                         async load is reported through vLLM's finished_recving instead)
 
 Everything here is plain data (ints, strs, bytes, lists): picklable and msgspec-friendly, because vLLM
 ships it between processes. Block hashes travel as bytes; keys are built per rank (each rank owns a
@@ -23,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvledger.errors import LedgerInputError
-from kvledger.metadata import aggregate_into, check_completed
+from kvledger.metadata import aggregate_loads_into, aggregate_into, check_completed, check_completed_loads
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,19 @@ class DropNotice:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """One async load (EmitLoad): fill `block_ids[i]` with the stored KV of `block_hashes[i]`.
+    """One load (EmitLoad): fill `block_ids[i]` with the stored KV of `block_hashes[i]`.
 
     The blocks are the request's external-hit range, already allocated by vLLM; every block of this list
-    that is not loaded must come back through `get_block_ids_with_load_errors` (S8).
+    that is not loaded must come back through `get_block_ids_with_load_errors` (S8). `sync`: vLLM
+    schedules the request in this very step (the connector answered ``load_kv_async=False``), so every
+    rank loads it in ``start_load_kv``, before the forward, and reports it in `completed_loads`; otherwise
+    a load thread runs it and vLLM's ``finished_recving`` reports it.
     """
 
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+    sync: bool = False
 
 
 @dataclass
@@ -90,28 +96,34 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler payload: which store jobs this rank finished (each exactly once, S5).
+    """Worker → scheduler payload: which store jobs this rank finished (each exactly once, S5), and which
+    sync loads.
 
     vLLM's executor folds the ranks' objects together with `aggregate` (mutating the first one), so the
-    scheduler sees `{job: number of ranks that reported it this step}`.
+    scheduler sees `{job: number of ranks that reported it this step}` and `{req_id: ranks}`.
     """
 
-    __slots__ = ("completed_saves",)
+    __slots__ = ("completed_saves", "completed_loads")
 
-    def __init__(self, completed_saves: dict[int, int] | None = None) -> None:
+    def __init__(self, completed_saves: dict[int, int] | None = None,
+                 completed_loads: dict[str, int] | None = None) -> None:
         saves = dict(completed_saves or {})
         check_completed(saves)
+        loads = dict(completed_loads or {})
+        check_completed_loads(loads)
         self.completed_saves: dict[int, int] = saves
+        self.completed_loads: dict[str, int] = loads
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLedgerWorkerMetadata:
         if not isinstance(other, KVLedgerWorkerMetadata):
             raise LedgerInputError("kv_connector_worker_meta", type(other).__name__,
                                    "cannot aggregate with KVLedgerWorkerMetadata")
         aggregate_into(self.completed_saves, other.completed_saves)  # kvledger's merge (sum per job)
+        aggregate_loads_into(self.completed_loads, other.completed_loads)
         return self
 
     def __repr__(self) -> str:
-        return f"KVLedgerWorkerMetadata({self.completed_saves!r})"
+        return f"KVLedgerWorkerMetadata({self.completed_saves!r}, {self.completed_loads!r})"
 
     def __reduce__(self):  # picklable despite __slots__ without __dict__
-        return (KVLedgerWorkerMetadata, (self.completed_saves,))
+        return (KVLedgerWorkerMetadata, (self.completed_saves, self.completed_loads))

@@ -6,12 +6,13 @@ Request, the allocator's block ids, SchedulerOutput, KVConnectorOutput — and h
 Per engine step, in vLLM's order::
 
     schedule()
-      get_num_new_matched_tokens(req, n)  -> lookup(req, n)                    Lookup
+      get_num_new_matched_tokens(req, n)  -> lookup(req, n), load_is_async      Lookup
       update_state_after_alloc(req, ..)   -> emit_load(req, block ids, n)      EmitLoad (pinned)
       build_connector_meta(out)           -> notices(finished, preempted)      DropGeneration notices
                                              take_loads(), emit_stores(..)     EmitStore (pinned) / DEFER
     update_from_output()
-      update_connector_output(out)        -> collect_loads(finished_recving)   CollectLoad
+      update_connector_output(out)        -> collect_loads(finished_recving)   CollectLoad (async)
+                                             collect_sync_loads(completed_loads) CollectLoad (sync)
                                              collect(completed_saves)          Collect
       request_finished(req, ..)           -> request_finished(req)             never delays the free
     has_requests() -> has_pending_push_work()  while any pin is held
@@ -40,7 +41,8 @@ class SchedulerSide(SchedulerSteps):
                          store=store, max_pinned_blocks=config.max_pinned_blocks,
                          save_enabled=config.save_enabled, load_enabled=config.load_enabled,
                          save_decode=config.save_decode, save_partial_tail=config.save_partial_tail,
-                         max_lookup_cache=config.max_lookup_cache, stats=stats, trace=trace)
+                         max_lookup_cache=config.max_lookup_cache,
+                         sync_load_max_tokens=config.sync_load_max_tokens, stats=stats, trace=trace)
         self.config = config
         self.max_inflight_jobs = config.max_inflight_jobs
         self._kv_cache_manager: Any = None
@@ -58,7 +60,7 @@ class SchedulerSide(SchedulerSteps):
     # ------------------------------------------------------------------ vLLM's hooks
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         ext = self.lookup(request, num_computed_tokens)
-        return (ext, True) if ext > 0 else (0, False)
+        return (ext, self.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -91,6 +93,7 @@ class SchedulerSide(SchedulerSteps):
         if not isinstance(meta, KVLedgerWorkerMetadata):
             raise LedgerInputError("kv_connector_worker_meta", type(meta).__name__,
                                    "expected KVLedgerWorkerMetadata")
+        self.collect_sync_loads(meta.completed_loads)
         self.collect(meta.completed_saves)
 
     def request_finished(self, request: Any) -> tuple[bool, None]:  # type: ignore[override]

@@ -17,6 +17,7 @@ model action at a time, bringing only the schedule and the store. There is no se
     Preempt / Finish  SchedulerSteps.notices(fin, pre)       the generation each DropGeneration closes
     Collect           SchedulerSteps.collect(completed)      pins released, ascending job id order
     CollectLoad(r)    SchedulerSteps.collect_loads(req_ids)  load pins released (every rank reported)
+                      SchedulerSteps.collect_sync_loads(..)  ... of sync loads, from the ranks' worker metadata
 
 State: one `_RequestState` per live request (on_new_request .. request_finished) in `_RequestTable`, which
 keeps two indexes over it (requests with a deferred save; the lookup cache's LRU order) so a step costs
@@ -41,6 +42,16 @@ it, nothing rewrites its first r slots — decode writes only slots r.., and a p
 request's block stays out of the free queue until every rank reported (S1 NoPollution, model: the tail of
 tla/KVLedger.tla, mutant NoTailPin). Requests whose hashes carry more than token ids (multimodal inputs,
 prompt embeddings) never save or hit a tail: the tail key holds token ids only.
+
+Sync loads (``sync_load_max_tokens``): a load of at most that many tokens is answered ``load_kv_async=False``
+(`load_is_async`): vLLM schedules its request in the same step and every rank loads it before the forward,
+instead of parking the request in WAITING_FOR_REMOTE_KVS. vLLM 0.32 admits waiting requests while fewer
+than ``max_num_seqs`` are RUNNING, so parked loaders pile up past that bound, each holding its blocks while
+it waits for a slot: under pool pressure that cost the engine steps (a loader held its blocks 17–21 steps on
+average). The load is pinned all the same (EmitLoad) and released by the ranks' ``completed_loads``; the
+request's save waits until then (the model's EmitStore needs its load done: a save must not read blocks
+a failed load left wrong). A req_id that still has a load pinned loads asynchronously: a report applies to
+the oldest pinned load of its req_id, and two channels must not race for it.
 
 Loaded blocks count as saved: a load from block 0 whose blocks vLLM kept (its ``num_computed_tokens``
 after the load, failed blocks already cut off by ``kv_load_failure_policy``) came from keys the store
@@ -271,11 +282,15 @@ class SchedulerSteps:
     def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
                  store: Any, max_pinned_blocks: int, save_enabled: bool = True, load_enabled: bool = True,
                  save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
-                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+                 sync_load_max_tokens: int = 0, stats: StatsRecorder | None = None,
+                 trace: TraceSink | None = None) -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
+        if sync_load_max_tokens.__class__ is not int or sync_load_max_tokens < 0:
+            raise LedgerInputError("sync_load_max_tokens", sync_load_max_tokens, "must be an int >= 0")
+        self.sync_load_max_tokens = sync_load_max_tokens
         self.block_size = block_size
         self.world_size = world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
@@ -298,6 +313,7 @@ class SchedulerSteps:
         self.num_match_calls = 0  # lookups asked (repeats for a waiting request are answered from the cache)
         self.num_store_queries = 0
         self.num_loads = 0
+        self.num_sync_loads = 0
         self.num_tail_saves = 0  # store jobs that carried a partial tail
         self.num_tail_hits = 0  # lookups answered with a partial tail
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
@@ -384,6 +400,13 @@ class SchedulerSteps:
         self.stats.add("lookup_hit_tokens", run * bs)
         return _Lookup(gen, num_computed_tokens, (start + run) * bs)
 
+    def load_is_async(self, req_id: str, num_external_tokens: int) -> bool:
+        """vLLM's ``load_kv_async`` for an external hit of ``num_external_tokens``: False (loaded inside the
+        step that schedules the request) up to ``sync_load_max_tokens``, unless the req_id still has a load
+        pinned (its reports would race: see the module's notes)."""
+        return (num_external_tokens > self.sync_load_max_tokens
+                or (self.ledger is not None and self.ledger.has_pinned_load(req_id)))
+
     # ------------------------------------------------------------------ EmitLoad
     def emit_load(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
                   ) -> LoadSpec | None:
@@ -410,9 +433,13 @@ class SchedulerSteps:
                                    f"{req_id!r} has {len(block_ids)} blocks, {len(request.block_hashes)} hashes")
         dest = tuple(block_ids[first:last])
         self._reqs.current(st)
+        # the answer `get_num_new_matched_tokens` gave in this schedule() (nothing is collected in between),
+        # taken before this load's own pin
+        sync = not self.load_is_async(req_id, num_external_tokens)
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
-        spec = LoadSpec(req_id, dest, tuple(hashes))
+        spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync)
         self._loads_out.append(spec)
+        self.num_sync_loads += sync
         if first == 0:  # blocks before `first` are local prefix-cache hits, not known to be stored
             st.loaded_blocks, st.loaded_tail, st.load_pending = last, tail, True
         self.num_loads += 1
@@ -506,13 +533,15 @@ class SchedulerSteps:
         st = self._reqs.get(req_id)
         if st is None or st.prompt_saved and st.generation == generation_of(st.request):
             return  # decode steps of a saved prompt: nothing to decide
+        if self._ledger().has_pinned_load(req_id):
+            return  # a sync load (this step's or earlier) not reported yet: its outcome is not known
         request = st.request
         bs = self.block_size
         token_len = request.num_computed_tokens + num_scheduled  # KV that exists after this step
         end = save_end(token_len=token_len, num_prompt_tokens=request.num_prompt_tokens,
                        num_tokens=request.num_tokens, num_hashes=len(request.block_hashes), block_size=bs,
                        save_decode=self.save_decode)
-        if st.load_pending and not self._ledger().has_pinned_load(req_id):
+        if st.load_pending:
             self.load_done(request)  # first: a loaded tail is done
         saved = self._reqs.current(st).saved_blocks
         tail = self._due_tail(st, token_len, end)
@@ -581,6 +610,13 @@ class SchedulerSteps:
             return 0
         world = self.world_size
         return self._ledger().collect_loads({req_id: world for req_id in finished_recving})
+
+    def collect_sync_loads(self, completed_loads: Mapping[str, int]) -> int:
+        """CollectLoad of sync loads: the ranks' merged ``completed_loads`` ``{req_id: ranks}``; a load's pins
+        are released once every rank reported it (a rank that reports later releases it then)."""
+        if not completed_loads:
+            return 0
+        return self._ledger().collect_loads(dict(completed_loads))
 
     # ------------------------------------------------------------------ queries, shutdown
     def has_pending_push_work(self) -> bool:

@@ -5,6 +5,7 @@
     start_load_kv / wait_for_save:
       DropGeneration (the step's drops, in order)
       EmitLoad  → load queue (bounded) ───────────────────────────────────────▶ Load: batch_get per
+      (a sync load runs here instead, before the forward: vLLM scheduled its request in this step)
       Receive: register(job), blocks [0, end)                                  sub-batch; every block not
                from SentBlocks, then enqueue ──▶ store queue (bounded)         loaded is reported (S8)
                 (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP
@@ -12,7 +13,7 @@
                                                Report: finish(job) in `finally`
     get_finished            ◀── finished loads
     get_block_ids_with_load_errors ◀── failed blocks (get-and-clear, under the lock)
-    build_connector_worker_meta ◀── WorkerLedger.take_completed()
+    build_connector_worker_meta ◀── WorkerLedger.take_completed(), finished sync loads
 
 One lock guards the WorkerLedger and the load results; store I/O runs outside it. A full queue never
 blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
@@ -123,14 +124,29 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step (model runner thread)
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
         """Drops first (a req_id preempted and re-admitted in one step must not keep its old generation),
-        then this step's loads."""
+        then this step's loads: the async ones queued for the load threads, then the sync ones run here,
+        before the forward reads them (vLLM calls start_load_kv before the forward in a step with sync
+        loads; the store's batch get returns once the bytes landed)."""
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
         for nt in meta.drops:
             self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
         for spec in meta.loads:
-            self._enqueue_load(spec)
+            if not spec.sync:
+                self._enqueue_load(spec)
+        for spec in meta.loads:
+            if spec.sync:
+                self._run_sync_load(spec)
+
+    def _run_sync_load(self, spec: LoadSpec) -> None:
+        if self._closed:  # shut down: every block reported failed (vLLM recomputes), as a refused async one
+            self.steps.reject_load(spec.req_id, spec.block_ids, "worker shut down", sync=True)
+            return
+        try:  # run_load reports every block not loaded; an error past that must not fail the step
+            self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, sync=True)
+        except Exception as e:
+            self.steps.note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
 
     def end_step(self, meta: KVLedgerConnectorMetadata) -> None:
         """After the forward: register every store job (Receive), then enqueue it with this step's event."""
@@ -172,7 +188,8 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
         done = self.steps.take_reports()
-        return KVLedgerWorkerMetadata(done) if done else None
+        loads = self.steps.take_finished_sync_loads()
+        return KVLedgerWorkerMetadata(done, loads) if done or loads else None
 
     # ------------------------------------------------------------------ store thread
     def _store_loop(self) -> None:

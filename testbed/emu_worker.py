@@ -16,7 +16,9 @@ request's blocks through vLLM's [B, H, N, C] views (K in C[:D], V in C[D:]); the
 function of the prefix. Before writing, each layer CHECKS every earlier position of the request that this
 worker did not write itself in the request's current lifetime (local prefix-cache hits, blocks loaded by
 the connector, blocks kept across a preemption): a mismatch is KV the model would have computed on
-(`wrong_kv`). Outputs are checkable with `emu_model.expected_output`.
+(`wrong_kv`) — unless the step's own connector output reports one of the request's blocks as a failed
+load (a sync load that failed inside this step: vLLM discards that request's step and recomputes from the
+failure, so the read is counted in `discarded_wrong_reads` instead and the request checked from 0 again). Outputs are checkable with `emu_model.expected_output`.
 
 Per-request state follows `GPUModelRunner._update_states`: new requests, cached/resumed requests (block
 ids appended, or replaced on resumption), `num_computed_tokens`, output tokens trimmed to the scheduler's
@@ -150,6 +152,7 @@ class EmuWorker(WorkerBase):
         self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
         self.counts: Counter[str] = Counter()
         self.messages: list[str] = []
+        self._wrong_reads: dict[str, list[tuple[int, str]]] = {}  # this step's, judged after its connector output
 
     # ------------------------------------------------------------------ start-up (EngineCore's order)
     @_rpc
@@ -275,6 +278,7 @@ class EmuWorker(WorkerBase):
         plan = self._plan_step(so)
         attn_metadata = {n: _AttnMetadata(n, plan.num_tokens) for n in self.layer_names}
         self._plan = plan
+        self._wrong_reads = {}
         try:
             with (set_forward_context(attn_metadata, self.vllm_config, num_tokens=plan.num_tokens, slot_mapping={}),
                   KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_output):
@@ -292,6 +296,7 @@ class EmuWorker(WorkerBase):
             self.counts["tokens_written"] += end - plan.write[rid][0]
             # a token is sampled once the request's known tokens are all computed (not mid-prefill)
             sampled.append([KVContent.token_after(st.hashes[end - 1])] if end >= len(st.tokens) else [])
+        self._judge_wrong_reads(kv_output)  # after valid_upto moved: a discarded step moves it back to 0
         self._pending = ModelRunnerOutput(req_ids=plan.req_ids,
                                           req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
                                           sampled_token_ids=sampled, kv_connector_output=kv_output)
@@ -465,12 +470,26 @@ class EmuWorker(WorkerBase):
             bad = (got != want).flatten(1).any(1)
             n_bad = int(bad.sum())
             if n_bad:
+                first = lo + int(bad.nonzero()[0, 0])
+                self._wrong_reads.setdefault(rid, []).append((n_bad, (
+                    f"{rid} rank {self.tp_rank} layer {li} {'KV'[kv]}: {n_bad} of positions {lo}..{hi} hold "
+                    f"wrong KV (first {first}, block {st.block_ids[first // self.cache_config.block_size]})")))
+
+    def _judge_wrong_reads(self, kvo: KVConnectorOutput | None) -> None:
+        """This step's wrong reads: wrong KV, unless the request holds a block this step's output reports as
+        a failed load (vLLM then discards the request's step: `Scheduler._update_requests_with_invalid_blocks`)."""
+        reads, self._wrong_reads = self._wrong_reads, {}
+        failed = set(kvo.invalid_block_ids or ()) if kvo is not None else set()
+        for rid, found in reads.items():
+            st = self.requests.get(rid)
+            if failed and st is not None and failed.intersection(st.block_ids):
+                self.counts["discarded_wrong_reads"] += sum(n for n, _ in found)
+                st.valid_upto = 0  # rolled back: what is kept is checked again
+                continue
+            for n_bad, msg in found:
                 self.counts["wrong_kv"] += n_bad
                 if len(self.messages) < MAX_MESSAGES:
-                    first = lo + int(bad.nonzero()[0, 0])
-                    self.messages.append(
-                        f"{rid} rank {self.tp_rank} layer {li} {'KV'[kv]}: {n_bad} of positions {lo}..{hi} hold "
-                        f"wrong KV (first {first}, block {st.block_ids[first // self.cache_config.block_size]})")
+                    self.messages.append(msg)
 
     def _note_connector_output(self, kvo: KVConnectorOutput | None) -> None:
         if kvo is None:

@@ -4,15 +4,20 @@
         │                                                 └─ KVLedgerConnector(SCHEDULER) via vLLM's factory
         ├─ per rank r: KVLedgerConnector(WORKER, tp_rank=r) + a KV cache from vLLM's own allocator
         │              (testbed.kvcache: `kv_layout`, kernel block size, CPU or CUDA)
-        └─ step(): schedule → per rank: bind meta, "forward", start_load_kv, wait_for_save, get_finished,
-                   load errors, worker meta → vLLM's KVOutputAggregator → update_from_output
+        └─ step(): schedule → per rank: bind meta, then GPUModelRunner's order: start_load_kv before the
+                   "forward" when the step has sync loads (`SchedulerOutput.has_sync_kv_loads`), else after
+                   it; wait_for_save, get_finished, load errors, worker meta → vLLM's KVOutputAggregator →
+                   update_from_output. The ranks' start_load_kv run in parallel (threads: in vLLM each rank
+                   is its own process)
 
 No model weights: the model is a hand-written tiny Llama config written to a temp dir at run time
 (`skip_tokenizer_init=True`). The "forward" stands in for attention: it writes into the request's blocks
 the KV that position p of the request must hold, a deterministic function of (token prefix up to p,
 layer, K|V, rank) — see `KVContent`. Before writing it checks that every earlier position the request
 did not write itself (prefix-cache hits, loads from the store) already holds the right KV: a wrong value
-there is a computation on garbage (S7), recorded in `garbage`. Sampled tokens are a function of the
+there is a computation on garbage (S7), recorded in `garbage` — except for a request holding a block whose
+sync load failed in this very step (vLLM discards that request's step and recomputes from the failure:
+it is checked from position 0 again next step). Sampled tokens are a function of the
 prefix too, so a finished request's output is checkable (`expected_output`).
 
 Every loop over `step()` is bounded: a step that makes no progress (no token scheduled, no pin or load pin
@@ -103,7 +108,7 @@ class Harness:
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
-                 kv_events: Any = None, connector: str = "ours") -> None:
+                 kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0) -> None:
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
@@ -111,6 +116,10 @@ class Harness:
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
         self.stall_timeout_s = stall_timeout_s
+        if not 0 <= forward_s <= 1:
+            raise ValueError(f"Harness forward_s={forward_s!r}: must be in 0..1 (seconds)")
+        self.forward_s = forward_s  # a stand-in for the model's time per step (benchmarks); 0 in tests
+        self._rank_pool: Any = None  # threads running the ranks' start_load_kv in parallel (tp_size > 1)
         self._last_progress = time.monotonic()
         self._progress_mark: tuple[int, ...] = ()
         self._tmp = None
@@ -303,17 +312,26 @@ class Harness:
             self._verified[rid] = 0
         meta = out.kv_connector_metadata
         req_ids = list(out.num_scheduled_tokens)
-        sampled = self._forward(out, req_ids)
-        outputs = []
+        loads_first = bool(getattr(out, "has_sync_kv_loads", False))  # vLLM's flag: GPUModelRunner's order
         for w in self.workers:
             w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
+        early: list[set[int]] = [set() for _ in self.workers]
+        if loads_first:
+            self._start_loads()
+            # taken before the forward (get-and-clear; merged into the step's output below) so the forward
+            # knows which requests' sync loads failed in this step
+            early = [set(w.get_block_ids_with_load_errors()) for w in self.workers]
+        sampled = self._forward(out, req_ids, set().union(*early))
+        if not loads_first:
+            self._start_loads()
+        outputs = []
+        for w, errs in zip(self.workers, early):
             w.wait_for_save()
             results = w.get_transfer_results(out.finished_req_ids)  # what vLLM's model runner asks
             kvo = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                     finished_recving=results.finished_recving or None,
                                     failed_recving=results.failed_recving,
-                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                    invalid_block_ids=errs | set(w.get_block_ids_with_load_errors()),
                                     kv_connector_stats=w.get_kv_connector_stats(),
                                     kv_connector_worker_meta=w.build_connector_worker_meta())
             w.clear_connector_metadata()
@@ -335,6 +353,18 @@ class Harness:
         if not req_ids and self.scheduler.has_requests():
             time.sleep(0.001)  # only threads can make progress: let them
         return True
+
+    def _start_loads(self) -> None:
+        """Every rank's start_load_kv, the ranks in parallel (vLLM runs each rank in its own process)."""
+        if len(self.workers) < 2:
+            for w in self.workers:
+                w.start_load_kv(None)
+            return
+        if self._rank_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._rank_pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="harness-rank")
+        for f in [self._rank_pool.submit(w.start_load_kv, None) for w in self.workers]:
+            f.result()  # re-raises a rank's exception here
 
     def _check_progress(self, scheduled: bool) -> None:
         if self.connector_kind != "ours":
@@ -373,9 +403,12 @@ class Harness:
                 f"{self.stats.steps} steps ({self.connector_kind}): running={len(self.scheduler.running)} "
                 f"waiting={len(self.scheduler.waiting)} pinned jobs={sorted(cs._pinned_saves)[:10] if cs else []}")
 
-    def _forward(self, out: Any, req_ids: list[str]) -> list[list[int]]:
+    def _forward(self, out: Any, req_ids: list[str], failed_blocks: set[int] = frozenset()) -> list[list[int]]:  # type: ignore[assignment]
         """Stand-in for the model: check earlier KV (S7), write this step's KV, sample one token per
-        request whose prefill is complete."""
+        request whose prefill is complete. A request holding a block in ``failed_blocks`` (a sync load
+        that failed in this step) is not checked now: vLLM discards its step (checked from 0 next time)."""
+        if self.forward_s:
+            time.sleep(self.forward_s)  # the model's time (benchmarks only)
         sampled: list[list[int]] = []
         bs = self.block_size
         for rid in req_ids:
@@ -386,12 +419,13 @@ class Harness:
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, end, self._hash_cache[rid])
             table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            discarded = bool(failed_blocks) and not failed_blocks.isdisjoint(table)
             for r in range(self.tp_size):
                 lo = self._verified.get(rid, 0)
-                if lo < start:
+                if lo < start and not discarded:
                     self._check_range(rid, r, table, hashes, lo, start)
                 self._write_range(r, table, hashes, start, end)
-            self._verified[rid] = end
+            self._verified[rid] = 0 if discarded else end
             sampled.append([KVContent.token_after(hashes[end - 1])] if end >= req.num_tokens else [])
         del bs
         return sampled
@@ -588,6 +622,8 @@ class Harness:
             self._checker.close()
         for w in self.workers:
             w.shutdown()
+        if self._rank_pool is not None:
+            self._rank_pool.shutdown(wait=True)
         if self._upstream is not None:
             self._upstream.close()
         if self.scheduler_connector is not None:

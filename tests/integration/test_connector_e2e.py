@@ -192,7 +192,8 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
             return getattr(self.inner, name)
 
     prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=23)
-    with Harness(store_config, tp_size=2, num_blocks=14) as h:
+    # async loads (a sync one is begun and finished inside one engine step: no abort comes in between)
+    with Harness(store_config, tp_size=2, num_blocks=14, extra={"sync_load_max_tokens": 0}) as h:
         _run_pass(h, prompts, max_tokens=8)
         for w in h.workers:
             w.worker_side.steps.store = SlowGet(w.worker_side.steps.store)

@@ -50,15 +50,20 @@ GET_FAULTS = FaultPlan([
 ], seed=11)
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config: StoreConfig, tp_size: int):
+@pytest.mark.parametrize("tp_size, sync_max", [(1, 256), (2, 256), (2, 0)],
+                         ids=["tp1-sync", "tp2-sync", "tp2-async"])
+def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config: StoreConfig, tp_size: int,
+                                                                    sync_max: int):
+    """Loads of 48 tokens: inside the step that schedules them (the default), or async (0)."""
     prompts = shared_prefix_prompts(14, num_prefixes=3, prefix_len=48, suffix_len=16, seed=20 + tp_size)
-    with Harness(store_config, tp_size=tp_size, num_blocks=20, policy="recompute") as h:
+    with Harness(store_config, tp_size=tp_size, num_blocks=20, policy="recompute",
+                 extra={"sync_load_max_tokens": sync_max}) as h:
         _pass(h, prompts)
         faulty = _wrap_workers(h, GET_FAULTS)
         h.stats.outputs.clear()
         _pass(h, prompts)
         assert sum(len(f.injected) for f in faulty) > 0
+        assert (h.scheduler_connector.scheduler_side.num_sync_loads > 0) is (sync_max > 0)
         assert h.stats.load_error_blocks > 0  # failures were reported to vLLM ...
         for i, p in enumerate(prompts):  # ... which recomputed: every request finished correctly
             assert h.stats.finished[f"req-{i}"] == "length"

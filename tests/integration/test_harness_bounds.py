@@ -10,6 +10,8 @@ import pytest
 from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, HarnessStallError, shared_prefix_prompts
 
+ASYNC = {"sync_load_max_tokens": 0}  # every load on the load threads: the request waits for remote KV
+
 
 class GatedGet:
     """Test double around the real store: `batch_get` blocks until `gate` is set (bounded by 30 s), so a
@@ -29,7 +31,8 @@ class GatedGet:
 def test_a_load_that_never_finishes_stalls_the_harness_with_a_diagnosis(store_config: StoreConfig):
     prompts = shared_prefix_prompts(6, num_prefixes=6, prefix_len=48, suffix_len=8, seed=23)
     gate = threading.Event()
-    with Harness(store_config, num_blocks=14, stall_timeout_s=2.0) as h:
+    # async loads: a sync one that never finishes holds the step itself (the store's own call deadline bounds it)
+    with Harness(store_config, num_blocks=14, stall_timeout_s=2.0, extra=ASYNC) as h:
         for i, p in enumerate(prompts):
             h.add_request(f"req-{i}", p, 8)
         h.run()  # stores every prefix

@@ -1,7 +1,8 @@
 """Load pins through vLLM 0.32.0's real Scheduler, BlockPool and KVOutputAggregator (testbed.harness, 2
 ranks, a real Mooncake master): the destination blocks of an async load stay pinned in the scheduler
 ledger (S9 LoadsPinned) until EVERY rank finished the load, also when the request is aborted mid-load and
-one rank already finished its part."""
+one rank already finished its part. The loads here are async ones (``sync_load_max_tokens=0``): a sync
+load is begun and finished inside one engine step, so no abort can come in between."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +10,8 @@ import time
 
 from kvledger_connector.config import StoreConfig
 from testbed.harness import Harness, shared_prefix_prompts
+
+ASYNC = {"sync_load_max_tokens": 0}  # every load asynchronous: its request waits in WAITING_FOR_REMOTE_KVS
 
 
 class GatedGet:
@@ -41,7 +44,7 @@ def test_aborted_load_stays_pinned_until_every_rank_finished(store_config: Store
 
     prompt = shared_prefix_prompts(1, num_prefixes=1, prefix_len=64, suffix_len=8, seed=41)[0]
     gate = threading.Event()
-    with Harness(store_config, tp_size=2, num_blocks=16) as h:
+    with Harness(store_config, tp_size=2, num_blocks=16, extra=ASYNC) as h:
         h.add_request("warm", prompt, 4)
         h.run()  # the prompt's blocks are saved by both ranks
         h.scheduler.reset_prefix_cache()  # so the next hit comes from the store, not vLLM's prefix cache

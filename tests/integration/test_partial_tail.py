@@ -76,9 +76,11 @@ def test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token(store_
 
 def test_tail_hit_answers_the_prompt_minus_one_token(store_config: StoreConfig):
     """The lookup's answer itself: k full blocks plus r - 1 tail tokens with the option on, and a prompt
-    whose tail differs in one token gets the full blocks only."""
+    whose tail differs in one token gets the full blocks only. Async loads: the answer is what
+    num_computed_tokens holds while the request waits (a sync load computes the last token in that step)."""
     prompt = _prompt(52, full_blocks=3, tail=7)  # L = 55
-    with Harness(store_config, tp_size=2, num_blocks=24, extra={"save_partial_tail": True}) as h:
+    with Harness(store_config, tp_size=2, num_blocks=24,
+                 extra={"save_partial_tail": True, "sync_load_max_tokens": 0}) as h:
         ss = h.scheduler_connector.scheduler_side
         h.add_request("a", prompt, 2)
         h.run()

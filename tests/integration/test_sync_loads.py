@@ -1,0 +1,151 @@
+"""Sync loads through vLLM 0.32.0's real Scheduler, BlockPool and KVOutputAggregator (testbed.harness, a
+real Mooncake master): a load of at most ``sync_load_max_tokens`` tokens is answered ``load_kv_async=False``,
+so vLLM schedules its request in the step that admits it (never WAITING_FOR_REMOTE_KVS) and every rank
+loads before that step's forward; its pins are released by the ranks' ``completed_loads``; the request's
+save waits for that report; a failed block is still reported and recomputed (or fails the request)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.store import StoreCode
+from testbed.faults import FaultPlan, FaultRule, FaultyStore
+from testbed.harness import Harness, shared_prefix_prompts
+
+BS = 16  # the harness's block size
+
+
+def _prompt(seed: int, full_blocks: int = 4, extra_tokens: int = 5) -> list[int]:
+    return shared_prefix_prompts(1, num_prefixes=1, prefix_len=full_blocks * BS, suffix_len=extra_tokens,
+                                 seed=seed)[0]
+
+
+def _warm(h: Harness, prompt: list[int]) -> None:
+    """Save ``prompt`` through the store, then drop vLLM's own prefix cache: the next hit is a store hit."""
+    h.add_request("warm", prompt, 2)
+    h.run()
+    assert h.scheduler.reset_prefix_cache()
+
+
+def _statuses(h: Harness, req_id: str) -> list[str]:
+    """Step until ``req_id`` finished, recording its status after each schedule()."""
+    seen: list[str] = []
+    sched = h.scheduler
+    real = sched.schedule
+
+    def schedule() -> Any:  # a spy: vLLM's schedule() unchanged, the status read after it
+        out = real()
+        if req_id in sched.requests:
+            seen.append(sched.requests[req_id].status.name)
+        return out
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    try:
+        while req_id not in h.stats.finished:
+            assert h.step()
+    finally:
+        del sched.schedule
+    return seen
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig, tp_size: int):
+    prompt = _prompt(61)
+    with Harness(store_config, tp_size=tp_size, num_blocks=24) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        h.add_request("b", prompt, 3)
+        seen = _statuses(h, "b")
+        assert "WAITING_FOR_REMOTE_KVS" not in seen and seen[0] == "RUNNING", seen
+        assert ss.num_loads == ss.num_sync_loads == 1
+        assert ss.ledger.num_loads_released == ss.ledger.num_loads_pinned == 1
+        assert h.garbage == []  # the forward read the loaded blocks after the load (S7)
+        assert h.stats.outputs["b"] == h.expected_output(prompt, 3)
+        assert h.stats.load_error_blocks == 0
+        h.run()
+        assert h.check_at_rest() == []
+        assert h.check_store()[1] == 0
+
+
+def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreConfig):
+    prompt = _prompt(62)
+    with Harness(store_config, num_blocks=24, extra={"sync_load_max_tokens": 0}) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        h.add_request("b", prompt, 3)
+        assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
+        assert ss.num_loads == 1 and ss.num_sync_loads == 0
+        assert h.stats.outputs["b"] == h.expected_output(prompt, 3) and h.garbage == []
+        h.run()
+        assert h.check_at_rest() == []
+
+
+def test_a_load_longer_than_the_limit_stays_async(store_config: StoreConfig):
+    prompt = _prompt(63)  # 64 tokens to load
+    with Harness(store_config, num_blocks=24, extra={"sync_load_max_tokens": 63}) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        h.add_request("b", prompt, 3)
+        assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
+        assert ss.num_loads == 1 and ss.num_sync_loads == 0
+        h.run()
+        assert h.check_at_rest() == []
+
+
+def test_the_save_of_a_sync_loaded_request_waits_for_its_report(store_config: StoreConfig):
+    """A request that loads 4 stored blocks and computes 3 more: no store job of it opens in the step of
+    its load (its outcome is not known yet: a failed block would make the new blocks wrong); the next
+    step's job covers the new blocks, and they reach the store."""
+    stored = _prompt(64, full_blocks=4, extra_tokens=0)
+    longer = stored + _prompt(65, full_blocks=3, extra_tokens=2)
+    with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, stored + [7])
+        opened: list[tuple[int, list[str]]] = []
+        sent = h.workers[0].bind_connector_metadata
+
+        def bind(meta: Any) -> None:  # a spy on the metadata vLLM hands the worker: unchanged
+            opened.append((len(meta.loads), [s.req_id for s in meta.saves]))
+            sent(meta)
+
+        h.workers[0].bind_connector_metadata = bind  # type: ignore[method-assign]
+        h.add_request("b", longer, 2)
+        h.run()
+        load_step = next(i for i, (n, _) in enumerate(opened) if n)
+        assert "b" not in opened[load_step][1], opened
+        assert "b" in opened[load_step + 1][1], opened
+        assert ss.num_sync_loads == 1 and h.garbage == []
+        assert h.stats.outputs["b"] == h.expected_output(longer, 2)
+        checked, polluted = h.check_store()
+        assert polluted == 0 and checked == 2 * 7  # both ranks hold all 7 full blocks of `longer`
+        assert h.check_at_rest() == []
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfig, policy: str):
+    """Every get fails on rank 1 (a test double injects the store's own TRANSFER_FAIL): the failed blocks
+    reach vLLM in the output of the very step that scheduled the request; under ``recompute`` vLLM
+    discards that step and recomputes (right output, no read of wrong KV kept), under ``fail`` the request
+    ends with an error; nothing stays pinned either way."""
+    prompt = _prompt(66)
+    with Harness(store_config, tp_size=2, num_blocks=24, policy=policy) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        w1 = h.workers[1].worker_side
+        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule("get", "code",
+                                                                          code=int(StoreCode.TRANSFER_FAIL))]))
+        h.add_request("b", prompt, 3)
+        seen = _statuses(h, "b")
+        assert "WAITING_FOR_REMOTE_KVS" not in seen and ss.num_sync_loads == 1
+        assert h.stats.load_error_blocks == 4
+        if policy == "recompute":
+            assert h.stats.finished["b"] == "length"
+            assert h.stats.outputs["b"] == h.expected_output(prompt, 3)
+        else:
+            assert h.stats.finished["b"] == "error"
+        assert h.garbage == []
+        h.run()
+        assert h.check_at_rest() == []
+        assert h.check_store()[1] == 0
