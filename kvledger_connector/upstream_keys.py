@@ -117,9 +117,11 @@ KEYS: tuple[UpstreamKey, ...] = (
     UpstreamKey("enable_lookup", "checked", "extra", "true", "accepted true; false refused: use `kv_role: "
                 "kv_producer`", _T_REFUSED, accepts=lambda v: v is None or _on(v),
                 why="to save without loading, use kv_role 'kv_producer' instead"),
-    UpstreamKey("load_async", "checked", "extra", "true", "accepted true (loads are always asynchronous here); false "
-                "refused", _T_REFUSED, accepts=lambda v: v is None or _on(v),
-                why="loads are always asynchronous here (between steps): remove it"),
+    UpstreamKey("load_async", "checked", "extra", "true", "accepted true; false refused: `sync_load_max_tokens` "
+                "decides per load (a load of at most that many tokens runs inside the step that schedules it, a "
+                "longer one asynchronously)", _T_REFUSED, accepts=lambda v: v is None or _on(v),
+                why="whether a load is synchronous is decided per load here: set sync_load_max_tokens (the most "
+                    "tokens a load run inside the engine step may have) instead"),
     UpstreamKey("lookup_async", "checked", "extra", "false", "accepted false (a lookup is one `batch_is_exist` in "
                 "the scheduler step); true refused", _T_REFUSED, accepts=_off,
                 why="lookups are one batch_is_exist call in the scheduler's step here: remove it"),

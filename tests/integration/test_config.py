@@ -210,7 +210,7 @@ def test_upstream_mode_must_agree_with_the_segment(extra: dict[str, object], fra
     ("tenant_id", "tenant-7", "namespace"),
     ("preferred_segment", "node-3:12345", "remove it"),
     ("enable_lookup", False, "kv_producer"),
-    ("load_async", False, "remove it"),
+    ("load_async", False, "sync_load_max_tokens"),
     ("lookup_async", True, "remove it"),
     ("store_tp_size", 2, "tensor_parallel_size"),
     ("enable_store_tp_lcm", True, "tensor_parallel_size"),
