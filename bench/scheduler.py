@@ -7,9 +7,11 @@ takes FORWARD_S per step, a stand-in for the model's time; the ranks' start_load
 
   none        no kv_transfer_config
   ours        KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool; loads of
-              at most `sync_load_max_tokens` = 256 tokens inside the step that schedules the request)
+              at most `sync_load_max_tokens` = 256 tokens inside the step that schedules the request, as
+              under vLLM's default kv_load_failure_policy "fail")
   ours-async  the same with `sync_load_max_tokens` 0: every load asynchronous, the request waiting in
-              WAITING_FOR_REMOTE_KVS (what ours did before sync loads, and what upstream does)
+              WAITING_FOR_REMOTE_KVS (what ours did before sync loads, what upstream does, and what ours
+              does under kv_load_failure_policy "recompute", where no load is sync)
   upstream  vLLM 0.32's MooncakeStoreConnector (testbed/upstream.py: configured by its MOONCAKE_CONFIG_PATH
             file; test doubles there only: each rank's identity in vLLM's distributed groups for its
             constructor, and testbed/cuda_event_stub.py's no-op torch.cuda.Event)
@@ -17,12 +19,13 @@ takes FORWARD_S per step, a stand-in for the model's time; the ranks' start_load
 on one Mooncake master on 127.0.0.1 that the bench starts. Each workload: the same prompts (shared-prefix,
 68 tokens, 40 generated) in two passes with reset_prefix_cache() between them, so pass 2 finds its
 prefixes in the store, not in vLLM's cache; each pass its own request ids ("p<n>-req-<i>"; bench/engine.py
-says why upstream needs that). Workloads (--quick: fewer prompts):
+says why upstream needs that). Workloads (--quick: fewer prompts), all under vLLM's default
+kv_load_failure_policy "fail":
 
   pool48       120 prompts x 2 passes, 48-block pool
   storm28      200 prompts x 2 passes, 28-block pool (preemption storm)
-  evict-fail   120 prompts x 2 passes, 48 blocks, kv_load_failure_policy "fail", every key a pass-2 load
-               asks for removed just before the load (testbed.faults.RawClientFaults under both connectors)
+  evict-fail   120 prompts x 2 passes, 48 blocks, every key a pass-2 load asks for removed just before
+               the load (testbed.faults.RawClientFaults under both connectors): the requests end in errors
   slow-put     120 prompts x 2 passes, 48 blocks, every batch put call 20 ms slower (the same test double)
 
 Per way: engine steps, wall time (both passes' step loops), steps in which requests waited while blocks were
@@ -67,7 +70,7 @@ class Workload:
     prompts: int
     quick_prompts: int
     num_blocks: int
-    policy: str = "recompute"
+    policy: str = "fail"  # vLLM's default kv_load_failure_policy
     fault: str | None = None  # "evict" (pass 2's loads) or "slow" (every put)
     seed: int = 0
 
@@ -75,7 +78,7 @@ class Workload:
 WORKLOADS = (
     Workload("pool48", 120, 24, 48, seed=1),
     Workload("storm28", 200, 40, 28, seed=2),
-    Workload("evict-fail", 120, 24, 48, policy="fail", fault="evict", seed=3),
+    Workload("evict-fail", 120, 24, 48, fault="evict", seed=3),
     Workload("slow-put", 120, 24, 48, fault="slow", seed=4),
 )
 SLOW_PUT_S = 0.020

@@ -63,13 +63,13 @@ class Sched:
 
 
 def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False,
-          sync_load_max_tokens: int = 0) -> Sched:
+          sync_load_max_tokens: int = 0, policy: str = "fail") -> Sched:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
     store = ProbeStore()
     steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
                            store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail,
-                           sync_load_max_tokens=sync_load_max_tokens)
+                           sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, store, {})
 
@@ -223,9 +223,9 @@ def probe_preempt_notice_names_the_ended_generation() -> None:
     check(drops == [DropNotice("a", 0, False)], f"the preemption notice closes {drops}, expected generation 0")
 
 
-def _sync_loaded(sync_load_max_tokens: int) -> tuple[Sched, DriverRequest, int]:
+def _sync_loaded(sync_load_max_tokens: int, policy: str = "fail") -> tuple[Sched, DriverRequest, int]:
     """A request whose first 2 of 3 full blocks are stored and looked up, its blocks allocated."""
-    s = sched(sync_load_max_tokens=sync_load_max_tokens)
+    s = sched(sync_load_max_tokens=sync_load_max_tokens, policy=policy)
     req = Req("a", 3 * BS + 1)
     s.stored(req, 2)
     s.steps.on_new_request(req)
@@ -260,12 +260,60 @@ def probe_reused_id_with_a_pinned_load_loads_async() -> None:
     check(spec is not None and not spec.sync, f"a load of a req_id with a pinned load is sync: {spec}")
 
 
+def probe_failed_sync_load_block_is_saved_once_recomputed() -> None:
+    """A sync load of 2 blocks whose second fails: nothing is decided in the load's step (not even which
+    blocks it kept: vLLM cuts them off only when the ranks report), so once vLLM recomputed block 1 the
+    request's job saves it (the model's HandleLoadErrors: emitted := kept)."""
+    s = sched(sync_load_max_tokens=1 << 10)
+    req = Req("a", 2 * BS + 1)
+    s.stored(req, 2)
+    s.steps.on_new_request(req)
+    ext = s.steps.lookup(req, 0)
+    s.alloc("a", 3)
+    s.steps.emit_load(req, s.table["a"], ext)
+    req.num_computed_tokens = ext
+    early = s.step({"a": 1})
+    check(early == [], f"the step of the sync load opened {early} before the load was reported")
+    req.num_computed_tokens = BS  # vLLM cut the failed block 1 off and recomputes it
+    s.steps.collect_sync_loads({"a": 1})
+    later = s.step({"a": BS + 1})
+    check(len(later) == 1 and later[0].block_ids[-1] == s.table["a"][1],
+          f"after a load that kept 1 of 2 blocks and the recompute of block 1 the step opened {later}")
+
+
+def probe_recompute_policy_loads_async() -> None:
+    """Under kv_load_failure_policy "recompute" no load is sync, however short: vLLM would keep a failed sync
+    load's blocks in its prefix cache (evicted only under "fail"), for a later hit to read."""
+    s, req, ext = _sync_loaded(1 << 10, policy="recompute")
+    spec = s.steps.emit_load(req, s.table["a"], ext)
+    check(spec is not None and not spec.sync, f"a load under the recompute policy is sync: {spec}")
+
+
+def probe_save_waits_for_a_shared_block_of_a_sync_load() -> None:
+    """A request whose table shares a block with another's unreported sync load (a prefix-cache hit on it in
+    the same schedule()) opens no store job until that load is reported: the block's bytes are not known."""
+    s, req, ext = _sync_loaded(1 << 10)
+    s.steps.emit_load(req, s.table["a"], ext)
+    other = Req("b", 3 * BS + 1)
+    s.steps.on_new_request(other)
+    s.table["b"] = s.table["a"][:2] + [b.block_id for b in s.pool.get_new_blocks(2)]
+    other.num_computed_tokens = 2 * BS
+    early = s.step({"b": BS + 1})
+    check(early == [], f"a save reading blocks a sync load still writes opened: {early}")
+    other.num_computed_tokens = 3 * BS + 1
+    s.steps.collect_sync_loads({"a": 1})
+    later = s.step({})
+    check([j.req_id for j in later] == ["b"], f"after the report the retried save is {later}")
+
+
 PROBES: list[Callable[[], None]] = [
     probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
     probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
     probe_save_waits_for_the_sync_load, probe_reused_id_with_a_pinned_load_loads_async,
+    probe_recompute_policy_loads_async, probe_save_waits_for_a_shared_block_of_a_sync_load,
+    probe_failed_sync_load_block_is_saved_once_recomputed,
 ]
 
 
@@ -357,20 +405,39 @@ def _preempt_notice_off_by_one(orig):  # the notice names the new generation, no
     return notices
 
 
-def _save_during_sync_load(orig):  # a save opens while the request's sync load is still unreported
-    def emit_store(self, saves, req_id, num_scheduled, table_of):
-        ledger = self._ledger()
-        ledger.has_pinned_load = lambda r: False  # shadows the method for this call only
-        try:
-            return orig(self, saves, req_id, num_scheduled, table_of)
-        finally:
-            del ledger.has_pinned_load
-    return emit_store
+def _emit_store_with_ledger_answering_no(query: str):
+    """An emit_store whose ledger answers False to ``query`` (shadowing the method for that call only)."""
+    def patch(orig):
+        def emit_store(self, saves, req_id, num_scheduled, table_of):
+            ledger = self._ledger()
+            setattr(ledger, query, lambda _arg: False)
+            try:
+                return orig(self, saves, req_id, num_scheduled, table_of)
+            finally:
+                delattr(ledger, query)
+        return emit_store
+    return patch
 
 
-def _sync_despite_pinned_load(orig):  # the limit alone decides: a reused id's second load goes sync
+# a save is decided while the request's sync load is still unreported
+_save_during_sync_load = _emit_store_with_ledger_answering_no("has_pinned_load")
+# only the request's own load is waited for, not a block it shares with another request's load
+_save_reads_a_loading_block = _emit_store_with_ledger_answering_no("any_load_destination")
+
+
+def _sync_despite_pinned_load(orig):  # the limit and the policy alone decide: a reused id's second load goes sync
     def load_is_async(self, req_id, num_external_tokens):
-        return num_external_tokens > self.sync_load_max_tokens
+        return num_external_tokens > self.sync_load_max_tokens or self.kv_load_failure_policy != "fail"
+    return load_is_async
+
+
+def _sync_under_recompute(orig):  # the policy is not asked: short loads go sync under "recompute" too
+    def load_is_async(self, req_id, num_external_tokens):
+        policy, self.kv_load_failure_policy = self.kv_load_failure_policy, "fail"
+        try:
+            return orig(self, req_id, num_external_tokens)
+        finally:
+            self.kv_load_failure_policy = policy
     return load_is_async
 
 
@@ -388,6 +455,8 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_sends_from_saved_offset": [(SchedulerSteps, "emit_store", _sends_from_saved_offset)],
     "sched_save_during_sync_load": [(SchedulerSteps, "emit_store", _save_during_sync_load)],
     "sched_sync_despite_pinned_load": [(SchedulerSteps, "load_is_async", _sync_despite_pinned_load)],
+    "sched_sync_under_recompute": [(SchedulerSteps, "load_is_async", _sync_under_recompute)],
+    "sched_save_reads_a_loading_block": [(SchedulerSteps, "emit_store", _save_reads_a_loading_block)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -396,6 +465,7 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
     probe_unannounced_preemption_saves_from_block_0, probe_failed_load_blocks_are_saved,
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
-    probe_failed_load_blocks_are_saved, probe_save_waits_for_the_sync_load,
-    probe_reused_id_with_a_pinned_load_loads_async,
+    probe_failed_load_blocks_are_saved, probe_failed_sync_load_block_is_saved_once_recomputed,
+    probe_reused_id_with_a_pinned_load_loads_async, probe_recompute_policy_loads_async,
+    probe_save_waits_for_a_shared_block_of_a_sync_load,
 ]))

@@ -323,9 +323,12 @@ KEYS: tuple[Key, ...] = (
         "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
         "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
         "while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and admitted past "
-        "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour)", lo=0, hi=1 << 24,
+        "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour). Only under vLLM's "
+        "`kv_load_failure_policy` \"fail\" (its default): under \"recompute\" vLLM keeps a failed sync load's "
+        "blocks in its prefix cache, so every load is asynchronous there", lo=0, hi=1 << 24,
         tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
-              "::test_sync_load_max_tokens_zero_keeps_every_load_async"),
+              "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
+              "::test_recompute_policy_keeps_every_load_async"),
     Key("max_lookup_cache", "int", 4096, "connector",
         "lookup answers kept for waiting requests (vLLM asks again every step)", lo=1, hi=1 << 20,
         tests="test_connector_e2e.py::test_lookup_cache_is_bounded"),
@@ -576,6 +579,8 @@ class EngineFigures(Protocol):
     def save_enabled(self) -> bool: ...
     @property
     def load_enabled(self) -> bool: ...
+    @property
+    def kv_load_failure_policy(self) -> str: ...
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
@@ -630,6 +635,7 @@ class ConnectorConfig:
     num_gpu_blocks: int | None = None
     save_enabled: bool = True  # kv_role kv_producer | kv_both
     load_enabled: bool = True  # kv_role kv_consumer | kv_both
+    kv_load_failure_policy: str = "fail"  # vLLM's (kv_transfer_config); "fail" is its default
     save_decode: bool = False
     save_partial_tail: bool = False
     load_threads: int = 1
@@ -651,6 +657,9 @@ class ConnectorConfig:
         for name in ("save_enabled", "load_enabled"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be a bool", "vllm kv_transfer_config")
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ConfigError("kv_load_failure_policy", self.kv_load_failure_policy,
+                              "must be 'fail' or 'recompute'", "vllm kv_transfer_config")
         _check_fields(self, "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:
@@ -684,7 +693,8 @@ class ConnectorConfig:
         try:
             cfg = cls(store=settings.store(), block_size=engine.block_size, world_size=engine.world_size,
                       nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
-                      save_enabled=engine.save_enabled, load_enabled=engine.load_enabled, **given)
+                      save_enabled=engine.save_enabled, load_enabled=engine.load_enabled,
+                      kv_load_failure_policy=engine.kv_load_failure_policy, **given)
         except ConfigError as e:
             raise settings.sourced(e) from None
         # a cap set below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)

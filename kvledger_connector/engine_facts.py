@@ -139,6 +139,7 @@ class EngineFacts:
     max_num_seqs: int
     save_enabled: bool  # kv_role kv_producer | kv_both
     load_enabled: bool  # kv_role kv_consumer | kv_both
+    kv_load_failure_policy: str  # "fail" | "recompute": whether loads may be sync (scheduler_steps)
     kv_events: bool  # vLLM publishes KV cache events (--kv-events-config)
     layout: KeyLayout  # this rank's
     spec: Any  # the attention KV cache spec
@@ -171,7 +172,7 @@ class EngineFacts:
                    nnodes=pc.nnodes, block_size=cc.block_size, max_model_len=vllm_config.model_config.max_model_len,
                    num_gpu_blocks=kv_cfg.num_blocks or cc.num_gpu_blocks,
                    max_num_seqs=vllm_config.scheduler_config.max_num_seqs, save_enabled=bool(kt.is_kv_producer),
-                   load_enabled=bool(kt.is_kv_consumer),
+                   load_enabled=bool(kt.is_kv_consumer), kv_load_failure_policy=str(kt.kv_load_failure_policy),
                    kv_events=kvev is not None and bool(kvev.enable_kv_cache_events), layout=layout, spec=spec,
                    num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks)
 

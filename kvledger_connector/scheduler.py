@@ -42,7 +42,8 @@ class SchedulerSide(SchedulerSteps):
                          save_enabled=config.save_enabled, load_enabled=config.load_enabled,
                          save_decode=config.save_decode, save_partial_tail=config.save_partial_tail,
                          max_lookup_cache=config.max_lookup_cache,
-                         sync_load_max_tokens=config.sync_load_max_tokens, stats=stats, trace=trace)
+                         sync_load_max_tokens=config.sync_load_max_tokens,
+                         kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace)
         self.config = config
         self.max_inflight_jobs = config.max_inflight_jobs
         self._kv_cache_manager: Any = None

@@ -53,6 +53,15 @@ request's save waits until then (the model's EmitStore needs its load done: a sa
 a failed load left wrong). A req_id that still has a load pinned loads asynchronously: a report applies to
 the oldest pinned load of its req_id, and two channels must not race for it.
 
+Loads are sync only under ``kv_load_failure_policy`` "fail" (vLLM's default): vLLM caches a sync load's
+blocks in its prefix cache when it allocates them, and on a failed block it evicts them only under "fail";
+under "recompute" it leaves them cached, counting on the request to recompute them in its next step — a
+preemption first frees them with their hashes, and every later prefix-cache hit (the request's own
+resumption too) reads the bytes the failed load left (vLLM 0.32 and 0.33, `Scheduler._handle_invalid_blocks`;
+`make demo`'s faults hit it). An async load's blocks are cached only once it finished, its kept prefix only.
+Another request scheduled in the same step can hit a sync load's blocks in the prefix cache before they are
+loaded; its save waits too while any block it reads is a pinned load's destination.
+
 Loaded blocks count as saved: a load from block 0 whose blocks vLLM kept (its ``num_computed_tokens``
 after the load, failed blocks already cut off by ``kv_load_failure_policy``) came from keys the store
 holds, so no store job re-reads them (the model's HandleLoadErrors: emitted := kept).
@@ -271,6 +280,9 @@ class _RequestTable:
         return len(self._lookup_lru)
 
 
+#: vLLM's ``kv_load_failure_policy`` values
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
 #: a request's block table (group 0) by req_id, or None when the scheduler has none for it now
 TableOf = Callable[[str], "Sequence[int] | None"]
 
@@ -282,15 +294,19 @@ class SchedulerSteps:
     def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
                  store: Any, max_pinned_blocks: int, save_enabled: bool = True, load_enabled: bool = True,
                  save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
-                 sync_load_max_tokens: int = 0, stats: StatsRecorder | None = None,
-                 trace: TraceSink | None = None) -> None:
+                 sync_load_max_tokens: int = 0, kv_load_failure_policy: str = "fail",
+                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
         if sync_load_max_tokens.__class__ is not int or sync_load_max_tokens < 0:
             raise LedgerInputError("sync_load_max_tokens", sync_load_max_tokens, "must be an int >= 0")
+        if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise LedgerInputError("kv_load_failure_policy", kv_load_failure_policy,
+                                   f"must be one of {LOAD_FAILURE_POLICIES}")
         self.sync_load_max_tokens = sync_load_max_tokens
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.block_size = block_size
         self.world_size = world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
@@ -402,9 +418,9 @@ class SchedulerSteps:
 
     def load_is_async(self, req_id: str, num_external_tokens: int) -> bool:
         """vLLM's ``load_kv_async`` for an external hit of ``num_external_tokens``: False (loaded inside the
-        step that schedules the request) up to ``sync_load_max_tokens``, unless the req_id still has a load
-        pinned (its reports would race: see the module's notes)."""
-        return (num_external_tokens > self.sync_load_max_tokens
+        step that schedules the request) up to ``sync_load_max_tokens`` under the "fail" policy, unless the
+        req_id still has a load pinned (its reports would race). See the module's notes for both."""
+        return (num_external_tokens > self.sync_load_max_tokens or self.kv_load_failure_policy != "fail"
                 or (self.ledger is not None and self.ledger.has_pinned_load(req_id)))
 
     # ------------------------------------------------------------------ EmitLoad
@@ -554,6 +570,11 @@ class SchedulerSteps:
             return
         block_ids = list(table[:rng.end])
         tail_ids = list(table[rng.end:rng.reach])
+        if self._ledger().any_load_destination(table[:rng.reach]):
+            # another request's sync load of this step writes a block this save reads (a prefix-cache hit
+            # on it): its bytes are not known until the ranks report; retried in a later step
+            self._reqs.set_deferred(st, True)
+            return
         if rng.reach > self.max_pinned_blocks:  # could never be admitted: a cache miss, not an error
             self.num_saves_dropped += 1
             st.saved_blocks, st.tail_done = rng.end, True

@@ -17,7 +17,9 @@ layer, K|V, rank) — see `KVContent`. Before writing it checks that every earli
 did not write itself (prefix-cache hits, loads from the store) already holds the right KV: a wrong value
 there is a computation on garbage (S7), recorded in `garbage` — except for a request holding a block whose
 sync load failed in this very step (vLLM discards that request's step and recomputes from the failure:
-it is checked from position 0 again next step). Sampled tokens are a function of the
+it is checked from position 0 again next step). As a model would, a forward that read wrong KV (either
+case) writes wrong KV (`KVContent.slots` + 1): a save of those blocks pollutes the store, and
+`check_store` sees it. Sampled tokens are a function of the
 prefix too, so a finished request's output is checkable (`expected_output`).
 
 Every loop over `step()` is bounded: a step that makes no progress (no token scheduled, no pin or load pin
@@ -422,9 +424,10 @@ class Harness:
             discarded = bool(failed_blocks) and not failed_blocks.isdisjoint(table)
             for r in range(self.tp_size):
                 lo = self._verified.get(rid, 0)
+                wrong = discarded  # its attention read what the failed load left
                 if lo < start and not discarded:
-                    self._check_range(rid, r, table, hashes, lo, start)
-                self._write_range(r, table, hashes, start, end)
+                    wrong = not self._check_range(rid, r, table, hashes, lo, start)
+                self._write_range(r, table, hashes, start, end, wrong=wrong)
             self._verified[rid] = 0 if discarded else end
             sampled.append([KVContent.token_after(hashes[end - 1])] if end >= req.num_tokens else [])
         del bs
@@ -456,17 +459,22 @@ class Harness:
         d = t.shape[3] // 2
         return t[..., kv * d:(kv + 1) * d]
 
-    def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
+    def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int,
+                     wrong: bool = False) -> None:
+        """Write positions lo..hi: their KV, or (``wrong``: computed on wrong KV) a value off by one."""
         caches = self.kv_caches[rank]
         for li, name in enumerate(self.layer_names):
             t = caches[name]
             for block, off, p, n in self._ranges(table, lo, hi):
                 for kv in (0, 1):
                     want = self.content.slots(hashes[p:p + n], li, kv, rank)  # (n, H, D)
+                    if wrong:
+                        want = want + 1
                     for kb, a, b, i in self._token_slices(t, block, off, n):
                         self._kv_of(t, kv)[kb, :, a:b] = want[i:i + b - a].transpose(0, 1)
 
-    def _check_range(self, rid: str, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> None:
+    def _check_range(self, rid: str, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> bool:
+        """Whether positions lo..hi hold their KV; the first wrong one is recorded in `garbage` (S7)."""
         caches = self.kv_caches[rank]
         for li, name in enumerate(self.layer_names):
             t = caches[name]
@@ -477,7 +485,8 @@ class Harness:
                         if not torch.equal(self._kv_of(t, kv)[kb, :, a:b], want[i:i + b - a].transpose(0, 1)):
                             self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} (block {block}) "
                                                 f"layer {li} {'KV'[kv]}: wrong KV before compute (S7)")
-                            return
+                            return False
+        return True
 
     # ------------------------------------------------------------------ runs
     def run(self, max_steps: int = 20000, timeout_s: float = 240.0) -> RunStats:

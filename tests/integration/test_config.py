@@ -322,6 +322,7 @@ class _Engine:  # config.EngineFigures
     num_gpu_blocks: int | None = 64
     save_enabled: bool = True
     load_enabled: bool = True
+    kv_load_failure_policy: str = "fail"
 
 
 def test_connector_config_is_built_once_from_settings_and_engine() -> None:

@@ -50,20 +50,17 @@ GET_FAULTS = FaultPlan([
 ], seed=11)
 
 
-@pytest.mark.parametrize("tp_size, sync_max", [(1, 256), (2, 256), (2, 0)],
-                         ids=["tp1-sync", "tp2-sync", "tp2-async"])
-def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config: StoreConfig, tp_size: int,
-                                                                    sync_max: int):
-    """Loads of 48 tokens: inside the step that schedules them (the default), or async (0)."""
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config: StoreConfig, tp_size: int):
+    """Loads of 48 tokens, under the default ``sync_load_max_tokens``: async all the same (``recompute``)."""
     prompts = shared_prefix_prompts(14, num_prefixes=3, prefix_len=48, suffix_len=16, seed=20 + tp_size)
-    with Harness(store_config, tp_size=tp_size, num_blocks=20, policy="recompute",
-                 extra={"sync_load_max_tokens": sync_max}) as h:
+    with Harness(store_config, tp_size=tp_size, num_blocks=20, policy="recompute") as h:
         _pass(h, prompts)
         faulty = _wrap_workers(h, GET_FAULTS)
         h.stats.outputs.clear()
         _pass(h, prompts)
         assert sum(len(f.injected) for f in faulty) > 0
-        assert (h.scheduler_connector.scheduler_side.num_sync_loads > 0) is (sync_max > 0)
+        assert h.scheduler_connector.scheduler_side.num_sync_loads == 0
         assert h.stats.load_error_blocks > 0  # failures were reported to vLLM ...
         for i, p in enumerate(prompts):  # ... which recomputed: every request finished correctly
             assert h.stats.finished[f"req-{i}"] == "length"
@@ -71,15 +68,18 @@ def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config
         _common_checks(h)
 
 
-def test_load_faults_under_fail_finish_with_error(store_config: StoreConfig):
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_load_faults_under_fail_finish_with_error(store_config: StoreConfig, tp_size: int):
+    """Under ``fail`` (vLLM's default) the 48-token loads run inside the step that schedules them."""
     prompts = shared_prefix_prompts(14, num_prefixes=3, prefix_len=48, suffix_len=16, seed=31)
-    with Harness(store_config, num_blocks=20, policy="fail") as h:
+    with Harness(store_config, tp_size=tp_size, num_blocks=20, policy="fail") as h:
         _pass(h, prompts)
         _wrap_workers(h, GET_FAULTS)
         h.stats.outputs.clear()
         _pass(h, prompts)
         reasons = {h.stats.finished[f"req-{i}"] for i in range(len(prompts))}
         assert "error" in reasons
+        assert h.scheduler_connector.scheduler_side.num_sync_loads > 0
         for i, p in enumerate(prompts):
             if h.stats.finished[f"req-{i}"] == "length":  # unaffected requests are still correct
                 assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)

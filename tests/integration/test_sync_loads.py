@@ -2,7 +2,9 @@
 real Mooncake master): a load of at most ``sync_load_max_tokens`` tokens is answered ``load_kv_async=False``,
 so vLLM schedules its request in the step that admits it (never WAITING_FOR_REMOTE_KVS) and every rank
 loads before that step's forward; its pins are released by the ranks' ``completed_loads``; the request's
-save waits for that report; a failed block is still reported and recomputed (or fails the request)."""
+save waits for that report; a failed block is still reported and fails the request. Loads are sync only
+under vLLM's ``kv_load_failure_policy`` "fail" (its default; the harness's is "recompute", so these tests
+name it): under "recompute" every load is async (scheduler_steps' notes say why)."""
 from __future__ import annotations
 
 from typing import Any
@@ -53,7 +55,7 @@ def _statuses(h: Harness, req_id: str) -> list[str]:
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig, tp_size: int):
     prompt = _prompt(61)
-    with Harness(store_config, tp_size=tp_size, num_blocks=24) as h:
+    with Harness(store_config, tp_size=tp_size, num_blocks=24, policy="fail") as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
@@ -71,7 +73,7 @@ def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig
 
 def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreConfig):
     prompt = _prompt(62)
-    with Harness(store_config, num_blocks=24, extra={"sync_load_max_tokens": 0}) as h:
+    with Harness(store_config, num_blocks=24, policy="fail", extra={"sync_load_max_tokens": 0}) as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
@@ -84,7 +86,7 @@ def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreCon
 
 def test_a_load_longer_than_the_limit_stays_async(store_config: StoreConfig):
     prompt = _prompt(63)  # 64 tokens to load
-    with Harness(store_config, num_blocks=24, extra={"sync_load_max_tokens": 63}) as h:
+    with Harness(store_config, num_blocks=24, policy="fail", extra={"sync_load_max_tokens": 63}) as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
@@ -100,7 +102,7 @@ def test_the_save_of_a_sync_loaded_request_waits_for_its_report(store_config: St
     step's job covers the new blocks, and they reach the store."""
     stored = _prompt(64, full_blocks=4, extra_tokens=0)
     longer = stored + _prompt(65, full_blocks=3, extra_tokens=2)
-    with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256) as h:
+    with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256, policy="fail") as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, stored + [7])
         opened: list[tuple[int, list[str]]] = []
@@ -123,14 +125,12 @@ def test_the_save_of_a_sync_loaded_request_waits_for_its_report(store_config: St
         assert h.check_at_rest() == []
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfig, policy: str):
+def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfig):
     """Every get fails on rank 1 (a test double injects the store's own TRANSFER_FAIL): the failed blocks
-    reach vLLM in the output of the very step that scheduled the request; under ``recompute`` vLLM
-    discards that step and recomputes (right output, no read of wrong KV kept), under ``fail`` the request
-    ends with an error; nothing stays pinned either way."""
+    reach vLLM in the output of the very step that scheduled the request, and under ``fail`` the request
+    ends with an error; no read of wrong KV, nothing stays pinned, nothing wrong is stored."""
     prompt = _prompt(66)
-    with Harness(store_config, tp_size=2, num_blocks=24, policy=policy) as h:
+    with Harness(store_config, tp_size=2, num_blocks=24, policy="fail") as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, prompt)
         w1 = h.workers[1].worker_side
@@ -140,12 +140,54 @@ def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfi
         seen = _statuses(h, "b")
         assert "WAITING_FOR_REMOTE_KVS" not in seen and ss.num_sync_loads == 1
         assert h.stats.load_error_blocks == 4
-        if policy == "recompute":
-            assert h.stats.finished["b"] == "length"
-            assert h.stats.outputs["b"] == h.expected_output(prompt, 3)
-        else:
-            assert h.stats.finished["b"] == "error"
+        assert h.stats.finished["b"] == "error"
         assert h.garbage == []
         h.run()
         assert h.check_at_rest() == []
         assert h.check_store()[1] == 0
+
+
+def test_recompute_policy_keeps_every_load_async(store_config: StoreConfig):
+    """Under ``recompute`` a short load waits in WAITING_FOR_REMOTE_KVS like a long one (vLLM would keep a
+    failed sync load's blocks in its prefix cache). Rank 1's first get fails (a test double injects the
+    store's TRANSFER_FAIL): vLLM sends the request back to the scheduler's queue, whose next lookup loads
+    it again: right output, no wrong KV."""
+    prompt = _prompt(67)
+    with Harness(store_config, tp_size=2, num_blocks=24, policy="recompute") as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        w1 = h.workers[1].worker_side
+        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule(
+            "get", "code", code=int(StoreCode.TRANSFER_FAIL), calls=frozenset({0}))]))
+        h.add_request("b", prompt, 3)
+        assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
+        assert ss.num_loads == 2 and ss.num_sync_loads == 0
+        assert h.stats.load_error_blocks == 4
+        assert h.stats.finished["b"] == "length" and h.stats.outputs["b"] == h.expected_output(prompt, 3)
+        assert h.garbage == []
+        h.run()
+        assert h.check_at_rest() == []
+        assert h.check_store()[1] == 0
+
+
+def test_a_save_reading_a_block_of_a_failing_sync_load_never_stores_it(store_config: StoreConfig):
+    """Two requests of one stored prompt admitted in one step: the first sync-loads it, the second hits the
+    first's blocks in vLLM's prefix cache (cached when allocated, before they are loaded). Every get fails
+    on rank 0 (a test double evicts the key first): both requests fail (``fail`` evicts the blocks), and
+    the second's save, which would read those blocks, waits for the load's report and is then dropped:
+    the keys stay absent instead of holding what the failed load left."""
+    prompt = _prompt(68)
+    with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256, policy="fail") as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        w0 = h.workers[0].worker_side
+        w0.steps.store = FaultyStore(w0.steps.store, FaultPlan([FaultRule("get", "evict")]))
+        h.add_request("a", prompt, 3)
+        h.add_request("b", prompt, 3)
+        h.run()
+        assert ss.num_loads == ss.num_sync_loads == 1  # b's whole prefix was a prefix-cache hit on a's blocks
+        assert h.stats.finished == {"warm": "length", "a": "error", "b": "error"}, h.stats.finished
+        assert h.garbage == []
+        assert h.check_at_rest() == []
+        checked, polluted = h.check_store()
+        assert polluted == 0 and checked == 4  # rank 1's four keys; rank 0's were evicted and not put again

@@ -10,6 +10,7 @@ import pytest
 from conformance.kvprobes import HASHES, ProbeStore, rank
 from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError, LedgerInvariantError
+from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
 from kvledger_connector.scheduler_steps import SchedulerSteps
 
@@ -84,6 +85,36 @@ def test_sync_load_max_tokens_must_be_an_int_ge_0():
         with pytest.raises(LedgerInputError, match="sync_load_max_tokens"):
             SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders, store=s.store,
                            max_pinned_blocks=8, sync_load_max_tokens=bad)
+
+
+def test_kv_load_failure_policy_is_vllms_and_recompute_keeps_loads_async():
+    """vLLM keeps a failed sync load's blocks in its prefix cache under "recompute": no load is sync there."""
+    s = sched()
+    with pytest.raises(LedgerInputError, match="kv_load_failure_policy.*'retry'"):
+        SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders, store=s.store,
+                       max_pinned_blocks=8, kv_load_failure_policy="retry")
+    with pytest.raises(ConfigError, match="kv_load_failure_policy.*'retry'"):
+        ConnectorConfig(store=StoreConfig(), block_size=BS, kv_load_failure_policy="retry")
+    assert ConnectorConfig(store=StoreConfig(), block_size=BS).kv_load_failure_policy == "fail"  # vLLM's default
+    r = sched(sync_load_max_tokens=1 << 10, policy="recompute")
+    assert r.steps.load_is_async("a", 1) is True
+
+
+def test_a_save_sharing_a_block_with_a_pinned_load_waits_then_is_retried():
+    """Another request's save whose table holds a block a sync load still writes (vLLM's prefix cache shared
+    it) is deferred, then retried once that load is reported, even in a step that does not schedule it."""
+    s, req, n = _loaded(sync_max=1 << 10)
+    s.steps.emit_load(req, s.table["a"], n)
+    other = Req("b", 3 * BS + 1)
+    s.steps.on_new_request(other)
+    s.table["b"] = s.table["a"][:2] + s.alloc("b-own", 2)
+    other.num_computed_tokens = 2 * BS
+    assert s.step({"b": BS + 1}) == []
+    assert s.ledger.num_inflight_jobs == 0 and s.steps.num_saves_dropped == 0
+    other.num_computed_tokens = 3 * BS + 1
+    s.steps.collect_sync_loads({"a": 1})
+    (job,) = s.step({})
+    assert job.req_id == "b" and s.ledger.pinned_block_ids(job.store_job_id) == s.table["b"][:3]
 
 
 def test_a_sync_load_is_reported_in_worker_metadata_not_finished_recving():
