@@ -321,6 +321,10 @@ class SchedulerLedger:
     def has_pinned_load(self, req_id: str) -> bool:
         return req_id in self._loads
 
+    def load_owner(self, block_id: int) -> str | None:
+        """The req_id whose pinned load writes ``block_id`` (None: no pinned load does)."""
+        return self._load_dest.get(block_id)
+
     def any_load_destination(self, block_ids: Sequence[int]) -> bool:
         """Whether a pinned load may still write one of ``block_ids`` (its bytes are not known yet)."""
         dest = self._load_dest

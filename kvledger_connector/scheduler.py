@@ -11,7 +11,8 @@ Per engine step, in vLLM's order::
       build_connector_meta(out)           -> notices(finished, preempted)      DropGeneration notices
                                              take_loads(), emit_stores(..)     EmitStore (pinned) / DEFER
     update_from_output()
-      update_connector_output(out)        -> collect_loads(finished_recving)   CollectLoad (async)
+      update_connector_output(out)        -> note_load_errors(invalid_block_ids) later lookups stop there
+                                             collect_loads(finished_recving)   CollectLoad (async)
                                              collect_sync_loads(completed_loads) CollectLoad (sync)
                                              collect(completed_saves)          Collect
       request_finished(req, ..)           -> request_finished(req)             never delays the free
@@ -87,6 +88,7 @@ class SchedulerSide(SchedulerSteps):
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self.note_load_errors(connector_output.invalid_block_ids)  # while the loads still hold their pins
         self.collect_loads(connector_output.finished_recving)
         meta = connector_output.kv_connector_worker_meta
         if meta is None:

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
@@ -171,6 +171,9 @@ class _RequestState:
     loaded_tail: bool = False  # ... whose last block was the prompt's partial tail
     load_pending: bool = False  # that load's outcome is not applied yet
     prompt_saved: bool = False  # without save_decode: every block a job of this generation may save is covered
+    load_dest: tuple[int, ...] = ()  # the destination blocks of its latest load ...
+    load_first: int = 0  # ... the first of them being table block `load_first`
+    load_failed_at: int | None = None  # the first block a load of this request failed on: lookups stop there
 
     def new_generation(self) -> None:
         self.saved_blocks = self.sent_blocks = 0
@@ -268,6 +271,7 @@ class _RequestTable:
             st.deferred = False
             st.loaded_blocks = 0
             st.loaded_tail = st.load_pending = st.prompt_saved = False
+            st.load_failed_at = None  # the keys a load failed on are gone too
         self._deferred.clear()
         self._lookup_lru.clear()
 
@@ -387,6 +391,9 @@ class SchedulerSteps:
             return miss
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.load_failed_at is not None:  # see `note_load_errors`
+            end = min(end, st.load_failed_at)
         hashes = list(request.block_hashes[start:end]) if end > start else []
         tail = None
         if self.save_partial_tail and end == request.num_tokens // bs:  # every full block is asked for
@@ -453,6 +460,7 @@ class SchedulerSteps:
         # taken before this load's own pin
         sync = not self.load_is_async(req_id, num_external_tokens)
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
+        st.load_dest, st.load_first = dest, first
         spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync)
         self._loads_out.append(spec)
         self.num_sync_loads += sync
@@ -623,6 +631,22 @@ class SchedulerSteps:
             inflight = set(ledger.inflight_jobs())
             self.events.jobs_collected(completed_saves, inflight.__contains__)
         return released
+
+    def note_load_errors(self, invalid_block_ids: Iterable[int] | None) -> None:
+        """The blocks vLLM is told failed to load this step (before the loads' pins are collected): each
+        one's request answers its later lookups short of the first of them. Under ``recompute`` vLLM sends
+        a request whose async load failed back to its queue and asks again; a key that exists but whose
+        get keeps failing would be hit, loaded and failed again without end."""
+        ledger = self.ledger
+        if not invalid_block_ids or ledger is None:
+            return
+        for b in invalid_block_ids:
+            req_id = ledger.load_owner(b)
+            st = self._reqs.get(req_id) if req_id is not None else None
+            if st is None or b not in st.load_dest:
+                continue  # a load of an earlier request under a reused id, or not ours
+            i = st.load_first + st.load_dest.index(b)
+            st.load_failed_at = i if st.load_failed_at is None else min(st.load_failed_at, i)
 
     def collect_loads(self, finished_recving: Sequence[str] | set[str]) -> int:
         """CollectLoad: vLLM reports a req_id in ``finished_recving`` once every rank finished its load, so

@@ -149,20 +149,14 @@ def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfi
 
 def test_recompute_policy_keeps_every_load_async(store_config: StoreConfig):
     """Under ``recompute`` a short load waits in WAITING_FOR_REMOTE_KVS like a long one (vLLM would keep a
-    failed sync load's blocks in its prefix cache). Rank 1's first get fails (a test double injects the
-    store's TRANSFER_FAIL): vLLM sends the request back to the scheduler's queue, whose next lookup loads
-    it again: right output, no wrong KV."""
+    failed sync load's blocks in its prefix cache): right output, no wrong KV."""
     prompt = _prompt(67)
     with Harness(store_config, tp_size=2, num_blocks=24, policy="recompute") as h:
         ss = h.scheduler_connector.scheduler_side
         _warm(h, prompt)
-        w1 = h.workers[1].worker_side
-        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule(
-            "get", "code", code=int(StoreCode.TRANSFER_FAIL), calls=frozenset({0}))]))
         h.add_request("b", prompt, 3)
         assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
-        assert ss.num_loads == 2 and ss.num_sync_loads == 0
-        assert h.stats.load_error_blocks == 4
+        assert ss.num_loads == 1 and ss.num_sync_loads == 0 and h.stats.load_error_blocks == 0
         assert h.stats.finished["b"] == "length" and h.stats.outputs["b"] == h.expected_output(prompt, 3)
         assert h.garbage == []
         h.run()
@@ -191,3 +185,21 @@ def test_a_save_reading_a_block_of_a_failing_sync_load_never_stores_it(store_con
         assert h.check_at_rest() == []
         checked, polluted = h.check_store()
         assert polluted == 0 and checked == 4  # rank 1's four keys; rank 0's were evicted and not put again
+
+
+def test_a_get_that_keeps_failing_is_loaded_once_then_recomputed(store_config: StoreConfig):
+    """Every get fails on rank 1 (a test double injects the store's TRANSFER_FAIL on each call) while the
+    keys stay in the store. Under ``recompute`` vLLM sends the request back to its queue and asks again; the
+    lookup stops at the block that failed, so the request computes it instead of loading it without end."""
+    prompt = _prompt(69)
+    with Harness(store_config, tp_size=2, num_blocks=24, policy="recompute") as h:
+        ss = h.scheduler_connector.scheduler_side
+        _warm(h, prompt)
+        w1 = h.workers[1].worker_side
+        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule(
+            "get", "code", code=int(StoreCode.TRANSFER_FAIL))]))
+        h.add_request("b", prompt, 3)
+        h.run()
+        assert ss.num_loads == 1 and h.stats.load_error_blocks == 4
+        assert h.stats.finished["b"] == "length" and h.stats.outputs["b"] == h.expected_output(prompt, 3)
+        assert h.garbage == [] and h.check_at_rest() == []

@@ -145,3 +145,19 @@ def test_worker_metadata_sums_the_ranks_sync_loads_and_refuses_bad_counts():
                        ({5: 1}, "completed_loads key")):
         with pytest.raises(LedgerInputError, match=field.replace("[", r"\[")):
             KVLedgerWorkerMetadata(None, bad)  # type: ignore[arg-type]
+
+
+def test_a_failed_block_caps_the_requests_later_lookups():
+    """vLLM's invalid_block_ids, noted while the load still holds its pins: the request's next lookup stops
+    before the first failed block (its key exists, its get failed); another request's lookup does not."""
+    s, req, n = _loaded(sync_max=0, blocks=2)
+    spec = s.steps.emit_load(req, s.table["a"], n)
+    s.steps.note_load_errors({spec.block_ids[1], 999})  # 999: not a load's block (another connector's)
+    s.steps.collect_loads(["a"])
+    assert s.steps.lookup(req, 0) == BS  # block 0 only
+    other = Req("b", 3 * BS + 1)
+    other.block_hashes = list(req.block_hashes)
+    s.steps.on_new_request(other)
+    assert s.steps.lookup(other, 0) == 2 * BS
+    s.steps.note_load_errors(None)
+    s.steps.note_load_errors(set())
