@@ -328,7 +328,7 @@ class SchedulerLedger:
     def any_load_destination(self, block_ids: Sequence[int]) -> bool:
         """Whether a pinned load may still write one of ``block_ids`` (its bytes are not known yet)."""
         dest = self._load_dest
-        return bool(dest) and any(b in dest for b in block_ids)
+        return any(b in dest for b in block_ids)
 
     def load_pinned_block_ids(self, req_id: str) -> list[int]:
         """Destination blocks of the oldest pinned load of ``req_id``, in order (introspection)."""

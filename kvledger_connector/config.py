@@ -37,7 +37,7 @@ from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
 
 from kvledger_connector import upstream_keys as upstream
-from kvledger_connector.scheduler_steps import max_job_blocks
+from kvledger_connector.scheduler_steps import LOAD_FAILURE_POLICIES, max_job_blocks
 from kvledger_connector.upstream_keys import ENV_CONFIG_PATH
 
 __all__ = ["ENV_CONFIG_PATH", "KEYS", "ConfigError", "ConnectorConfig", "EngineFigures", "Key", "Settings",
@@ -657,9 +657,9 @@ class ConnectorConfig:
         for name in ("save_enabled", "load_enabled"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "must be a bool", "vllm kv_transfer_config")
-        if self.kv_load_failure_policy not in ("fail", "recompute"):
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ConfigError("kv_load_failure_policy", self.kv_load_failure_policy,
-                              "must be 'fail' or 'recompute'", "vllm kv_transfer_config")
+                              f"must be one of {LOAD_FAILURE_POLICIES}", "vllm kv_transfer_config")
         _check_fields(self, "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:

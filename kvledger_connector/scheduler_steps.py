@@ -578,7 +578,8 @@ class SchedulerSteps:
             return
         block_ids = list(table[:rng.end])
         tail_ids = list(table[rng.end:rng.reach])
-        if self._ledger().any_load_destination(table[:rng.reach]):
+        ledger = self._ledger()
+        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach]):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._reqs.set_deferred(st, True)
@@ -589,7 +590,7 @@ class SchedulerSteps:
             self._note_prompt_saved(st)
             return
         gen = generation_of(request)
-        job_id = self._ledger().open_job(req_id, block_ids, tail_ids, generation=gen)
+        job_id = ledger.open_job(req_id, block_ids, tail_ids, generation=gen)
         if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
             if not st.deferred:
                 self.stats.add("deferrals")
