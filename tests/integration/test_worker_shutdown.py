@@ -172,18 +172,20 @@ def child_hung(args: argparse.Namespace) -> None:
     from kvledger_connector.store import MooncakeStore
 
     engine = _engine(tempfile.mkdtemp(prefix="shutdown-model-"))
-    with EmbeddedMooncake(rpc_timeout_ms=2000) as mc:
+    # the RPC timeout is the window in which the poll below must see the call inside: long enough that a
+    # poller starved on a loaded machine still sees it (the call returns at SIGCONT, so it costs no time)
+    with EmbeddedMooncake(rpc_timeout_ms=20000) as mc:
         cfg = StoreConfig(global_segment_size=16 << 20, local_buffer_size=1 << 20,
-                          rpc_timeout_ms=2000).with_addresses(mc.master_address, mc.metadata_server)
+                          rpc_timeout_ms=20000).with_addresses(mc.master_address, mc.metadata_server)
         store = MooncakeStore.connect(cfg)
         ws, _caches = _worker(engine, store, cfg, "hung")
         os.kill(mc.master_pid, signal.SIGSTOP)
         try:
             ws.end_step(KVLedgerConnectorMetadata(step=0, saves=[SaveSpec("r", 0, 0, 0, 1, (1,), (b"k" * 32,))]))
-            deadline = time.monotonic() + 5
-            while store.calls_inside == 0 and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            while store.calls_inside == 0 and time.monotonic() < t0 + 15:
                 time.sleep(0.005)
-            inside = store.calls_inside
+            inside, waited = store.calls_inside, time.monotonic() - t0
             clean = ws.shutdown(0.2)
             closed = store.close(timeout_s=0.4)
         finally:
@@ -192,7 +194,9 @@ def child_hung(args: argparse.Namespace) -> None:
             t.join(15)
         out = {"inside": inside, "clean": clean, "left_running": ws.num_threads_left_running, "closed": closed,
                "leaked": store.num_close_leaked, "alive_after": sum(t.is_alive() for t in ws._threads),
-               "calls_inside_after": store.calls_inside}
+               "calls_inside_after": store.calls_inside, "waited_s": round(waited, 3),
+               # why, if no call was seen inside: what the save's store calls answered
+               "errors": ws.steps.errors[-4:], "last_exception": repr(store.last_exception)}
         print("RESULTS " + json.dumps(out), flush=True)
         if out["calls_inside_after"] == 0:  # cleanup only: the leaked client, now idle, leaves while the master
             store.raw.close()              # runs (destroyed later, it retries the unmount for ~45 s)
