@@ -78,7 +78,8 @@ class ConfigError(ValueError):
 
 # -- the table ------------------------------------------------------------------------------------------
 
-KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", "int", "bool", "namespace", "path"]
+KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", "int", "bool", "namespace", "version",
+                  "path"]
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
@@ -239,6 +240,13 @@ def _parse_namespace(key: Key, field: str, raw: Any, source: str) -> str:
     return raw
 
 
+def _parse_version(key: Key, field: str, raw: Any, source: str) -> str:
+    if not isinstance(raw, str) or not (raw == "" or _NAMESPACE_RE.match(raw)):
+        raise ConfigError(field, raw, "must be '' (none) or 1-64 characters of A-Z a-z 0-9 . _ - (it goes into "
+                          "every store key's layout digest)", source)
+    return raw
+
+
 def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:
     if raw is None or raw == "":  # off
         return None
@@ -251,7 +259,7 @@ def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:
 _PARSERS: dict[str, Callable[[Key, str, Any, str], Any]] = {
     "address": _parse_address, "metadata": _parse_metadata, "host": _parse_host, "protocol": _parse_protocol,
     "devices": _parse_devices, "size": _parse_size, "int": _parse_int, "bool": _parse_bool,
-    "namespace": _parse_namespace, "path": _parse_path,
+    "namespace": _parse_namespace, "version": _parse_version, "path": _parse_path,
 }
 
 _T = 1 << 40
@@ -283,7 +291,7 @@ KEYS: tuple[Key, ...] = (
         lo=1, hi=_MS_BOUND, tests="test_store_faults.py::test_hung_master_times_out_with_901_within_rpc_timeout"),
     Key("unhealthy_backoff_ms", "int", 1000, "store",
         "after a master failure (-900/-901), skip store calls this long instead of paying a reconnect per call",
-        lo=0, hi=_MS_BOUND,
+        lo=1, hi=_MS_BOUND,
         tests="test_store_faults.py::test_killed_master_gives_codes_then_fast_skips_then_recovers_without_old_keys"),
     Key("max_inflight_jobs", "int", 64, "connector",
         "cap on store jobs holding pinned blocks; beyond it the scheduler defers saves (retried, not dropped)",
@@ -348,6 +356,13 @@ KEYS: tuple[Key, ...] = (
         "group wins, and a worker of a group of several ranks with neither refuses to start", lo=0, hi=1 << 16,
         in_file=False, shown_default="vLLM's",
         tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),
+    Key("weights_version", "version", "", "engine",
+        "the model's weights version, in every key's layout digest next to vLLM's hash of the model config "
+        "(`ModelConfig.compute_hash`: path, revision, quantization, dtype, overrides) and the block hash "
+        "algorithm: bump it when the weights change under the same model config (an RL update), and no engine "
+        "reads the old weights' KV",
+        tests="test_keys.py::test_model_identity_is_in_the_key, "
+              "test_namespace.py::test_a_bumped_weights_version_never_loads_the_old_kv"),
     Key("pp_rank", "int", None, "engine", "pipeline stage, only for in-process drivers (tests); vLLM's PP group "
         "wins", lo=0, hi=1 << 16, in_file=False, shown_default="vLLM's",
         tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),
@@ -770,6 +785,7 @@ _ACCEPTS: dict[str, str] = {
     "address": "`host:port`", "metadata": "`http://host:port/metadata`, `P2PHANDSHAKE`, `etcd://…`, `redis://…`",
     "host": "host name or IP address", "protocol": "`tcp`, `rdma`", "devices": "comma list of device names",
     "bool": "`true`, `false`", "namespace": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
+    "version": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
     "path": "path; `\"\"` or null: off",
 }
 

@@ -73,7 +73,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
         # everything is read and checked before anything is started or connected
         settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
         self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
-                                             tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"))
+                                             tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
+                                             weights_version=settings.get("weights_version") or "")
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None

@@ -9,6 +9,8 @@ pages, an unresolved layout, a rank it would have to guess.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -22,7 +24,7 @@ from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayou
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _EXTRA = "kv_connector_extra_config"
@@ -65,7 +67,18 @@ def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     return str(name)
 
 
-def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int) -> KeyLayout:
+def model_identity(model_config: ModelConfig, prefix_caching_hash_algo: str, weights_version: str = "") -> str:
+    """What makes two engines' KV of one prompt differ besides the layout: vLLM's hash of the model config
+    (it covers the weights' path, revision, quantization, dtype and the hf_config after overrides), the block
+    hash algorithm, and the operator's `weights_version` (bumped when weights change in place). 32 hex chars;
+    the scheduler and every worker compute it from their copy of the same config."""
+    canon = json.dumps([model_config.compute_hash(), str(prefix_caching_hash_algo), weights_version],
+                       separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int,
+               weights_version: str = "") -> KeyLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
     extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
@@ -74,15 +87,16 @@ def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int,
     return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
                      pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size, block_size=cc.block_size, dtype=dtype,
                      kv_layout=kv_layout, num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
-                     head_size=spec.head_size, extra=extra)
+                     head_size=spec.head_size, extra=extra,
+                     model_hash=model_identity(mc, cc.prefix_caching_hash_algo, weights_version))
 
 
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
-               pp_rank: int = 0) -> KeyLayout:
+               pp_rank: int = 0, weights_version: str = "") -> KeyLayout:
     """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
     from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
     return _layout_of(vllm_config, kv_cache_spec(kv_cache_config), resolved_layout(vllm_config, kv_cache_config),
-                      tp_rank, pp_rank)
+                      tp_rank, pp_rank, weights_version)
 
 
 def _vllm_tp_rank() -> int | None:
@@ -148,7 +162,7 @@ class EngineFacts:
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
-           tp_rank: int | None = None, pp_rank: int | None = None) -> EngineFacts:
+           tp_rank: int | None = None, pp_rank: int | None = None, weights_version: str = "") -> EngineFacts:
         """The facts, or the error naming what cannot be served. `tp_rank`/`pp_rank`: the extra config's
         (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both."""
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
@@ -165,7 +179,7 @@ class EngineFacts:
             pp = _rank("pp_rank", pp_rank, pc.pipeline_parallel_size, _vllm_pp_rank)
         spec = kv_cache_spec(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
-        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp)
+        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp, weights_version)
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,

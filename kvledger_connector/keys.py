@@ -8,10 +8,16 @@ changes the bytes of a block on this rank, plus the block's content hash:
           |                 |                 |                    `-- vLLM's chained block hash
           |                 |                 `-- tensor-parallel shard (each rank stores its own heads)
           |                 |                     and pipeline stage (each stage its own layers)
-          |                 `-- sha256 over (model, block_size, dtype, kv_layout, num_layers,
-          |                     num_kv_heads, head_size, extra: the KV cache spec): different
-          |                     layouts never collide
+          |                 `-- sha256 over (model, model_hash, block_size, dtype, kv_layout,
+          |                     num_layers, num_kv_heads, head_size, extra: the KV cache spec):
+          |                     different models, weights or layouts never collide
           `-- for humans reading `batch_is_exist` logs; never relied on for uniqueness
+
+`model_hash` is the model's identity beyond its name (`engine_facts.model_identity`): vLLM's own hash of
+the model config (revision, quantization, dtype, overrides, the weights' path, max_model_len, ...), the block
+hash algorithm and the operator's `weights_version`. Two engines serving one path with different weights,
+quantization or overrides never share a key; engines differing in any field vLLM hashes are kept apart too,
+even where the KV would match (e.g. only `max_model_len`): a missed share, never a wrong load.
 
 The object's byte order is the resolved `KVCacheLayout`'s own (kvledger_connector/kvlayout.py), so the layout
 name is in the digest: engines with different physical layouts never share a key (they would read each
@@ -65,6 +71,7 @@ class KeyLayout:
     extra: tuple[tuple[str, str], ...] = field(default=())  # the rest of the spec (kind, content bytes, quant)
     pp_rank: int = 0
     pp_size: int = 1
+    model_hash: str = ""  # the model's identity beyond its name (engine_facts.model_identity)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -81,13 +88,15 @@ class KeyLayout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KeyLayout.{name}={v!r}: must be an int >= 1")
+        if not isinstance(self.model_hash, str):
+            raise ValueError(f"KeyLayout.model_hash={self.model_hash!r}: must be a string")
         for name in ("dtype", "kv_layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
 
     def digest(self) -> str:
         """16 hex chars of sha256 over a canonical encoding of every field except the shard and stage."""
-        canon = json.dumps([self.model, self.block_size, self.dtype, self.kv_layout, self.num_layers,
+        canon = json.dumps([self.model, self.model_hash, self.block_size, self.dtype, self.kv_layout, self.num_layers,
                             self.num_kv_heads, self.head_size, sorted(self.extra)], separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 

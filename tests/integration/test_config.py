@@ -73,7 +73,7 @@ def test_sizes(raw: object, value: int) -> None:
     ({"local_buffer_size": 0}, "local_buffer_size", "> 0"),
     ({"rpc_timeout_ms": -5}, "rpc_timeout_ms", ">= 1"),
     ({"rpc_timeout_ms": "2000"}, "rpc_timeout_ms", "must be an integer"),
-    ({"unhealthy_backoff_ms": -1}, "unhealthy_backoff_ms", ">= 0"),
+    ({"unhealthy_backoff_ms": 0}, "unhealthy_backoff_ms", ">= 1"),  # 0 would re-pay the RPC timeout per call
     ({"max_inflight_jobs": 0}, "max_inflight_jobs", ">= 1"),
     ({"max_pinned_blocks": 2.5}, "max_pinned_blocks", "must be an integer"),
     ({"load_sub_batch_keys": 0}, "load_sub_batch_keys", ">= 1"),

@@ -12,6 +12,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
 from kvledger_connector.connector import key_layout
+from kvledger_connector.engine_facts import model_identity
 from kvledger_connector.keys import KeyBuilder, KeyLayout, KeyTooLongError
 from kvledger_connector.store import MooncakeStore, StoreCode
 from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
@@ -139,3 +140,36 @@ def test_partial_tail_hash_names_parent_and_tokens_exactly():
     for bad in ([], [-1], [1 << 32]):
         with pytest.raises(ValueError, match="partial tail"):
             partial_tail_hash(parent, bad)
+
+
+
+def _identity(model: str, weights_version: str = "", *, hash_algo: str = "sha256", **model_kw: object) -> KeyLayout:
+    """BASE with the model identity of vLLM's ModelConfig built from `model_kw` (a ModelConfig alone: a
+    VllmConfig would load the quantization method's kernels, which this CPU install lacks)."""
+    mc = ModelConfig(**{"model": model, "tokenizer": model, "skip_tokenizer_init": True, "dtype": "float32",
+                        "seed": 0, "max_model_len": 256, **model_kw})  # type: ignore[arg-type]
+    return dataclasses.replace(BASE, model_hash=model_identity(mc, hash_algo, weights_version))
+
+
+def test_model_identity_is_in_the_key(tmp_path: Path) -> None:
+    """Same model path, different weights: another revision, quantization, dtype, hf_config override, block
+    hash algorithm or weights version never shares a key; the same config (and a field vLLM does not hash,
+    like the seed or the served name) does. And `key_layout` puts the identity in every rank's layout."""
+    model = write_model_dir(str(tmp_path), num_layers=2, num_kv_heads=2, head_size=8)
+    base = KeyBuilder(_identity(model)).key(HASH)
+    same = [_identity(model), _identity(model, seed=7), _identity(model, served_model_name="x")]
+    assert {KeyBuilder(lay).key(HASH) for lay in same} == {base}
+    others = [_identity(model, revision="v2"), _identity(model, quantization="fp8"), _identity(model, dtype="bfloat16"),
+              _identity(model, hf_overrides={"rms_norm_eps": 1e-3}), _identity(model, hash_algo="sha256_cbor"),
+              _identity(model, "step-2"), _identity(model, "step-3"), BASE]
+    keys = [KeyBuilder(lay).key(HASH) for lay in others]
+    assert len(set(keys)) == len(keys) and base not in keys
+    assert {k.split("/")[1] for k in keys} == {base.split("/")[1]}  # the readable part is the name alone
+
+    vc = VllmConfig(model_config=ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True, dtype="float32",
+                                             seed=0, max_model_len=256),
+                    cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"))
+    cfg = build_kv_cache_config(vc, attention_specs(2, block_size=16, num_kv_heads=2, head_size=8), 4, "LBNHC")
+    layouts = [key_layout(vc, cfg, 0), key_layout(vc, cfg, 0, weights_version="step-2")]
+    assert layouts[0].model_hash == model_identity(vc.model_config, vc.cache_config.prefix_caching_hash_algo)
+    assert layouts[0].digest() != layouts[1].digest()

@@ -65,3 +65,35 @@ def test_key_builder_refuses_a_namespace_that_is_not_one_component(bad: str):
         return
     with pytest.raises(ValueError, match="namespace="):
         KeyBuilder(lay, namespace=bad)
+
+
+def test_a_bumped_weights_version_never_loads_the_old_kv(store_config: StoreConfig, tmp_path: Path):
+    """An RL-style update under the same model config: the engine at `weights_version` "step-2" finds none of
+    what "step-1" saved on the same store (and saves its own); a second "step-1" engine loads it (the
+    control)."""
+    prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=8, seed=12)
+    work = str(tmp_path / "model")
+    with Harness(store_config, workdir=work, extra={"weights_version": "step-1"}) as old:
+        old.run_pass(prompts, MAX_TOKENS)
+        old_keys = old.key_builders[0].keys(old.block_hashes_of(prompts[0]))
+        assert old.workers[0].store.batch_is_exist(old_keys) == [1] * len(old_keys)
+
+        with Harness(store_config, workdir=work, extra={"weights_version": "step-2"}) as new:
+            new_keys = new.key_builders[0].keys(new.block_hashes_of(prompts[0]))
+            assert not set(new_keys) & set(old_keys)
+            new.run_pass(prompts, MAX_TOKENS)
+            assert new.scheduler_connector.scheduler_side.num_loads == 0
+            assert new.scheduler_connector.stats.totals.data.get("lookups", 0) > 0  # it did look
+            assert new.workers[0].store.batch_is_exist(new_keys) == [1] * len(new_keys)
+
+        with Harness(store_config, workdir=work, extra={"weights_version": "step-1"}) as again:
+            again.run_pass(prompts, MAX_TOKENS)
+            assert again.scheduler_connector.scheduler_side.num_loads > 0
+
+
+@pytest.mark.parametrize("bad", ["a/b", "x" * 65, 3, "sp ace"])
+def test_a_bad_weights_version_is_refused_by_name(store_config: StoreConfig, tmp_path: Path, bad: object):
+    from kvledger_connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match="weights_version"):
+        Harness(store_config, workdir=str(tmp_path / "model"), extra={"weights_version": bad})
