@@ -224,7 +224,8 @@ class MooncakeBackend:
 
     @property
     def backoff_s(self) -> float:
-        return self.store.config.unhealthy_backoff_ms / 1000.0
+        """What is left of the wrapper's backoff (its own rule: `MooncakeStore.backoff_s`)."""
+        return self.store.skip_remaining_s
 
 
 ROW_BYTES = ROW * 4

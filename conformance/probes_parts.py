@@ -177,15 +177,20 @@ def foreign_dir(tmp: str) -> str:
 
 
 def probe_runtime_dir_refuses_what_is_not_private() -> None:
-    """The rendezvous files live only in a directory of this user: another user's directory, a regular
-    file and a symlink (even to a directory of ours) are refused, naming the variable."""
+    """The rendezvous files live only in a directory of this user that others cannot write: another user's
+    directory, one of ours with mode 0777, a regular file and a symlink (even to a directory of ours) are
+    refused, naming the variable."""
     with tempfile.TemporaryDirectory() as tmp:
+        shared = os.path.join(tmp, "shared")
+        os.mkdir(shared)
+        os.chmod(shared, 0o777)
         plain = os.path.join(tmp, "file")
         Path(plain).write_text("")
         link = os.path.join(tmp, "link")
         os.mkdir(os.path.join(tmp, "mine"), 0o700)
         os.symlink(os.path.join(tmp, "mine"), link)
-        for what, path in (("another user's directory", foreign_dir(tmp)), ("a regular file", plain),
+        for what, path in (("another user's directory", foreign_dir(tmp)), ("a directory others can write", shared),
+                           ("a regular file", plain),
                            ("a symlink", link)):
             with runtime_dir_env(path):
                 try:

@@ -293,6 +293,12 @@ KEYS: tuple[Key, ...] = (
         "after a master failure (-900/-901), skip store calls this long instead of paying a reconnect per call",
         lo=1, hi=_MS_BOUND,
         tests="test_store_faults.py::test_killed_master_gives_codes_then_fast_skips_then_recovers_without_old_keys"),
+    Key("max_unhealthy_backoff_ms", "int", 30_000, "store",
+        "each master failure in a row doubles the skip, from `unhealthy_backoff_ms` up to this (never below "
+        "`unhealthy_backoff_ms`); a call the master answers resets it. A master dead for good then costs one "
+        "RPC timeout per this long, not one per `unhealthy_backoff_ms`",
+        lo=1, hi=_MS_BOUND,
+        tests="test_store_raw_faults.py::test_master_failures_in_a_row_double_the_backoff_and_an_answer_resets_it"),
     Key("max_inflight_jobs", "int", 64, "connector",
         "cap on store jobs holding pinned blocks; beyond it the scheduler defers saves (retried, not dropped)",
         lo=1, hi=1 << 16, tests="test_connector_e2e.py::test_cap_defers_saves_and_everything_still_drains"),
@@ -407,6 +413,7 @@ class StoreConfig:
     local_buffer_size: int = 16 << 20
     rpc_timeout_ms: int = 2000
     unhealthy_backoff_ms: int = 1000
+    max_unhealthy_backoff_ms: int = 30_000
     load_sub_batch_keys: int = 64
     max_key_bytes: int = 512
     store_queue_size: int = 128

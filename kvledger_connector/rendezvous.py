@@ -13,7 +13,10 @@ engine carry the same `kv_transfer_config.engine_id` (the config is pickled to e
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
 
 The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created 0700 and refused when
-another user owns it. Within one process the connectors of an engine share one handle, reference counted
+another user owns it or others may write to it. Nothing in it is trusted: files are opened without
+following symlinks, a file not owned by this user, writable by others, larger than `MAX_FILE_BYTES` or not
+naming servers on 127.0.0.1 by decimal ports is not joined (it is swept like a dead owner's), and files
+are written with O_EXCL, mode 0600. Within one process the connectors of an engine share one handle, reference counted
 (`acquire_shared` / `release_shared`). Only processes on this host can attach: a multi-node engine must configure
 `master_server_address` (the connector refuses the embedded default when `parallel_config.nnodes > 1`).
 """
@@ -33,6 +36,9 @@ from typing import Any
 from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
+MAX_FILE_BYTES = 4096  # a rendezvous file is ~120 bytes
+_MASTER_RE = re.compile(r"127\.0\.0\.1:([0-9]{1,5})")  # what EmbeddedMooncake publishes, exactly
+_METADATA_RE = re.compile(r"http://127\.0\.0\.1:([0-9]{1,5})/metadata")
 
 
 class RendezvousError(RuntimeError):
@@ -61,6 +67,9 @@ def runtime_dir() -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise RendezvousError(f"{RUNTIME_DIR_ENV}={d!r}: not a directory owned by uid {os.getuid()}; "
                               f"set {RUNTIME_DIR_ENV} to a private directory")
+    if st.st_mode & 0o022:  # another user could plant an engine's file or remove a live one
+        raise RendezvousError(f"{RUNTIME_DIR_ENV}={d!r}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+                              f"write to it; chmod it 0700 or set {RUNTIME_DIR_ENV} to a private directory")
     return d
 
 
@@ -74,13 +83,49 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _read(path: str) -> dict[str, Any] | None:
+def _port_of(m: re.Match[str] | None) -> int | None:
+    port = int(m.group(1)) if m else 0
+    return port if 0 < port < 65536 else None
+
+
+def parse_info(blob: bytes) -> dict[str, Any] | None:
+    """A rendezvous file's content, or None unless it is exactly what `acquire` writes: a positive pid and
+    the two servers on 127.0.0.1 at valid ports (a planted remote address is never joined)."""
     try:
-        with open(path) as f:
-            info = json.load(f)
-        return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
-    except (OSError, ValueError):
+        info = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
         return None
+    if not isinstance(info, dict):
+        return None
+    pid, master, metadata = info.get("pid"), info.get("master_address"), info.get("metadata_server")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    if not isinstance(master, str) or not isinstance(metadata, str):
+        return None
+    port = _port_of(_MASTER_RE.fullmatch(master))
+    if port is None or _port_of(_METADATA_RE.fullmatch(metadata)) is None:
+        return None
+    return {"pid": pid, "master_address": master, "metadata_server": metadata, "master_port": port}
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    """`parse_info` of the file at `path` when it is a regular file of this user that others cannot write,
+    opened without following a symlink; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022
+                or st.st_size > MAX_FILE_BYTES):
+            return None
+        blob = os.read(fd, MAX_FILE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse_info(blob) if len(blob) <= MAX_FILE_BYTES else None
 
 
 def _sweep(d: str) -> None:
@@ -106,22 +151,33 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake]) -> EmbeddedMo
     (`start()`) and publish their addresses. Held under the directory's lock, so two processes that
     arrive together never both start servers."""
     path = rendezvous_path(engine_id)
-    with open(os.path.join(os.path.dirname(path), ".lock"), "a") as lock:
+    lock_path = os.path.join(os.path.dirname(path), ".lock")
+    try:
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:  # a symlink planted there (ELOOP), a directory, ...
+        raise RendezvousError(f"{lock_path!r}: cannot open the rendezvous lock ({e.strerror or e}); remove it "
+                              f"or set {RUNTIME_DIR_ENV} to a private directory") from None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _sweep(os.path.dirname(path))
         info = _read(path)
         if info is not None and info["pid"] != os.getpid():
-            port = int(str(info.get("master_address", ":0")).rsplit(":", 1)[-1] or 0)
-            if port and port_accepts(port, timeout=1.0):
-                return AttachedMooncake(str(info["master_address"]), str(info["metadata_server"]), info["pid"])
-            os.remove(path)  # owner alive but its master is gone: start afresh
+            if port_accepts(info["master_port"], timeout=1.0):
+                return AttachedMooncake(info["master_address"], info["metadata_server"], info["pid"])
+        if os.path.lexists(path):
+            os.remove(path)  # owner alive but its master gone, or a file not to be trusted: start afresh
         emb = start()
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        if os.path.lexists(tmp):  # left by a dead process of this pid
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "master_address": emb.master_address,
                        "metadata_server": emb.metadata_server}, f)
         os.replace(tmp, path)
         return emb
+    finally:
+        os.close(lock)  # releases the flock
 
 
 def release(engine_id: str) -> None:

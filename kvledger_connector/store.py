@@ -7,7 +7,8 @@ What it adds over the raw pybind11 client (and why):
     a null pointer, a non-positive size or an oversized key becomes a per-key code without calling Mooncake
     (a bad pointer would crash the process, not fail the call);
   * a dead master costs one slow call, not one per step: after -900/-901 the store is marked unhealthy for
-    `unhealthy_backoff_ms` and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
+    `unhealthy_backoff_ms`, doubled for each such failure in a row up to `max_unhealthy_backoff_ms` (reset
+    by any call the master answers), and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
     `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s); the backoff
     reads the `clock` given at construction (time.monotonic; a replay passes its own, to be deterministic);
   * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
@@ -237,6 +238,7 @@ class MooncakeStore:
         self.max_key_bytes = config.max_key_bytes
         self._clock = clock
         self._skip_until = -math.inf  # clock time until which calls are skipped (master failed)
+        self._down_in_a_row = 0  # calls in a row that found the master down (guarded by _lock)
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
         self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
@@ -368,9 +370,25 @@ class MooncakeStore:
         finally:
             self._leave()
 
+    def backoff_s(self, down_in_a_row: int) -> float:
+        """The skip after the `down_in_a_row`-th master failure in a row: `unhealthy_backoff_ms` doubled per
+        failure after the first, at most `max_unhealthy_backoff_ms` (never below the first)."""
+        base, cap = self.config.unhealthy_backoff_ms, self.config.max_unhealthy_backoff_ms
+        return min(base << min(max(down_in_a_row, 1) - 1, 32), max(base, cap)) / 1000.0
+
+    @property
+    def skip_remaining_s(self) -> float:
+        """Seconds until calls reach the client again (0 when they do now)."""
+        return max(0.0, self._skip_until - self._clock())
+
     def _note(self, results: list[int]) -> list[int]:
-        if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
-            self._skip_until = self._clock() + self.config.unhealthy_backoff_ms / 1000.0
+        down = bool(results) and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results)
+        with self._lock:
+            if down:
+                self._down_in_a_row += 1
+                self._skip_until = self._clock() + self.backoff_s(self._down_in_a_row)
+            elif results:  # the master answered
+                self._down_in_a_row = 0
         return results
 
     def _skip(self, n: int) -> list[int] | None:

@@ -117,3 +117,101 @@ def test_a_runtime_dir_of_another_owner_is_refused(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(target))
     with pytest.raises(rendezvous.RendezvousError, match="not a directory"):
         rendezvous.runtime_dir()
+
+
+@pytest.fixture
+def rdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from kvledger_connector import rendezvous
+    d = tmp_path / "rt"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(d))
+    return d
+
+
+class _Started:
+    """Test double for `start`: what acquire publishes of servers it starts; none are started (the decision
+    under test is whether acquire joins the planted file's master or starts its own)."""
+    master_address = "127.0.0.1:1"
+    metadata_server = "http://127.0.0.1:1/metadata"
+
+
+@pytest.fixture
+def listening_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s.getsockname()[1]
+    s.close()
+
+
+@pytest.fixture
+def live_pid():
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    yield p.pid
+    _stop(p)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("what", ["remote master", "remote metadata", "port not a number", "port 0",
+                                  "pid not an int", "not json", "a symlink", "group-writable", "too large"])
+def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening_port: int, live_pid: int,
+                                                      what: str) -> None:
+    """A file a live owner's would be joined (its master port answers on loopback); each of these is
+    refused and replaced by this process's own servers, with no exception."""
+    from kvledger_connector import rendezvous
+    good = {"pid": live_pid, "master_address": f"127.0.0.1:{listening_port}",
+            "metadata_server": f"http://127.0.0.1:{listening_port}/metadata"}
+    path = Path(rendezvous.rendezvous_path("planted"))
+    bad = dict(good)
+    if what == "remote master":
+        bad["master_address"] = f"10.9.8.7:{listening_port}"
+    elif what == "remote metadata":
+        bad["metadata_server"] = f"http://10.9.8.7:{listening_port}/metadata"
+    elif what == "port not a number":
+        bad["master_address"] = "127.0.0.1:abc"
+    elif what == "port 0":
+        bad["master_address"] = "127.0.0.1:0"
+    elif what == "pid not an int":
+        bad["pid"] = str(live_pid)
+    text = "{not json" if what == "not json" else json.dumps(bad)
+    if what == "too large":
+        text = json.dumps({**good, "pad": "x" * rendezvous.MAX_FILE_BYTES})
+    if what == "a symlink":
+        target = rdir.parent / "elsewhere.json"
+        target.write_text(json.dumps(good))
+        path.symlink_to(target)
+    else:
+        path.write_text(text)
+        path.chmod(0o620 if what == "group-writable" else 0o600)
+    # the control: the good file is joined
+    control = Path(rendezvous.rendezvous_path("control"))
+    control.write_text(json.dumps(good))
+    control.chmod(0o600)
+    joined = rendezvous.acquire("control", _Started)  # type: ignore[arg-type]
+    assert isinstance(joined, rendezvous.AttachedMooncake) and joined.owner_pid == live_pid
+
+    got = rendezvous.acquire("planted", _Started)  # type: ignore[arg-type]
+    assert isinstance(got, _Started), got  # started its own, did not attach
+    assert not path.is_symlink()
+    info = json.loads(path.read_text())
+    assert info["pid"] == os.getpid() and info["master_address"] == _Started.master_address
+    assert path.stat().st_mode & 0o777 == 0o600
+    rendezvous.release("planted")
+    assert not path.exists()
+
+
+def test_a_runtime_dir_others_can_write_is_refused(rdir: Path) -> None:
+    from kvledger_connector import rendezvous
+    rdir.chmod(0o777)
+    with pytest.raises(rendezvous.RendezvousError, match=r"mode 0777.*KVLEDGER_RUNTIME_DIR"):
+        rendezvous.runtime_dir()
+    rdir.chmod(0o700)
+    assert rendezvous.runtime_dir() == str(rdir)
+
+
+def test_a_symlinked_lock_is_refused_by_name(rdir: Path) -> None:
+    from kvledger_connector import rendezvous
+    (rdir / ".lock").symlink_to(rdir.parent / "victim")
+    with pytest.raises(rendezvous.RendezvousError, match=r"\.lock.*rendezvous lock"):
+        rendezvous.acquire("x", _Started)  # type: ignore[arg-type]
+    assert not (rdir.parent / "victim").exists()

@@ -46,10 +46,12 @@ def rig(mooncake: EmbeddedMooncake) -> Iterator[Rig]:
 
 @pytest.fixture
 def fresh(rig: Rig) -> Rig:
-    """No fault standing and no backoff left from an earlier test."""
+    """No fault standing and no backoff left from an earlier test: past the skip, one call the master
+    answers (which resets the failures in a row)."""
     store, client, clock = rig
     client.clear()
-    clock.advance(BACKOFF_MS / 1000.0 + 1)
+    clock.advance(store.skip_remaining_s + 1)
+    assert store.batch_is_exist(["fresh-rig-probe"]) == [0]
     return rig
 
 
@@ -192,3 +194,25 @@ def test_a_save_under_a_down_master_fails_then_the_backoff_skips_then_it_saves(f
         last = next(lg)
     assert last.failed == ((5, StoreCode.TRANSFER_FAIL),) and last.result is not None
     assert torch.all(kv[4] == 7.0) and torch.count_nonzero(kv[5]) == 0 and w.take_load_errors() == {5}
+
+
+def test_master_failures_in_a_row_double_the_backoff_and_an_answer_resets_it(fresh: Rig, key_prefix: str) -> None:
+    """A master dead for good costs one RPC timeout per backoff: 5 s, 10 s, 20 s, then the 30 s cap; inside
+    each backoff nothing is sent. The first call the master answers resets it to 5 s."""
+    store, client, clock = fresh
+    keys = [f"{key_prefix}k"]
+    skips = []
+    with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
+        for _ in range(6):
+            assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
+            skips.append(store.skip_remaining_s)
+            sent = sum(client.num_calls.values())
+            assert store.batch_is_exist(keys) == [StoreCode.UNHEALTHY_SKIPPED]
+            clock.advance(skips[-1] - 0.001)
+            assert store.batch_is_exist(keys) == [StoreCode.UNHEALTHY_SKIPPED] and sum(client.num_calls.values()) == sent
+            clock.advance(0.001)
+    assert skips == pytest.approx([5.0, 10.0, 20.0, 30.0, 30.0, 30.0])
+    assert store.batch_is_exist(keys) == [0]  # the master answers
+    with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
+        assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
+    assert store.skip_remaining_s == pytest.approx(5.0)
