@@ -6,7 +6,8 @@ use ONE master, or the scheduler looks up keys on a master no worker writes to. 
 engine carry the same `kv_transfer_config.engine_id` (the config is pickled to every worker), so:
 
     <runtime dir>/embedded-<engine_id>.json     {"pid", "master_address", "metadata_server"}
-    <runtime dir>/.lock                         flock: one process at a time decides
+    <runtime dir>/.lock                         flock: one process at a time decides (waited for at most
+                                                `LOCK_TIMEOUT_S`, then a RendezvousError)
 
     the first process to arrive starts the servers and writes the file; the others attach to it.
     The servers die with their owner (parent-death SIGKILL), so a crashed engine leaves no server;
@@ -29,6 +30,7 @@ import re
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,8 @@ from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
 MAX_FILE_BYTES = 4096  # a rendezvous file is ~120 bytes
+LOCK_TIMEOUT_S = 300.0  # the holder may be starting the servers (each waits up to 30 s to accept, with retries)
+_LOCK_POLL_S = 0.05
 _MASTER_RE = re.compile(r"127\.0\.0\.1:([0-9]{1,5})")  # what EmbeddedMooncake publishes, exactly
 _METADATA_RE = re.compile(r"http://127\.0\.0\.1:([0-9]{1,5})/metadata")
 
@@ -146,7 +150,24 @@ def rendezvous_path(engine_id: str) -> str:
     return os.path.join(runtime_dir(), f"embedded-{safe}.json")
 
 
-def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake]) -> EmbeddedMooncake | AttachedMooncake:
+def _lock_within(fd: int, path: str, timeout_s: float) -> None:
+    """flock(fd) within `timeout_s`, else RendezvousError: a holder that never lets go (a frozen process
+    sharing the directory) must fail start-up with a reason, not hang it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"{path!r}: another process has held the rendezvous lock for {timeout_s:g}s; "
+                                      f"it may be frozen. Stop it or set {RUNTIME_DIR_ENV} to another "
+                                      f"directory") from None
+            time.sleep(_LOCK_POLL_S)
+
+
+def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
+            lock_timeout_s: float = LOCK_TIMEOUT_S) -> EmbeddedMooncake | AttachedMooncake:
     """This engine's servers: attach to those another process of the engine started, or start them
     (`start()`) and publish their addresses. Held under the directory's lock, so two processes that
     arrive together never both start servers."""
@@ -158,7 +179,7 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake]) -> EmbeddedMo
         raise RendezvousError(f"{lock_path!r}: cannot open the rendezvous lock ({e.strerror or e}); remove it "
                               f"or set {RUNTIME_DIR_ENV} to a private directory") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock_within(lock, lock_path, lock_timeout_s)
         _sweep(os.path.dirname(path))
         info = _read(path)
         if info is not None and info["pid"] != os.getpid():

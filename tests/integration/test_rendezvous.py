@@ -215,3 +215,22 @@ def test_a_symlinked_lock_is_refused_by_name(rdir: Path) -> None:
     with pytest.raises(rendezvous.RendezvousError, match=r"\.lock.*rendezvous lock"):
         rendezvous.acquire("x", _Started)  # type: ignore[arg-type]
     assert not (rdir.parent / "victim").exists()
+
+
+def test_a_lock_held_for_good_fails_start_up_with_a_reason(rdir: Path) -> None:
+    """A process that holds the directory's lock and never lets go (frozen): acquire gives up after its
+    bound with an error naming the lock, instead of hanging the engine's start-up."""
+    from kvledger_connector import rendezvous
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"), str(rdir / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(rendezvous.RendezvousError, match=r"held the rendezvous lock for 0.2s"):
+            rendezvous.acquire("x", _Started, lock_timeout_s=0.2)  # type: ignore[arg-type]
+    finally:
+        _stop(holder)  # type: ignore[arg-type]
+    got = rendezvous.acquire("x", _Started, lock_timeout_s=0.2)  # type: ignore[arg-type]
+    assert isinstance(got, _Started)
+    rendezvous.release("x")
