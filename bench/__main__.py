@@ -4,7 +4,7 @@ import importlib
 import sys
 
 SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
-          "bench.scheduler")
+          "bench.scheduler", "bench.outage")
 
 
 def main() -> int:
