@@ -233,18 +233,19 @@ def _parse_devices(key: Key, field: str, raw: Any, source: str) -> str:
     return raw
 
 
-def _parse_namespace(key: Key, field: str, raw: Any, source: str) -> str:
+def _key_part(field: str, raw: Any, source: str, where: str) -> str:
+    """'' or 1-64 of A-Z a-z 0-9 . _ -: a value that goes into every store key (`where`)."""
     if not isinstance(raw, str) or not (raw == "" or _NAMESPACE_RE.match(raw)):
-        raise ConfigError(field, raw, "must be '' (none) or 1-64 characters of A-Z a-z 0-9 . _ - (it becomes "
-                          "the first component of every store key)", source)
+        raise ConfigError(field, raw, f"must be '' (none) or 1-64 characters of A-Z a-z 0-9 . _ - ({where})", source)
     return raw
+
+
+def _parse_namespace(key: Key, field: str, raw: Any, source: str) -> str:
+    return _key_part(field, raw, source, "it becomes the first component of every store key")
 
 
 def _parse_version(key: Key, field: str, raw: Any, source: str) -> str:
-    if not isinstance(raw, str) or not (raw == "" or _NAMESPACE_RE.match(raw)):
-        raise ConfigError(field, raw, "must be '' (none) or 1-64 characters of A-Z a-z 0-9 . _ - (it goes into "
-                          "every store key's layout digest)", source)
-    return raw
+    return _key_part(field, raw, source, "it goes into every store key's layout digest")
 
 
 def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:

@@ -96,8 +96,9 @@ class KeyLayout:
 
     def digest(self) -> str:
         """16 hex chars of sha256 over a canonical encoding of every field except the shard and stage."""
-        canon = json.dumps([self.model, self.model_hash, self.block_size, self.dtype, self.kv_layout, self.num_layers,
-                            self.num_kv_heads, self.head_size, sorted(self.extra)], separators=(",", ":"))
+        canon = json.dumps([self.model, self.model_hash, self.block_size, self.dtype, self.kv_layout,
+                            self.num_layers, self.num_kv_heads, self.head_size, sorted(self.extra)],
+                           separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 

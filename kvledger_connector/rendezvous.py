@@ -35,14 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
+from kvledger_connector.embedded import LOOPBACK, EmbeddedMooncake, port_accepts
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
 MAX_FILE_BYTES = 4096  # a rendezvous file is ~120 bytes
 LOCK_TIMEOUT_S = 300.0  # the holder may be starting the servers (each waits up to 30 s to accept, with retries)
 _LOCK_POLL_S = 0.05
-_MASTER_RE = re.compile(r"127\.0\.0\.1:([0-9]{1,5})")  # what EmbeddedMooncake publishes, exactly
-_METADATA_RE = re.compile(r"http://127\.0\.0\.1:([0-9]{1,5})/metadata")
+_MASTER_RE = re.compile(rf"{re.escape(LOOPBACK)}:([0-9]{{1,5}})")  # what EmbeddedMooncake publishes, exactly
+_METADATA_RE = re.compile(rf"http://{re.escape(LOOPBACK)}:([0-9]{{1,5}})/metadata")
 
 
 class RendezvousError(RuntimeError):

@@ -382,12 +382,12 @@ class MooncakeStore:
         return max(0.0, self._skip_until - self._clock())
 
     def _note(self, results: list[int]) -> list[int]:
-        down = bool(results) and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results)
-        with self._lock:
-            if down:
+        if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
+            with self._lock:
                 self._down_in_a_row += 1
                 self._skip_until = self._clock() + self.backoff_s(self._down_in_a_row)
-            elif results:  # the master answered
+        elif results and self._down_in_a_row:  # the master answered (no lock on the common path)
+            with self._lock:
                 self._down_in_a_row = 0
         return results
 
