@@ -1,26 +1,35 @@
-"""A store that dies mid-run: the engine's step time and completions through vLLM 0.32's real Scheduler, no
-connector vs ours, same harness, same run. Same-run ratios only, nothing asserted.
+"""A store that dies or freezes mid-run: the engine's step time and completions through vLLM 0.32's real
+Scheduler, no connector vs ours, same harness, same run. Same-run ratios only, nothing asserted.
 
 testbed/harness.py (vLLM's real `Scheduler` and `BlockPool` on CPU, two emulated TP ranks, KV caches from
 vLLM's allocator, a 48-block pool, kv_load_failure_policy "recompute"): 120 shared-prefix prompts, each
-asked twice (240 requests, 8 tokens generated). Ours runs on a private Mooncake master that is SIGKILLed
-after step 60 and never restarted; the master-down backoff is measured at two caps:
+asked twice (240 requests, 8 tokens generated), on a private Mooncake master. After step 60 the master is
 
-  none         no kv_transfer_config (the baseline)
-  ours-1s      `max_unhealthy_backoff_ms` 1000: every master failure skips the store for 1 s (a fixed backoff)
-  ours-30s     the default 30,000: each failure in a row doubles the skip, 1 s up to 30 s
+  kill         SIGKILLed and never restarted
+  stop         SIGSTOPped (it accepts connections and never answers) for `--stop-s` seconds (default 30)
+               or until the run ends, then continued
 
-Each way runs `--repeat` times (default 3). Per run: requests finished and with the model's output, engine
-steps, wall time, ms per step after the kill, store calls still inside the client at the end of the run's
-window, save pins at the end, wrong KV (S7). A run is cut at `--window` seconds (default 200): a store call
-that does not return holds its pins and its blocks until it does.
+and the ways are
 
-    python -m bench.outage [--repeat N] [--window S]
+  none         no kv_transfer_config (the baseline: the same steps without a store)
+  ours         the connector's defaults: the store's breaker (opened by the first master failure, closed by
+               its own prober, `unhealthy_backoff_ms` 1 s doubling up to 30 s) and the scheduler's call
+               deadline (`lookup_timeout_ms` 200)
+
+Each (fault, way) runs `--repeat` times (default 3). Per run: requests finished and with the model's output,
+engine steps, wall time, the mean and the longest step after the fault (ms), store calls still inside the
+client at the end, save pins at the end, wrong KV (S7), and for ours the breaker trips and the lookups past
+their deadline. The ratio printed is ours' mean step after the fault over none's mean step after step 60
+(the issue's target: within 1.2x). A run is cut at `--window` seconds (default 200): a store call that
+does not return holds its pins and its blocks until it does.
+
+    python -m bench.outage [--repeat N] [--window S] [--stop-s S] [--faults kill stop]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -31,58 +40,78 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GLOG_minloglevel", "3")
 
-KILL_AT_STEP = 60
-WAYS: dict[str, int | None] = {"none": None, "ours-1s": 1000, "ours-30s": 30_000}
+FAULT_AT_STEP = 60
+WAYS = ("none", "ours")
+FAULTS = ("kill", "stop")
 
 
 @dataclass
 class Run:
+    fault: str
     way: str
     finished: int
     right: int
     steps: int
     wall_s: float
     ms_per_step_after: float
+    max_step_ms_after: float
     calls_inside: int
     pinned_jobs: int
     wrong_kv: int
+    trips: int
+    deadline_missed: int
 
 
-def run_once(way: str, max_backoff_ms: int | None, window_s: float) -> Run:
+def run_once(fault: str, way: str, window_s: float, stop_s: float) -> Run:
     from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
     from testbed.emu_model import expected_output, shared_prefix_prompts
     from testbed.harness import Harness
 
     prompts = shared_prefix_prompts(120, num_prefixes=12, prefix_len=64, suffix_len=16, seed=3) * 2
+    ours = way == "ours"
     with EmbeddedMooncake(rpc_timeout_ms=2000) as mc:
-        cfg = StoreConfig(global_segment_size=64 << 20, rpc_timeout_ms=2000,
-                          max_unhealthy_backoff_ms=max_backoff_ms or 30_000).with_addresses(
-                              mc.master_address, mc.metadata_server)
+        cfg = StoreConfig(global_segment_size=64 << 20, rpc_timeout_ms=2000).with_addresses(
+            mc.master_address, mc.metadata_server)
         h = Harness(cfg, tp_size=2, num_blocks=48, policy="recompute", stall_timeout_s=window_s + 60,
-                    connector="none" if max_backoff_ms is None else "ours")
+                    connector="ours" if ours else "none")
+        frozen: int | None = None
         try:
             for i, p in enumerate(prompts):
                 h.add_request(f"r-{i}", p, 8)
             t0 = time.monotonic()
-            steps, killed_at = 0, None
+            steps, fault_at = 0, None
+            after: list[float] = []
             while time.monotonic() - t0 < window_s:
-                if steps == KILL_AT_STEP and max_backoff_ms is not None:
-                    mc.kill_master()
-                    killed_at = time.monotonic()
+                if steps == FAULT_AT_STEP:
+                    fault_at = time.monotonic()
+                    if ours and fault == "kill":
+                        mc.kill_master()
+                    elif ours:
+                        frozen = mc.master_pid
+                        os.kill(frozen, signal.SIGSTOP)  # type: ignore[arg-type]
+                if frozen is not None and fault_at is not None and time.monotonic() - fault_at >= stop_s:
+                    os.kill(frozen, signal.SIGCONT)
+                    frozen = None
+                ts = time.monotonic()
                 if not h.step():
                     break
+                if fault_at is not None:
+                    after.append(time.monotonic() - ts)
                 steps += 1
             wall = time.monotonic() - t0
-            after = wall - (killed_at - t0) if killed_at else wall
             ids = [f"r-{i}" for i in range(len(prompts))]
             done = [i for i, r in enumerate(ids) if r in h.stats.finished]
             right = sum(h.stats.outputs[ids[i]] == expected_output(prompts[i], 8) for i in done)
-            inside = sum(w.store.calls_inside for w in h.workers) if max_backoff_ms is not None else 0
-            return Run(way, len(done), right, steps, wall,
-                       1000 * after / max(1, steps - (KILL_AT_STEP if killed_at else 0)), inside,
-                       h._num_pinned_jobs(), len(h.garbage))
+            inside = sum(w.store.calls_inside for w in h.workers) if ours else 0
+            stores = [h.scheduler_connector.store, *(w.store for w in h.workers)] if ours else []
+            return Run(fault, way, len(done), right, steps, wall,
+                       1000 * statistics.mean(after) if after else 0.0, 1000 * max(after, default=0.0), inside,
+                       h._num_pinned_jobs(), len(h.garbage), sum(s.num_trips for s in stores),
+                       h.scheduler_connector._lookups.num_deadline_missed if ours else 0)
         finally:
+            if frozen is not None:
+                os.kill(frozen, signal.SIGCONT)
             h.close()
 
 
@@ -90,21 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--window", type=float, default=200.0)
+    ap.add_argument("--stop-s", type=float, default=30.0)
+    ap.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     args = ap.parse_args(argv)
-    runs: dict[str, list[Run]] = {w: [] for w in WAYS}
-    for k in range(args.repeat):
-        for way, cap in WAYS.items():
-            r = run_once(way, cap, args.window)
-            runs[way].append(r)
-            print(f"[outage] {way:9s} run {k + 1}: {r.finished}/240 finished ({r.right} right), {r.steps} steps, "
-                  f"{r.wall_s:.1f} s, {r.ms_per_step_after:.1f} ms/step after the kill, calls inside "
-                  f"{r.calls_inside}, save pins {r.pinned_jobs}, wrong KV {r.wrong_kv}", flush=True)
-    base = statistics.median(r.wall_s for r in runs["none"])
-    print("\nway        finished(min)  wall s median (max)  steps median (max)  wall vs none (median)")
-    for way, rs in runs.items():
-        wall = statistics.median(r.wall_s for r in rs)
-        print(f"{way:9s}  {min(r.finished for r in rs):>13d}  {wall:8.1f} ({max(r.wall_s for r in rs):6.1f})  "
-              f"{statistics.median(r.steps for r in rs):8.0f} ({max(r.steps for r in rs):6d})  {wall / base:8.2f}")
+    for fault in args.faults:
+        runs: dict[str, list[Run]] = {w: [] for w in WAYS}
+        for k in range(args.repeat):
+            for way in (WAYS if k % 2 == 0 else WAYS[::-1]):  # alternate: drift spreads over the ways
+                r = run_once(fault, way, args.window, args.stop_s)
+                runs[way].append(r)
+                print(f"[outage] {fault} {way:5s} run {k + 1}: {r.finished}/240 finished ({r.right} right), "
+                      f"{r.steps} steps, {r.wall_s:.1f} s, after the fault {r.ms_per_step_after:.1f} ms/step "
+                      f"(longest {r.max_step_ms_after:.0f} ms), calls inside {r.calls_inside}, save pins "
+                      f"{r.pinned_jobs}, wrong KV {r.wrong_kv}, breaker trips {r.trips}, lookups past their "
+                      f"deadline {r.deadline_missed}", flush=True)
+        base = statistics.median(r.ms_per_step_after for r in runs["none"])
+        print(f"\n{fault}: way   finished(min)  wall s median (max)  steps median (max)  ms/step after, median "
+              f"(longest step)  vs none")
+        for way, rs in runs.items():
+            ms = statistics.median(r.ms_per_step_after for r in rs)
+            print(f"{way:5s}  {min(r.finished for r in rs):>13d}  {statistics.median(r.wall_s for r in rs):8.1f} "
+                  f"({max(r.wall_s for r in rs):6.1f})  {statistics.median(r.steps for r in rs):8.0f} "
+                  f"({max(r.steps for r in rs):6d})  {ms:8.2f} ({max(r.max_step_ms_after for r in rs):6.0f})  "
+                  f"{ms / base:6.2f}")
     return 0
 
 

@@ -37,7 +37,11 @@ wrong KV (positions read wrong before a compute, S7) and leaked blocks at rest. 
 bench's (`Probe`): it wraps instance attributes of the harness's objects and reads their state; nothing in
 the shipped code is changed for it.
 
-    python -m bench.scheduler [--quick] [--only WORKLOAD ...]
+Each workload runs `--rounds` times (default 3), the ways in a rotating order within each round, so a burst
+of load on a shared machine lands on one way's round, not on one way. Steps and wall are the medians over
+the rounds (with the range); the other columns are the median-wall round's; the ratios are of the medians.
+
+    python -m bench.scheduler [--quick] [--rounds N] [--only WORKLOAD ...]
 """
 from __future__ import annotations
 
@@ -342,9 +346,30 @@ def _f(v: Any, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if v is None else format(v, f">{width}{spec}")
 
 
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One way's rounds as one row: the median-wall round's figures, with steps and wall the medians over
+    the rounds and their ranges kept; a way that failed in any round is failed."""
+    failed = [r for r in runs if "failed" in r]
+    if failed:
+        return failed[0]
+    by_wall = sorted(runs, key=lambda r: r["wall"])
+    row = dict(by_wall[(len(by_wall) - 1) // 2])
+    row["steps"] = int(statistics.median(r["steps"] for r in runs))
+    row["wall"] = statistics.median(r["wall"] for r in runs)
+    row["steps_range"] = (min(r["steps"] for r in runs), max(r["steps"] for r in runs))
+    row["wall_range"] = (by_wall[0]["wall"], by_wall[-1]["wall"])
+    row["rounds"] = len(runs)
+    for k in ("wrong_kv", "wrong_out", "leaked", "errors"):  # worst round: a fault in any round shows
+        row[k] = max(r[k] for r in runs)
+    row["at_rest"] = next((r["at_rest"] for r in runs if r["at_rest"]), [])
+    return row
+
+
 def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
+    rounds = max((r.get("rounds", 1) for r in rows.values()), default=1)
     print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, policy {wl.policy}"
-          + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step)")
+          + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step; "
+          f"steps and wall: medians of {rounds} rounds)")
     hdr = (f"{'way':<11}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
            f"{'hold ms p50':>12}{'p99':>8}{'hold st p50':>12}{'p99':>6}{'queue ms p50':>13}{'p99':>8}"
            f"{'remote':>7}{'sync':>6}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'wrongKV':>8}{'leak':>5}"
@@ -374,6 +399,9 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
                   f"{_pct(r['collect_ms'], .99) or 0:.1f}; pin-only block-steps {r['pin_only_block_steps']}; "
                   f"steps with only pins left {r['push_work_steps']}; wall per step "
                   f"{r['wall'] / r['steps'] * 1e3:.2f} ms")
+        if r.get("rounds", 1) > 1:
+            print(f"   {way}: over {r['rounds']} rounds steps {r['steps_range'][0]}-{r['steps_range'][1]}, "
+                  f"wall {r['wall_range'][0]:.1f}-{r['wall_range'][1]:.1f} s")
         if r["at_rest"]:
             print(f"   {way} not at rest: {r['at_rest'][:3]}")
     u = rows.get("upstream")
@@ -390,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer prompts per workload")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--ways", nargs="*", default=list(WAYS))
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each way per workload (medians)")
     ap.add_argument("--reuse-ids", action="store_true",
                     help="the same request ids in both passes (upstream then hangs in pass 2, bench/engine.py)")
     args = ap.parse_args([] if argv is None else argv)
@@ -403,18 +432,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and wl.name not in args.only:
                 continue
             n = wl.quick_prompts if args.quick else wl.prompts
-            rows: dict[str, dict[str, Any]] = {}
+            runs: dict[str, list[dict[str, Any]]] = {}
             ways = [w for w in WAYS if w in args.ways]
-            order = ways[k % len(ways):] + ways[:k % len(ways)]  # rotate: drift spreads over the ways
-            for way in order:
-                with tempfile.TemporaryDirectory(prefix=f"kvledger-bench-sched-{way}-") as wd:
-                    try:
-                        rows[way] = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids)
-                    except Exception as e:  # a bench: say what failed and go on
-                        rows[way] = {"failed": f"{type(e).__name__}: {e}"[:300]}
-                        rc = 1 if way != "upstream" else rc
-                print(f"[bench.scheduler] {wl.name} {way}: done", flush=True)
-            print_table(wl, n, rows)
+            for rnd in range(max(1, args.rounds)):
+                s = (k + rnd) % len(ways)
+                for way in ways[s:] + ways[:s]:  # rotate: drift spreads over the ways
+                    with tempfile.TemporaryDirectory(prefix=f"kvledger-bench-sched-{way}-") as wd:
+                        try:
+                            res = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids)
+                        except Exception as e:  # a bench: say what failed and go on
+                            res = {"failed": f"{type(e).__name__}: {e}"[:300]}
+                            rc = 1 if way != "upstream" else rc
+                    runs.setdefault(way, []).append(res)
+                    print(f"[bench.scheduler] {wl.name} round {rnd + 1} {way}: done", flush=True)
+            print_table(wl, n, {way: median_row(rs) for way, rs in runs.items()})
     return rc
 
 

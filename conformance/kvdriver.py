@@ -220,11 +220,19 @@ class MooncakeBackend:
     def settle(self) -> None:
         """A new behaviour: no standing fault, and the wrapper past any backoff a last one left."""
         self.client.clear()
+        self.pass_backoff()
+
+    def pass_backoff(self) -> None:
+        """Time passes past the wrapper's wait and its probe finds the master answering (the probe the
+        store's own thread sends in a connector: this backend's clock is manual, so it is sent here)."""
         self.clock.advance(self.backoff_s)
+        if not self.store.probe():
+            raise RuntimeError(f"the store's breaker probe went unanswered (last exception "
+                               f"{self.store.last_exception!r})")
 
     @property
     def backoff_s(self) -> float:
-        """What is left of the wrapper's backoff (its own rule: `MooncakeStore.backoff_s`)."""
+        """What is left of the wrapper's wait before its next probe (its own rule: `MooncakeStore.backoff_s`)."""
         return self.store.skip_remaining_s
 
 
@@ -677,7 +685,7 @@ class KVDriver:
             for c in range(1, self.num_chunks + 1):
                 self.backend.remove(self.skey(r, c))
         self.backend.client.always(BATCH_OPS, None)
-        self.backend.clock.advance(self.backend.backoff_s)  # time passes: the wrapper calls the store again
+        self.backend.pass_backoff()  # time passes: the breaker's probe is answered, the wrapper calls the store
         self.up = True
         self._emit("store", "StoreRestart")
 

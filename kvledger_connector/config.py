@@ -291,13 +291,15 @@ KEYS: tuple[Key, ...] = (
         "bound on every client→master RPC (`MC_RPC_TIMEOUT_MS`): a hung master costs at most this",
         lo=1, hi=_MS_BOUND, tests="test_store_faults.py::test_hung_master_times_out_with_901_within_rpc_timeout"),
     Key("unhealthy_backoff_ms", "int", 1000, "store",
-        "after a master failure (-900/-901), skip store calls this long instead of paying a reconnect per call",
+        "after a master failure (-900/-901) the store's breaker opens: every call is skipped (a miss, a failed "
+        "save or load) instead of paying a reconnect per call, until a probe the store's own thread sends "
+        "after this long is answered",
         lo=1, hi=_MS_BOUND,
         tests="test_store_faults.py::test_killed_master_gives_codes_then_fast_skips_then_recovers_without_old_keys"),
     Key("max_unhealthy_backoff_ms", "int", 30_000, "store",
-        "each master failure in a row doubles the skip, from `unhealthy_backoff_ms` up to this (never below "
-        "`unhealthy_backoff_ms`); a call the master answers resets it. A master dead for good then costs one "
-        "RPC timeout per this long, not one per `unhealthy_backoff_ms`",
+        "each failed probe doubles the wait for the next, from `unhealthy_backoff_ms` up to this (never below "
+        "`unhealthy_backoff_ms`); the first probe the master answers closes the breaker. A master dead for "
+        "good then costs the prober one RPC per this long, and the engine nothing",
         lo=1, hi=_MS_BOUND,
         tests="test_store_raw_faults.py::test_master_failures_in_a_row_double_the_backoff_and_an_answer_resets_it"),
     Key("max_inflight_jobs", "int", 64, "connector",
@@ -344,6 +346,11 @@ KEYS: tuple[Key, ...] = (
         tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
               "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
               "::test_recompute_policy_keeps_every_load_async"),
+    Key("lookup_timeout_ms", "int", 200, "connector",
+        "deadline of each store call the scheduler makes inside an engine step (lookups, the KV-events "
+        "check); one past it answers a miss and opens the store's breaker, so a store that stops answering "
+        "costs one step this long, not a reconnect (~4-5 s) per lookup", lo=1, hi=60_000,
+        tests="test_store_breaker.py::test_a_lookup_past_its_deadline_misses_and_trips_the_breaker"),
     Key("max_lookup_cache", "int", 4096, "connector",
         "lookup answers kept for waiting requests (vLLM asks again every step)", lo=1, hi=1 << 20,
         tests="test_connector_e2e.py::test_lookup_cache_is_bounded"),
@@ -664,6 +671,7 @@ class ConnectorConfig:
     load_threads: int = 1
     sync_load_max_tokens: int = 256
     max_lookup_cache: int = 4096
+    lookup_timeout_ms: int = 200
     max_kv_events: int = 10_000
     trace_path: str | None = None
     max_inflight_jobs: int = 64

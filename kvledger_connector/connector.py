@@ -44,6 +44,7 @@ from kvledger_connector.rendezvous import AttachedMooncake
 from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
+from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.store import KVStore, MooncakeStore
 from kvledger_connector.worker import WorkerSide
 
@@ -81,6 +82,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         self._trace_file: Any = None  # kvledger_connector.tracefile.SharedTrace when `trace_path` is set
         self.stats = StatsRecorder()
         self.store: KVStore | None = None
+        self._lookups: DeadlineStore | None = None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         try:
@@ -99,10 +101,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
             # lookups only: this client contributes no memory
             self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
             builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.shard_layouts()]
+            # the engine step's store calls, each bounded by lookup_timeout_ms
+            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
-                                                store=TimedLookups(self.store, self.stats))  # lookup histogram
+                                                store=TimedLookups(bounded, self.stats))  # lookup histogram
             if facts.kv_events:  # BlockStored/BlockRemoved for routers
-                self.scheduler_side.events = StoreEvents(key_builders=builders, store=self.store,
+                self.scheduler_side.events = StoreEvents(key_builders=builders, store=bounded,
                                                          block_size=cfg.block_size, max_pending=cfg.max_kv_events,
                                                          stats=self.stats)
         else:
@@ -242,6 +246,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
         if self.scheduler_side is not None:
             # no worker reads or writes any more (they shut down first in vLLM): every pin can go
             steps.append(self.scheduler_side.release_all)
+        if self._lookups is not None:
+            steps.append(self._lookups.stop)
         if self._owns_store and self.store is not None:
             steps.append(self.store.close)
         if self._embedded is not None:

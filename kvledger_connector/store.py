@@ -6,11 +6,15 @@ What it adds over the raw pybind11 client (and why):
   * inputs checked before they reach C++: mismatched list lengths raise `ValueError` naming the argument;
     a null pointer, a non-positive size or an oversized key becomes a per-key code without calling Mooncake
     (a bad pointer would crash the process, not fail the call);
-  * a dead master costs one slow call, not one per step: after -900/-901 the store is marked unhealthy for
-    `unhealthy_backoff_ms`, doubled for each such failure in a row up to `max_unhealthy_backoff_ms` (reset
-    by any call the master answers), and calls return `StoreCode.UNHEALTHY_SKIPPED` at once (Mooncake's own
-    `health_check()` lags a master crash by ~4-12 s and each RPC to a dead master takes ~4 s); the backoff
-    reads the `clock` given at construction (time.monotonic; a replay passes its own, to be deterministic);
+  * a dead master costs one slow call, not one per step: a circuit breaker. The first -900/-901 opens it;
+    while it is open every call returns `StoreCode.UNHEALTHY_SKIPPED` at once (each RPC to a dead master
+    takes ~4 s, and Mooncake's own `health_check()` lags a master crash by ~4-12 s). Only `probe()` closes it:
+    one `batch_is_exist` of `PROBE_KEY` once `unhealthy_backoff_ms` has passed, the wait doubled for each
+    failed probe up to `max_unhealthy_backoff_ms`, the breaker closed by the first probe the master answers.
+    A thread of the store's own runs the probes (started at the first failure), so no caller, the
+    scheduler's step least of all, ever pays a call to a master that is known down. The backoff reads the
+    `clock` given at construction (time.monotonic; a replay passes its own and calls `probe()` itself, to be
+    deterministic: no thread then);
   * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
     `last_exception`), so a store thread never dies of it;
   * the client is never closed under a live call, nor called once closed: either kills the process
@@ -90,6 +94,8 @@ class StoreCode(enum.IntEnum):
 
 
 MASTER_DOWN_CODES = frozenset({StoreCode.RPC_FAIL, StoreCode.RPC_TIMEOUT})
+#: the key the breaker's probe asks for (never stored: any answer, 0 or 1, shows the master answers)
+PROBE_KEY = "kvledger-breaker-probe"
 
 
 class StoreError(RuntimeError):
@@ -228,20 +234,30 @@ class MooncakeStore:
 
     ``raw``: a set-up `MooncakeDistributedStore` (`open_client`), or a test double over one
     (testbed.faults.FaultyMooncakeClient). ``clock``: seconds, monotonic; only the master-down backoff reads
-    it (close's bounds are real waits on time.monotonic)."""
+    it (close's bounds are real waits on time.monotonic). ``background_probe``: run the breaker's probes on a
+    thread of the store's own (default: when ``clock`` is time.monotonic); without it the owner of the clock
+    calls `probe()`."""
 
     def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
-                 *, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, background_probe: bool | None = None) -> None:
         self._raw = raw
         self.config = config
         self.embedded = embedded  # kept alive as long as the client; stopped by its owner
         self.max_key_bytes = config.max_key_bytes
         self._clock = clock
-        self._skip_until = -math.inf  # clock time until which calls are skipped (master failed)
-        self._down_in_a_row = 0  # calls in a row that found the master down (guarded by _lock)
+        # the breaker (guarded by _lock; `_open` is read without it on the call path: a bool, set last)
+        self._open = False
+        self._skip_until = -math.inf  # clock time of the next probe while open
+        self._down_in_a_row = 0  # master failures in a row: the one that opened the breaker, then failed probes
+        self._probing = False
+        self._background_probe = clock is time.monotonic if background_probe is None else background_probe
+        self._prober: threading.Thread | None = None
+        self.num_trips = 0  # times the breaker opened
+        self.num_probes = 0  # probes sent to the client
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
         self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
+        self._wake = threading.Condition(self._lock)  # the prober: the breaker opened, or the store closed
         self._calls_inside = 0  # calls now inside the raw client (guarded by _lock)
         self._close_result: bool | None = None  # what the first close returned (later closes repeat it)
         self.num_close_leaked = 0  # closes that left the client open because a call was still inside
@@ -320,6 +336,7 @@ class MooncakeStore:
             if self._closed:
                 return self._close_result if self._close_result is not None else True
             self._closed = True
+            self._wake.notify_all()  # the prober ends
             drained = self._idle.wait_for(lambda: self._calls_inside == 0, timeout_s * CLOSE_DRAIN_SHARE)
             inside = self._calls_inside
             if not drained:
@@ -359,8 +376,8 @@ class MooncakeStore:
     # -- health ------------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        """Cheap: False while in backoff after a master failure, or when Mooncake's heartbeat says so."""
-        if self._clock() < self._skip_until or not self._enter():
+        """Cheap: False while the breaker is open, or when Mooncake's heartbeat says so."""
+        if self._open or not self._enter():
             return False
         try:
             return int(self._raw.health_check()) == 0
@@ -371,30 +388,95 @@ class MooncakeStore:
             self._leave()
 
     def backoff_s(self, down_in_a_row: int) -> float:
-        """The skip after the `down_in_a_row`-th master failure in a row: `unhealthy_backoff_ms` doubled per
-        failure after the first, at most `max_unhealthy_backoff_ms` (never below the first)."""
+        """The wait before the next probe after the `down_in_a_row`-th master failure in a row:
+        `unhealthy_backoff_ms` doubled per failure after the first, at most `max_unhealthy_backoff_ms` (never
+        below the first)."""
         base, cap = self.config.unhealthy_backoff_ms, self.config.max_unhealthy_backoff_ms
         return min(base << min(max(down_in_a_row, 1) - 1, 32), max(base, cap)) / 1000.0
 
     @property
+    def breaker_open(self) -> bool:
+        """True while calls are skipped (a master failure opened the breaker; no probe has closed it yet)."""
+        return self._open
+
+    @property
     def skip_remaining_s(self) -> float:
-        """Seconds until calls reach the client again (0 when they do now)."""
-        return max(0.0, self._skip_until - self._clock())
+        """Seconds until the next probe is due (0 when the breaker is closed, or a probe is due now)."""
+        return max(0.0, self._skip_until - self._clock()) if self._open else 0.0
+
+    def trip(self) -> None:
+        """Open the breaker as a master failure does (a caller's own deadline passed on a call still inside
+        the client: `kvledger_connector.deadline`). A breaker already open stays as it is."""
+        with self._lock:
+            self._trip_locked()
+
+    def _trip_locked(self) -> None:
+        if self._open:  # calls that were inside when the master died: one failure, not one per call
+            return
+        self._down_in_a_row = 1
+        self._skip_until = self._clock() + self.backoff_s(1)
+        self._open = True
+        self.num_trips += 1
+        if self._background_probe and not self._closed:
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._probe_loop, name="kvledger-store-probe", daemon=True)
+                self._prober.start()
+            self._wake.notify_all()
+
+    def probe(self, *, force: bool = False) -> bool:
+        """One probe of an open breaker whose wait is over (or at once with ``force``): True when the breaker
+        is closed after it. The master answered (0 or 1 for `PROBE_KEY`): closed. Otherwise the next wait
+        doubles (`backoff_s`). At most one probe runs at a time; a closed breaker is not probed."""
+        with self._lock:
+            if not self._open:
+                return True
+            if self._closed or self._probing or (not force and self._clock() < self._skip_until):
+                return False
+            self._probing = True
+        res = int(StoreCode.CLIENT_EXCEPTION)
+        try:
+            res = self._invoke(self._raw.batch_is_exist, 1, [PROBE_KEY])[0]
+        finally:
+            with self._lock:
+                self._probing = False
+                self.num_probes += 1
+                if res in (0, 1):
+                    self._open = False
+                    self._down_in_a_row = 0
+                else:
+                    self._down_in_a_row += 1
+                    self._skip_until = self._clock() + self.backoff_s(self._down_in_a_row)
+        return res in (0, 1)
+
+    def _probe_loop(self) -> None:
+        """The prober: sleeps while the breaker is closed, probes it each time its wait is over."""
+        with self._lock:
+            while not self._closed:
+                if not self._open:
+                    self._wake.wait()
+                    continue
+                wait = self._skip_until - self._clock()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+                self._lock.release()
+                try:
+                    self.probe()
+                except Exception as e:  # never seen (probe returns codes); the prober must not die of it
+                    self.last_exception = e
+                finally:
+                    self._lock.acquire()
 
     def _note(self, results: list[int]) -> list[int]:
         if results and min(results) < 0 and any(r in MASTER_DOWN_CODES for r in results):
             with self._lock:
-                self._down_in_a_row += 1
-                self._skip_until = self._clock() + self.backoff_s(self._down_in_a_row)
-        elif results and self._down_in_a_row:  # the master answered (no lock on the common path)
-            with self._lock:
-                self._down_in_a_row = 0
+                self._trip_locked()
         return results
 
     def _skip(self, n: int) -> list[int] | None:
         if self._closed:
             return [int(StoreCode.INVALID_PARAMS)] * n
-        if self._clock() < self._skip_until:
+        if self._open:
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
         return None
 

@@ -20,15 +20,15 @@ the same sequence of calls inject the same faults. Every injection is appended t
 
 `FaultyStore` sits ABOVE the store wrapper (it wraps any KVStore). `FaultyMooncakeClient` sits BELOW it: it is
 the raw client `MooncakeStore` wraps, over a real `MooncakeDistributedStore`, so the wrapper's own checks,
-code handling and master-down backoff run on every injected answer. With `ManualClock` the backoff moves only
-when told, so a replay is deterministic:
+code handling and master-down breaker run on every injected answer. With `ManualClock` the breaker's wait moves
+only when told, and its probe is sent only when asked for (no probe thread), so a replay is deterministic:
 
     clock = ManualClock()
     store, client = faulty_mooncake_store(cfg, embedded=mc, clock=clock)
     client.always(("exist", "put"), RawFault(code=StoreCode.TRANSFER_FAIL))   # until cleared (None)
     client.next_call("get", RawFault(keys={key: StoreCode.TRANSFER_FAIL}))    # one call; the rest forwarded
     with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)): ...     # master down for the block
-    clock.advance(cfg.unhealthy_backoff_ms / 1000)                            # the backoff is over
+    clock.advance(cfg.unhealthy_backoff_ms / 1000); store.probe()             # the breaker closes
 """
 from __future__ import annotations
 
@@ -386,7 +386,7 @@ def _raw_ops(ops: str | Iterable[str]) -> tuple[RawOp, ...]:
 
 class ManualClock:
     """THIS IS A TEST DOUBLE: a monotonic clock (seconds) that moves only when told, for `MooncakeStore`'s
-    ``clock`` (its master-down backoff), so a replay does not depend on how long its calls take."""
+    ``clock`` (its breaker's wait), so a replay does not depend on how long its calls take."""
 
     def __init__(self, start: float = 0.0) -> None:
         self.now = float(start)

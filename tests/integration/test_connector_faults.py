@@ -132,11 +132,11 @@ def test_master_killed_then_restarted(own_master: EmbeddedMooncake):
             assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
         assert h.garbage == [] and h.check_at_rest() == []
         own_master.start_master()
-        for conn in [h.scheduler_connector, *h.workers]:  # end the backoff the failures started
-            store = conn.scheduler_side.store if conn.scheduler_side else conn.worker_side.steps.store
-            store._skip_until = 0.0
         import time
         time.sleep(3.0)  # clients re-mount their segments (~2 s, see reference/mooncake-store.md)
+        for conn in [h.scheduler_connector, *h.workers]:  # the breakers the failures opened: probe now
+            store = conn.store  # (their own probers would wait out the 30 s backoff)
+            assert store.probe(force=True), store.last_exception
         h.stats.outputs.clear()
         _pass(h, prompts)
         for i, p in enumerate(prompts):

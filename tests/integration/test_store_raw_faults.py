@@ -18,7 +18,7 @@ from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.kvlayout import plan_block_copies
-from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.store import PROBE_KEY, MooncakeStore, StoreCode
 from testbed.faults import (BATCH_OPS, FaultyMooncakeClient, InjectedFault, ManualClock, RawFault,
                             faulty_mooncake_store)
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
@@ -51,7 +51,7 @@ def fresh(rig: Rig) -> Rig:
     store, client, clock = rig
     client.clear()
     clock.advance(store.skip_remaining_s + 1)
-    assert store.batch_is_exist(["fresh-rig-probe"]) == [0]
+    assert store.probe() and store.batch_is_exist(["fresh-rig-probe"]) == [0]
     return rig
 
 
@@ -81,19 +81,24 @@ def test_a_code_for_every_key_stores_nothing(fresh: Rig, key_prefix: str, code: 
     assert store.batch_put(keys, sp, ss) == [0, 0]
 
 
-def test_master_down_backs_off_on_the_clock_then_recovers(fresh: Rig, key_prefix: str) -> None:
+def test_master_down_opens_the_breaker_and_only_a_probe_closes_it(fresh: Rig, key_prefix: str) -> None:
     store, client, clock = fresh
     keys = [f"{key_prefix}a"]
     _, sp, ss = rows(1)
     client.always(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL))
-    assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
+    assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL] and store.breaker_open
     client.always(BATCH_OPS, None)  # the master is back, but the wrapper does not ask yet
     before = dict(client.num_calls)
     clock.advance(BACKOFF_MS / 1000.0 - 0.001)
+    assert not store.probe()  # not due yet: nothing sent
     assert store.batch_put(keys, sp, ss) == [StoreCode.UNHEALTHY_SKIPPED]
     assert not store.healthy()
     assert client.num_calls == before  # skipped inside the wrapper: no call reached the client
     clock.advance(0.002)
+    # past the wait a caller is still skipped: only the probe asks the master (no caller pays for it)
+    assert store.batch_put(keys, sp, ss) == [StoreCode.UNHEALTHY_SKIPPED] and client.num_calls == before
+    assert store.probe() and not store.breaker_open
+    assert client.num_calls["exist"] == before["exist"] + 1 and client.calls[-1].keys == (PROBE_KEY,)
     assert store.batch_put(keys, sp, ss) == [0]
     assert client.num_calls["put"] == before["put"] + 1
 
@@ -185,6 +190,7 @@ def test_a_save_under_a_down_master_fails_then_the_backoff_skips_then_it_saves(f
     assert client.num_calls == before and w.ledger.job_state(2) == "reported"
     assert w.stats.total("failed_jobs") == 2 and w.ledger.request("r").saved_offset == 0
     clock.advance(BACKOFF_MS / 1000.0)
+    assert store.probe()
     w.run_save("r", 3, 2, [1, 2], hashes)
     assert w.ledger.request("r").saved_offset == 2 and w.take_reports() == {1: 1, 2: 1, 3: 1}
     # a load of the two keys with the second key's transfer failing: block 4 loaded, block 5 reported
@@ -197,22 +203,27 @@ def test_a_save_under_a_down_master_fails_then_the_backoff_skips_then_it_saves(f
 
 
 def test_master_failures_in_a_row_double_the_backoff_and_an_answer_resets_it(fresh: Rig, key_prefix: str) -> None:
-    """A master dead for good costs one RPC timeout per backoff: 5 s, 10 s, 20 s, then the 30 s cap; inside
-    each backoff nothing is sent. The first call the master answers resets it to 5 s."""
+    """A master dead for good costs one probe per wait: 5 s, 10 s, 20 s, then the 30 s cap; inside each wait
+    nothing is sent, and no caller is ever sent through. The first probe the master answers closes the
+    breaker; the next failure waits 5 s again."""
     store, client, clock = fresh
     keys = [f"{key_prefix}k"]
     skips = []
     with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
+        assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
         for _ in range(6):
-            assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
             skips.append(store.skip_remaining_s)
             sent = sum(client.num_calls.values())
             assert store.batch_is_exist(keys) == [StoreCode.UNHEALTHY_SKIPPED]
             clock.advance(skips[-1] - 0.001)
-            assert store.batch_is_exist(keys) == [StoreCode.UNHEALTHY_SKIPPED] and sum(client.num_calls.values()) == sent
+            assert not store.probe() and sum(client.num_calls.values()) == sent  # not due: nothing sent
             clock.advance(0.001)
+            assert store.batch_is_exist(keys) == [StoreCode.UNHEALTHY_SKIPPED] and sum(client.num_calls.values()) == sent
+            assert not store.probe() and sum(client.num_calls.values()) == sent + 1  # the probe: the master is down
     assert skips == pytest.approx([5.0, 10.0, 20.0, 30.0, 30.0, 30.0])
-    assert store.batch_is_exist(keys) == [0]  # the master answers
+    clock.advance(store.skip_remaining_s)
+    assert store.probe() and store.batch_is_exist(keys) == [0]  # the master answers
     with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
         assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
     assert store.skip_remaining_s == pytest.approx(5.0)
+    assert store.num_trips >= 2

@@ -1,0 +1,107 @@
+"""The scheduler's store calls, each with a deadline: a store that does not answer costs an engine step at
+most ``lookup_timeout_ms``, once, then nothing until the store answers again.
+
+    scheduler thread                         kvledger-lookup thread (one per scheduler side)
+    batch_is_exist(keys) ──put──► queue ──► store.batch_is_exist(keys) ──► result ──► done.set()
+         └─ done.wait(timeout_s) ─┬─ answered in time: the store's codes
+                                  └─ past it: RPC_TIMEOUT per key (a miss), the store's breaker tripped
+                                     (`MooncakeStore.trip`): later calls are skipped at once until its
+                                     prober sees the master answer
+
+Only existence checks (lookups, the KV-events check) go through here: they read no GPU memory, so a call
+abandoned past its deadline may finish whenever it does and harm nothing; its late answer is dropped.
+While the abandoned call is still inside the client, new calls are not queued behind it: they answer
+UNHEALTHY_SKIPPED at once, so at most one call is inside the store through here. A store whose breaker is
+open answers without the round trip through the thread.
+
+Why a thread and not Mooncake's own RPC timeout: a call to a master that just died spends ~4-5 s in
+Mooncake's reconnect attempts (measured), well past `rpc_timeout_ms`, and `MC_RPC_TIMEOUT_MS` is
+process-wide (the workers' puts share it in a one-process driver).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger_connector.store import StoreCode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    keys: list[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[int] | None = None
+
+
+class DeadlineStore:
+    """``store`` with each ``batch_is_exist`` bounded by ``timeout_s`` (see the module doc). Everything else,
+    attribute reads and writes included, is the wrapped store's own."""
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"DeadlineStore timeout_s={timeout_s!r}: must be > 0")
+        object.__setattr__(self, "_kvl_store", store)
+        object.__setattr__(self, "_kvl_timeout_s", timeout_s)
+        object.__setattr__(self, "_kvl_q", queue.SimpleQueue())
+        object.__setattr__(self, "_kvl_busy", threading.Lock())  # held while a call is inside the store
+        object.__setattr__(self, "_kvl_thread", None)
+        object.__setattr__(self, "_kvl_stopped", False)
+        object.__setattr__(self, "num_deadline_missed", 0)  # calls answered as timed out
+        object.__setattr__(self, "num_skipped_busy", 0)  # calls answered at once: an abandoned one still inside
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        store = self._kvl_store
+        n = len(keys)
+        if self._kvl_stopped or getattr(store, "breaker_open", False):
+            return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
+        if not self._kvl_busy.acquire(blocking=False):  # an abandoned call is still inside
+            object.__setattr__(self, "num_skipped_busy", self.num_skipped_busy + 1)
+            return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
+        call = _Call(list(keys))
+        self._start()
+        self._kvl_q.put(call)
+        if call.done.wait(self._kvl_timeout_s):
+            return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
+        object.__setattr__(self, "num_deadline_missed", self.num_deadline_missed + 1)
+        trip = getattr(store, "trip", None)
+        if trip is not None:
+            trip()
+        logger.warning("store existence check of %d key(s) unanswered after %.0f ms: answered as a miss, "
+                       "store calls skipped until the master answers a probe", n, self._kvl_timeout_s * 1e3)
+        return [int(StoreCode.RPC_TIMEOUT)] * n
+
+    def _start(self) -> None:
+        if self._kvl_thread is None:
+            t = threading.Thread(target=self._run, name="kvledger-lookup", daemon=True)
+            object.__setattr__(self, "_kvl_thread", t)
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            call = self._kvl_q.get()
+            if call is None:
+                return
+            try:
+                call.result = self._kvl_store.batch_is_exist(call.keys)
+            except Exception as e:  # the store wrapper returns codes; a raising double must not kill the thread
+                logger.warning("store existence check raised %s: %s", type(e).__name__, e)
+            finally:
+                self._kvl_busy.release()
+                call.done.set()
+
+    def stop(self) -> None:
+        """End the helper thread (it ends after a call still inside returns); later calls go direct."""
+        object.__setattr__(self, "_kvl_stopped", True)
+        self._kvl_q.put(None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_kvl_store"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._kvl_store, name, value)

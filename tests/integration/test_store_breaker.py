@@ -1,0 +1,168 @@
+"""The store's circuit breaker and the scheduler's call deadline, on a real Mooncake master that is frozen
+(SIGSTOP) or killed: a call past its deadline answers a miss and opens the breaker; while it is open no
+caller reaches the client; only the breaker's own prober closes it, once the master answers.
+
+These tests own a private EmbeddedMooncake (they freeze or kill its master). The waits are hang guards
+(`wait_until`: a condition must come true at all), never timed assertions.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from kvledger_connector.config import StoreConfig
+from kvledger_connector.deadline import DeadlineStore
+from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from testbed.emu_model import expected_output, shared_prefix_prompts
+from testbed.harness import Harness
+
+RPC_TIMEOUT_MS = 3000  # a frozen master holds a call this long: far past the deadlines below
+BACKOFF_MS = 300
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return bool(pred())
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.fixture
+def private() -> Iterator[tuple[EmbeddedMooncake, MooncakeStore]]:
+    mc = EmbeddedMooncake(rpc_timeout_ms=RPC_TIMEOUT_MS)
+    store = None
+    try:
+        cfg = StoreConfig(global_segment_size=16 << 20, rpc_timeout_ms=RPC_TIMEOUT_MS,
+                          unhealthy_backoff_ms=BACKOFF_MS, max_unhealthy_backoff_ms=4 * BACKOFF_MS)
+        store = MooncakeStore.connect(cfg, embedded=mc)
+        yield mc, store
+    finally:
+        if mc.master_pid is not None:
+            os.kill(mc.master_pid, signal.SIGCONT)
+        elif store is not None:
+            mc.start_master()  # let close() unmount quickly instead of retrying a dead master
+        if store is not None:
+            store.close()
+        mc.stop()
+
+
+def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
+        private: tuple[EmbeddedMooncake, MooncakeStore]) -> None:
+    mc, store = private
+    bounded = DeadlineStore(store, 0.05)
+    assert bounded.batch_is_exist(["k"]) == [0]  # a live master answers through the helper thread
+    pid = mc.master_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        assert wait_until(lambda: stopped(pid), 10.0)
+        assert bounded.batch_is_exist(["k", "l"]) == [StoreCode.RPC_TIMEOUT] * 2  # a miss for the lookup
+        assert bounded.num_deadline_missed == 1 and store.breaker_open and store.num_trips == 1
+        inside = store.calls_inside  # the abandoned call (it returns at Mooncake's RPC timeout)
+        assert bounded.batch_is_exist(["k"]) == [StoreCode.UNHEALTHY_SKIPPED]  # open: not sent
+        assert store.calls_inside == inside and bounded.num_deadline_missed == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # nobody calls: the breaker's own prober sees the master answer and closes it
+    assert wait_until(lambda: not store.breaker_open, 30.0), (store.num_probes, store.last_exception)
+    assert store.num_probes >= 1
+    assert wait_until(lambda: bounded.batch_is_exist(["k"]) == [0], 30.0)
+    bounded.stop()
+    assert bounded.batch_is_exist(["k"]) == [0]  # stopped: calls go direct
+
+
+class _Hang:
+    """THIS IS A TEST DOUBLE: a store whose existence check blocks until released (a call stuck inside a
+    client with no breaker, to show the deadline store never queues behind it)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        self.calls += 1
+        self.release.wait(30.0)
+        return [1] * len(keys)
+
+
+def test_a_call_still_inside_is_never_queued_behind() -> None:
+    hang = _Hang()
+    bounded = DeadlineStore(hang, 0.02)
+    assert bounded.batch_is_exist(["a"]) == [StoreCode.RPC_TIMEOUT]
+    assert bounded.batch_is_exist(["a", "b"]) == [StoreCode.UNHEALTHY_SKIPPED] * 2  # busy: answered at once
+    assert hang.calls == 1 and bounded.num_skipped_busy == 1
+    hang.release.set()
+    assert wait_until(lambda: bounded.batch_is_exist(["a"]) == [1], 10.0)
+    assert hang.calls == 2
+    bounded.stop()
+    with pytest.raises(ValueError, match="timeout_s"):
+        DeadlineStore(hang, 0)
+
+
+def test_the_prober_closes_the_breaker_after_a_restart_and_no_caller_pays(
+        private: tuple[EmbeddedMooncake, MooncakeStore]) -> None:
+    mc, store = private
+    mc.kill_master()
+    assert all(c in MASTER_DOWN_CODES for c in store.batch_is_exist(["a"]))
+    assert store.breaker_open
+    # while it is open every call answers at once, however long the master stays away
+    assert wait_until(lambda: store.num_probes >= 2, 30.0)  # probes failed: the waits doubled
+    assert store.batch_is_exist(["a"]) == [StoreCode.UNHEALTHY_SKIPPED] and store.breaker_open
+    mc.start_master()
+    assert wait_until(lambda: not store.breaker_open, 30.0), store.last_exception
+    assert store.batch_is_exist(["a"]) == [0] and store.num_trips == 1
+
+
+def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
+    """vLLM's real Scheduler (the harness, two ranks), pass 2 asking for pass 1's prefixes, the master frozen
+    (SIGSTOP) for a few RPC timeouts mid-pass and then continued: every request finishes with the model's
+    output, nothing computes on wrong KV, no block stays pinned, the breakers opened and closed again."""
+    prompts = shared_prefix_prompts(24, num_prefixes=4, prefix_len=48, suffix_len=16, seed=7)
+    with EmbeddedMooncake(rpc_timeout_ms=1000) as mc:
+        cfg = StoreConfig(global_segment_size=32 << 20, rpc_timeout_ms=1000, unhealthy_backoff_ms=BACKOFF_MS,
+                          max_unhealthy_backoff_ms=4 * BACKOFF_MS).with_addresses(mc.master_address,
+                                                                                  mc.metadata_server)
+        with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute", extra={"lookup_timeout_ms": 50}) as h:
+            for i, p in enumerate(prompts):
+                h.add_request(f"p1-{i}", p, 8)
+            h.run(max_steps=5_000, timeout_s=120)
+            for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
+                if h.scheduler.reset_prefix_cache():
+                    break
+                h.step()
+            else:
+                raise AssertionError("reset_prefix_cache() never succeeded")
+            for i, p in enumerate(prompts):
+                h.add_request(f"p2-{i}", p, 8)
+            for _ in range(3):
+                h.step()
+            pid = mc.master_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 3.0 and h.step():  # the engine keeps stepping while frozen
+                    pass
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            h.run(max_steps=5_000, timeout_s=120)
+            stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
+            assert sum(s.num_trips for s in stores) >= 1
+            assert wait_until(lambda: not any(s.breaker_open for s in stores), 30.0)
+            for p, ids in ((1, range(len(prompts))), (2, range(len(prompts)))):
+                for i in ids:
+                    assert h.stats.outputs[f"p{p}-{i}"] == expected_output(prompts[i], 8), (p, i)
+            assert h.garbage == [] and h.check_at_rest() == []
