@@ -64,7 +64,7 @@ class StoreEvents:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
         self.key_builders = list(key_builders)
-        self.store = store  # the raw client: these checks are not prefix lookups (kept out of lookup_s)
+        self.store = store  # not TimedLookups: these checks are not prefix lookups (kept out of lookup_s)
         self.block_size = block_size
         self.max_pending = max_pending
         self.max_announced = max_announced
