@@ -2,7 +2,8 @@
 Scheduler, no connector vs ours, same harness, same run. Same-run ratios only, nothing asserted.
 
 testbed/harness.py (vLLM's real `Scheduler` and `BlockPool` on CPU, two emulated TP ranks, KV caches from
-vLLM's allocator, a 48-block pool, kv_load_failure_policy "recompute"): 120 shared-prefix prompts, each
+vLLM's allocator, a 48-block pool, kv_load_failure_policy "recompute", the stand-in forward taking FORWARD_S
+= 4 ms per step as in bench.scheduler, a stand-in for the model's time): 120 shared-prefix prompts, each
 asked twice (240 requests, 8 tokens generated), on a private Mooncake master. After step 60 the master is
 
   kill         SIGKILLed and never restarted
@@ -41,6 +42,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GLOG_minloglevel", "3")
 
 FAULT_AT_STEP = 60
+FORWARD_S = 0.004  # the stand-in forward's time per step (bench.scheduler's)
 WAYS = ("none", "ours")
 FAULTS = ("kill", "stop")
 
@@ -74,7 +76,7 @@ def run_once(fault: str, way: str, window_s: float, stop_s: float) -> Run:
         cfg = StoreConfig(global_segment_size=64 << 20, rpc_timeout_ms=2000).with_addresses(
             mc.master_address, mc.metadata_server)
         h = Harness(cfg, tp_size=2, num_blocks=48, policy="recompute", stall_timeout_s=window_s + 60,
-                    connector="ours" if ours else "none")
+                    connector="ours" if ours else "none", forward_s=FORWARD_S)
         frozen: int | None = None
         try:
             for i, p in enumerate(prompts):

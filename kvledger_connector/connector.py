@@ -102,7 +102,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
             builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.shard_layouts()]
             # the engine step's store calls, each bounded by lookup_timeout_ms
-            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0)
+            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=TimedLookups(bounded, self.stats))  # lookup histogram
             if facts.kv_events:  # BlockStored/BlockRemoved for routers
@@ -123,7 +123,9 @@ class KVLedgerConnector(KVConnectorBase_V1):
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         if cfg.embedded:
             self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms)
-        return MooncakeStore.connect(cfg, embedded=self._embedded)
+        store = MooncakeStore.connect(cfg, embedded=self._embedded)
+        store.stats = self.stats  # breaker_trips, breaker_probes
+        return store
 
     @property
     def requires_kv_delivery(self) -> bool:

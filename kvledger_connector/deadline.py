@@ -43,7 +43,7 @@ class DeadlineStore:
     """``store`` with each ``batch_is_exist`` bounded by ``timeout_s`` (see the module doc). Everything else,
     attribute reads and writes included, is the wrapped store's own."""
 
-    def __init__(self, store: Any, timeout_s: float) -> None:
+    def __init__(self, store: Any, timeout_s: float, stats: Any = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"DeadlineStore timeout_s={timeout_s!r}: must be > 0")
         object.__setattr__(self, "_kvl_store", store)
@@ -52,6 +52,7 @@ class DeadlineStore:
         object.__setattr__(self, "_kvl_busy", threading.Lock())  # held while a call is inside the store
         object.__setattr__(self, "_kvl_thread", None)
         object.__setattr__(self, "_kvl_stopped", False)
+        object.__setattr__(self, "_kvl_stats", stats)  # a StatsRecorder (lookups_past_deadline) or None
         object.__setattr__(self, "num_deadline_missed", 0)  # calls answered as timed out
         object.__setattr__(self, "num_skipped_busy", 0)  # calls answered at once: an abandoned one still inside
 
@@ -69,6 +70,8 @@ class DeadlineStore:
         if call.done.wait(self._kvl_timeout_s):
             return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
         object.__setattr__(self, "num_deadline_missed", self.num_deadline_missed + 1)
+        if self._kvl_stats is not None:
+            self._kvl_stats.add("lookups_past_deadline")
         trip = getattr(store, "trip", None)
         if trip is not None:
             trip()

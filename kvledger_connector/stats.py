@@ -14,6 +14,8 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
                kv_events_dropped, resets, resets_refused, resets_failed, reset_removed_keys
+               the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent);
+               lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
                the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
@@ -58,6 +60,7 @@ COUNTERS = (
     "loads", "rejected_loads", "load_errors_reported",
     "put_s", "get_s", "lookup_s",
     "kv_events_dropped", "resets", "resets_refused", "resets_failed", "reset_removed_keys",
+    "breaker_trips", "breaker_probes", "lookups_past_deadline",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
 #: ops with a latency histogram, by the duration counter whose every add is one call

@@ -254,6 +254,8 @@ class MooncakeStore:
         self._prober: threading.Thread | None = None
         self.num_trips = 0  # times the breaker opened
         self.num_probes = 0  # probes sent to the client
+        # the connector's StatsRecorder (breaker_trips, breaker_probes), set by its owner; None: not counted
+        self.stats: Any = None
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
         self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
@@ -417,6 +419,10 @@ class MooncakeStore:
         self._skip_until = self._clock() + self.backoff_s(1)
         self._open = True
         self.num_trips += 1
+        logger.warning("Mooncake master %s failed: store calls skipped until a probe is answered (first in %.1fs)",
+                       self.config.master_server_address, self.backoff_s(1))
+        if self.stats is not None:
+            self.stats.add("breaker_trips")
         if self._background_probe and not self._closed:
             if self._prober is None:
                 self._prober = threading.Thread(target=self._probe_loop, name="kvledger-store-probe", daemon=True)
@@ -440,9 +446,13 @@ class MooncakeStore:
             with self._lock:
                 self._probing = False
                 self.num_probes += 1
+                if self.stats is not None:
+                    self.stats.add("breaker_probes")
                 if res in (0, 1):
                     self._open = False
                     self._down_in_a_row = 0
+                    logger.warning("Mooncake master %s answered a probe: store calls resume",
+                                   self.config.master_server_address)
                 else:
                     self._down_in_a_row += 1
                     self._skip_until = self._clock() + self.backoff_s(self._down_in_a_row)

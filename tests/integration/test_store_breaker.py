@@ -18,6 +18,7 @@ import pytest
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
 from testbed.emu_model import expected_output, shared_prefix_prompts
 from testbed.harness import Harness
@@ -62,7 +63,8 @@ def private() -> Iterator[tuple[EmbeddedMooncake, MooncakeStore]]:
 def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
         private: tuple[EmbeddedMooncake, MooncakeStore]) -> None:
     mc, store = private
-    bounded = DeadlineStore(store, 0.05)
+    stats = store.stats = StatsRecorder()  # what the connector does: its counters, Prometheus' metrics
+    bounded = DeadlineStore(store, 0.05, stats)
     assert bounded.batch_is_exist(["k"]) == [0]  # a live master answers through the helper thread
     pid = mc.master_pid
     assert pid is not None
@@ -71,6 +73,7 @@ def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
         assert wait_until(lambda: stopped(pid), 10.0)
         assert bounded.batch_is_exist(["k", "l"]) == [StoreCode.RPC_TIMEOUT] * 2  # a miss for the lookup
         assert bounded.num_deadline_missed == 1 and store.breaker_open and store.num_trips == 1
+        assert stats.total("lookups_past_deadline") == 1 and stats.total("breaker_trips") == 1
         inside = store.calls_inside  # the abandoned call (it returns at Mooncake's RPC timeout)
         assert bounded.batch_is_exist(["k"]) == [StoreCode.UNHEALTHY_SKIPPED]  # open: not sent
         assert store.calls_inside == inside and bounded.num_deadline_missed == 1
@@ -78,7 +81,7 @@ def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
         os.kill(pid, signal.SIGCONT)
     # nobody calls: the breaker's own prober sees the master answer and closes it
     assert wait_until(lambda: not store.breaker_open, 30.0), (store.num_probes, store.last_exception)
-    assert store.num_probes >= 1
+    assert store.num_probes >= 1 and stats.total("breaker_probes") == store.num_probes
     assert wait_until(lambda: bounded.batch_is_exist(["k"]) == [0], 30.0)
     bounded.stop()
     assert bounded.batch_is_exist(["k"]) == [0]  # stopped: calls go direct
@@ -162,6 +165,9 @@ def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
             stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
             assert sum(s.num_trips for s in stores) >= 1
             assert wait_until(lambda: not any(s.breaker_open for s in stores), 30.0)
+            conns = [h.scheduler_connector, *h.workers]  # every trip and probe counted in the connectors' stats
+            assert sum(c.stats.total("breaker_trips") for c in conns) == sum(s.num_trips for s in stores)
+            assert sum(c.stats.total("breaker_probes") for c in conns) == sum(s.num_probes for s in stores) >= 1
             for p, ids in ((1, range(len(prompts))), (2, range(len(prompts)))):
                 for i in ids:
                     assert h.stats.outputs[f"p{p}-{i}"] == expected_output(prompts[i], 8), (p, i)
