@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvledger_connector import rendezvous
 from kvledger_connector.config import ConnectorConfig, StoreConfig, read_settings
+from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.engine_facts import EngineFacts, key_layout, kv_cache_spec, resolved_layout
 from kvledger_connector.events import StoreEvents
@@ -44,7 +45,6 @@ from kvledger_connector.rendezvous import AttachedMooncake
 from kvledger_connector.reset import reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
-from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.store import KVStore, MooncakeStore
 from kvledger_connector.worker import WorkerSide
 
