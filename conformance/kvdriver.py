@@ -72,7 +72,7 @@ from kvledger.errors import LedgerError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
-from kvledger.worker import WorkerLedger
+from kvledger.worker import WorkerLedger, put_positions
 from kvledger_connector.jobs import JobAction, SaveJob, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
@@ -267,6 +267,8 @@ class KVDriver:
         self.late_notices = bool(consts.get("LateNotices", False))
         # TRUE: the last chunk is the prompt's partial tail, pinned through open_job's tail_block_ids
         self.partial_tail = bool(consts.get("PartialTail", False))
+        # TRUE: each chunk's key is put by its Owner only (the model's ranks in order: replica i of len(ranks))
+        self.stripe = bool(consts.get("Stripe", False))
         # FALSE: the reset_prefix_cache(reset_running_requests=True) path, no preemption notice
         self.preempt_notices = bool(consts.get("PreemptNotices", True))
         # the fault injector's budget and kinds (the model's MaxFaults, FaultKinds)
@@ -333,13 +335,15 @@ class KVDriver:
                       for i, w in enumerate(self.ranks)}
         # the connector's own per-job steps, one per rank, over this driver's store. tp_rank 0 on every rank:
         # the model loads a rank's keys in index order; the rotation by tp_rank is a load-balancing order
-        # (probe rotated_load_reports_the_right_block, mutant load_ids_not_rotated)
+        # (probe rotated_load_reports_the_right_block, mutant load_ids_not_rotated). With Stripe, rank i of
+        # the sorted ranks is replica i: the model's Owner (RankList is TLC's first ordering, w1 before w2)
         self.store = self.backend.store  # the connector's MooncakeStore
         self.stage = {w: self._stage(w) for w in self.ranks}
         self.read_from: dict[int, torch.Tensor] = {}  # block id -> the row a put reads (the DMA's copy)
         self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
                                      buffers=self._buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
-                                     keys=self.kb, load_sub_batch_keys=self.sub_batch, lock=no_lock())
+                                     keys=self.kb, load_sub_batch_keys=self.sub_batch, lock=no_lock(),
+                                     stripe=(i, len(self.ranks)) if self.stripe else (0, 1))
                       for i, w in enumerate(self.ranks)}
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
         self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
@@ -639,7 +643,10 @@ class KVDriver:
         w, outcome = a["w"], a["outcome"]
         j = self._busy(w, "running")
         ids = self.jobs[j][2]
-        if outcome == "ok" and not self.up:
+        # the chunks this rank puts itself (Stripe: its share, the connector's rule); with none there is no
+        # store call, and a down store cannot fail it
+        mine = [c for c in self.buf[w] if put_positions(c - 1, c, *self.steps[w].stripe)]
+        if outcome == "ok" and not self.up and mine:
             raise Refused("the store is down: a put cannot succeed")
         if outcome == "pressure" and not self.up:
             raise Refused("the store is down: it answers no pressure")

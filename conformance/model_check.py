@@ -49,6 +49,7 @@ CI: list[Check] = [
     Check("MC_safety", "fixed", 0, None, "S1-S9 + lifecycle, 2 req x 2 ranks, 1 block, store faults"),
     Check("MC_lag", "fixed", 0, None, "lagging rank offsets, late notices, pin cap 2 of 3 blocks (ABA)"),
     Check("MC_nonotice", "fixed", 0, None, "reset_prefix_cache path: no preemption notices, 2 blocks"),
+    Check("MC_stripe", "fixed", 0, None, "identical KV stored once: each key put by one rank, loaded by all"),
     Check("MC_live", "fixed", 0, None, "PinsReleased NoLeakAtRest LoadsFinish Progress, 2 req"),
     Check("MC_live_faults", "fixed", 0, None, "the same liveness with store faults, 1 req"),
     Check("MC_legacy_pollution", "legacy", 12, "NoPollution", "vLLM #52360", deadlock=False),

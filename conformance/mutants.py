@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import kvledger.codes
+import kvledger.worker
+import kvledger_connector.engine_facts
 import kvledger_connector.jobs
 import kvledger_connector.keys
 import kvledger_connector.kvlayout
@@ -363,6 +365,19 @@ def _sweep_ignores_liveness(orig):  # the sweep takes every owner for dead: a li
     return _alive
 
 
+def _every_replica_puts_all(orig):  # ranks sharing keys each put every key (k copies of each put)
+    def put_positions(start, end, replica, replicas):
+        return orig(start, end, 0, 1)
+    return put_positions
+
+
+def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if each model were MLA
+    def kv_replicas(vllm_config):
+        orig(vllm_config)
+        return vllm_config.parallel_config.tensor_parallel_size
+    return kv_replicas
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     # scheduler ledger
@@ -404,6 +419,10 @@ MUTANTS: dict[str, list[Patch]] = {
     # keys (the scheduler side builds tail hashes through its own binding of partial_tail_hash)
     "key_without_pp_stage": [(KeyBuilder, "__init__", _key_without_pp_stage)],
     "key_digest_without_layout": [(KeyLayout, "digest", _digest_without_layout)],
+    # identical KV stored once: who puts a shared key, which ranks share keys
+    "replicas_put_every_key": [(kvledger_connector.jobs, "put_positions", _every_replica_puts_all),
+                               (kvledger.worker, "put_positions", _every_replica_puts_all)],
+    "replicas_share_distinct_heads": [(kvledger_connector.engine_facts, "kv_replicas", _replicas_ignore_heads)],
     "tail_hash_without_tokens": [(kvledger_connector.keys, "partial_tail_hash", _tail_hash_without_tokens),
                                  (kvledger_connector.scheduler_steps, "partial_tail_hash",
                                   _tail_hash_without_tokens)],

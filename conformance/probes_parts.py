@@ -24,9 +24,9 @@ from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from conformance.kvprobes import Probe, ProbeFailed, check
-# keys.partial_tail_hash and reset.engine_key_regex are called through their modules, as the connector
-# calls them: a patched function (a mutant) is the one probed
-from kvledger_connector import keys, rendezvous, reset
+# keys.partial_tail_hash, reset.engine_key_regex, jobs.put_positions and engine_facts.kv_replicas are called
+# through their modules, as the connector calls them: a patched function (a mutant) is the one probed
+from kvledger_connector import engine_facts, jobs, keys, rendezvous, reset
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
 from testbed.kvcache import LAYOUTS, SPLITTABLE_LAYOUTS, allocate, attention_specs, build_kv_cache_config, layer_names
@@ -116,6 +116,47 @@ def probe_keys_separate_shards_stages_and_layouts() -> None:
         k = KeyBuilder(lay).key(HASH)
         check(k not in seen, f"{what} and {seen.get(k)} share the key {k!r}")
         seen[k] = what
+
+
+def replica_split(replicas: int, start: int = 3, end: int = 14) -> list[list[int]]:
+    """The block positions each replica of a group puts for one job, through the connector's binding."""
+    return [jobs.put_positions(start, end, i, replicas) for i in range(replicas)]
+
+
+def probe_replicas_put_each_key_once() -> None:
+    """Ranks that share keys (identical KV) put every key of a job, each exactly once, and split by block
+    position, so that two jobs of one request agree on who puts a block."""
+    for k in (1, 2, 3, 4):
+        split = replica_split(k)
+        flat = sorted(p for s in split for p in s)
+        check(flat == list(range(3, 14)), f"{k} replicas put {flat}, not each of positions 3..13 once")
+        later = replica_split(k, 5, 14)
+        check(all(set(b) <= set(a) for a, b in zip(split, later)),
+              f"{k} replicas: a job from position 5 gives a block to another replica ({split} vs {later})")
+
+
+def replicas_of(kind: str, tp: int) -> int:
+    """`engine_facts.kv_replicas` of a tiny model served at ``tp`` (per_rank: one KV head per rank; one_head:
+    a single KV head vLLM replicates; mla: a DeepSeek-V2 latent), from vLLM's own config classes."""
+    from vllm.config import ModelConfig, ParallelConfig
+
+    from testbed.emu_model import write_model_dir
+    with tempfile.TemporaryDirectory() as d:
+        path = write_model_dir(d, num_layers=1, num_kv_heads=tp if kind == "per_rank" else 1, head_size=8,
+                               num_attention_heads=2 * tp, mla=kind == "mla")
+        mc = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True, dtype="float32", seed=0,
+                         max_model_len=256)
+        vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                        device_config=DeviceConfig("cpu"))
+        return engine_facts.kv_replicas(vc)
+
+
+def probe_only_identical_kv_shares_a_key() -> None:
+    """Ranks share keys only where vLLM gives them the same KV: every rank for MLA, ``tp / heads`` ranks
+    when vLLM replicates KV heads, none when each rank holds heads of its own (S1 within an engine)."""
+    for kind, tp, want in (("per_rank", 2, 1), ("one_head", 2, 2), ("mla", 2, 2)):
+        got = replicas_of(kind, tp)
+        check(got == want, f"{kind} at TP {tp}: {got} ranks share keys, vLLM gives {want} the same KV")
 
 
 def probe_partial_tail_keys_name_the_tail_tokens() -> None:
@@ -231,6 +272,7 @@ def probe_sweep_keeps_live_owners() -> None:
 
 PROBES: list[Probe] = [
     probe_every_layout_reads_each_block_exactly, probe_keys_separate_shards_stages_and_layouts,
+    probe_replicas_put_each_key_once, probe_only_identical_kv_shares_a_key,
     probe_partial_tail_keys_name_the_tail_tokens, probe_reset_pattern_matches_exactly_the_engines_keys,
     probe_runtime_dir_refuses_what_is_not_private, probe_sweep_keeps_live_owners,
 ]

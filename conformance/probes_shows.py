@@ -19,7 +19,8 @@ import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
 from conformance import probes_sched
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank
-from conformance.probes_parts import BASE, HASH, check_layout, foreign_dir, reset_case, runtime_dir_env
+from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, replica_split, replicas_of, reset_case,
+                                     runtime_dir_env)
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
@@ -277,6 +278,17 @@ def _() -> None:
 def _() -> None:
     for where, f in (("keys", keys.partial_tail_hash), ("scheduler_steps", scheduler_steps.partial_tail_hash)):
         check(f(HASH, [5, 6]) != f(HASH, [5, 7]), f"{where}.partial_tail_hash: tails [5, 6] and [5, 7] share a hash")
+
+
+@shows("replicas_put_every_key")
+def _() -> None:
+    split = replica_split(2)
+    check(not set(split[0]) & set(split[1]), f"replicas 0 and 1 both put positions {set(split[0]) & set(split[1])}")
+
+
+@shows("replicas_share_distinct_heads")
+def _() -> None:
+    check(replicas_of("per_rank", 2) == 1, "two ranks with heads of their own share keys")
 
 
 # ---------------------------------------------------------------- reset_cache's pattern

@@ -266,7 +266,7 @@ class RunLogNormalizer:
                 "NumChunks": 1, "MaxGen": self.max_gen, "MaxJobs": max_jobs,
                 "PinCap": pin_cap if pin_cap is not None else max_jobs, "MaxFaults": num_events + 1,
                 "FaultKinds": ["dma", "put", "pressure"], "SubBatch": 1, "PreemptNotices": True,
-                "LateNotices": True, "PartialTail": True, "Legacy": False, "Mutant": "none"}
+                "LateNotices": True, "PartialTail": True, "Stripe": False, "Legacy": False, "Mutant": "none"}
 
 
 def normalize(events: list[dict[str, Any]], pin_cap: int | None = None) -> Normalized:

@@ -11,8 +11,10 @@ Then conformance, on a real Mooncake master on 127.0.0.1
              behaviours + paths covering every edge, all replayed against the real parts; plus the
              whole graph of tests/conformance/kv/MC_replay_tiny.cfg (every store fault kind), and
              simulated behaviours (coverage not measured) of tla/MC_conformance.cfg (1 rank, both
-             requests preempted) and tla/MC_conformance_sim.cfg (2 ranks, 3 blocks, 2 chunks with a
-             partial tail, faults); the line coverage of the connector's step functions is reported
+             requests preempted), tla/MC_conformance_sim.cfg (2 ranks, 3 blocks, 2 chunks with a
+             partial tail, faults) and tla/MC_conformance_stripe.cfg (the same, each key put by one
+             rank: identical KV stored once); the line coverage of the connector's step functions is
+             reported
   trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
   real run   the whole demo (vLLM's real Scheduler, 2 ranks, embedded Mooncake, 240 requests twice,
              ~7,000 events) with the connector's `trace_path` log checked by TLC against the job
@@ -49,6 +51,7 @@ CI_CFG = ROOT / "tla" / "MC_conformance_2ranks.cfg"
 ONE_RANK_CFG = ROOT / "tla" / "MC_conformance.cfg"
 FAULTS_CFG = ROOT / "tests" / "conformance" / "kv" / "MC_replay_tiny.cfg"
 SIM_CFG = ROOT / "tla" / "MC_conformance_sim.cfg"
+STRIPE_CFG = ROOT / "tla" / "MC_conformance_stripe.cfg"  # SIM_CFG with identical KV stored once
 MIN_BEHAVIOURS, MIN_COVERAGE = 1000, 0.95
 
 
@@ -159,10 +162,11 @@ def replay_stage(_done: Done) -> StageResult:
     faults = ex.export(ROOT / "tla", "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
     sim = ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1)
     one_rank = ex.simulated_export(ONE_RANK_CFG.parent, "KVLedger", ONE_RANK_CFG.name, num=300, depth=40, seed=1)
+    stripe = ex.simulated_export(STRIPE_CFG.parent, "KVLedger", STRIPE_CFG.name, num=300, depth=60, seed=1)
     with _mooncake() as backend:
         reps = []
         with line_coverage(COVERED) as covered:
-            for e in (ci, faults, sim, one_rank):
+            for e in (ci, faults, sim, one_rank, stripe):
                 r = rp.replay_export(e, KVDriver(backend, e.consts), stop_after=3, progress=print,
                                      checks=(LedgerInvariantError,))  # a named invariant, not a crash
                 print(f"{r.line()} [{Path(e.cfg).name}]", flush=True)

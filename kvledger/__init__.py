@@ -51,7 +51,7 @@ from .load import LoadLedger, LoadResult, load_order, rotation
 from .metadata import aggregate, aggregate_all, aggregate_into, check_completed
 from .scheduler import NULL_BLOCK_ID, BlockPoolLike, SchedulerLedger
 from .trace import ListTrace, NdjsonTrace, TraceSink
-from .worker import StoreRequestState, Verdict, WorkerLedger
+from .worker import StoreRequestState, Verdict, WorkerLedger, put_positions
 
 __all__ = [
     "INVARIANTS", "LedgerError", "LedgerInputError", "LedgerInvariantError",
@@ -59,5 +59,5 @@ __all__ = [
     "aggregate", "aggregate_all", "aggregate_into", "check_completed",
     "NULL_BLOCK_ID", "BlockPoolLike", "SchedulerLedger",
     "ListTrace", "NdjsonTrace", "TraceSink",
-    "StoreRequestState", "Verdict", "WorkerLedger",
+    "StoreRequestState", "Verdict", "WorkerLedger", "put_positions",
 ]

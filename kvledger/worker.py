@@ -34,6 +34,24 @@ from .machines import STORE_JOB, STORE_JOB_ALLOWED, STORE_REQUEST, step
 from .trace import TraceSink
 
 
+def put_positions(start: int, end: int, replica: int, replicas: int) -> list[int]:
+    """The block positions in ``[start, end)`` of a request that this rank puts.
+
+    Ranks that hold identical KV (MLA's latent, KV heads replicated across TP ranks) share keys, and each
+    key is put by exactly one of them: the replica whose index is the position modulo ``replicas``
+    (tla/KVLedger.tla ``Owner``, under ``Stripe``). Every replica computes this split from the same
+    metadata, so a group puts each key once; every replica still loads every key. ``replicas`` 1: all."""
+    check_positive_int("replicas", replicas)
+    if replica.__class__ is not int or not 0 <= replica < replicas:
+        raise LedgerInputError("replica", replica, f"must be an int in 0..{replicas - 1}")
+    if start.__class__ is not int or end.__class__ is not int or start < 0:
+        raise LedgerInputError("start", start, f"must be an int >= 0 with an int end (end={end!r})")
+    if replicas == 1:
+        return list(range(start, end))
+    first = start + (replica - start) % replicas
+    return list(range(first, end, replicas))
+
+
 class Verdict(enum.Enum):
     RUN = "running"
     STALE = "stale"

@@ -377,6 +377,12 @@ KEYS: tuple[Key, ...] = (
         "reads the old weights' KV",
         tests="test_keys.py::test_model_identity_is_in_the_key, "
               "test_namespace.py::test_a_bumped_weights_version_never_loads_the_old_kv"),
+    Key("store_replicated_kv_once", "bool", True, "engine",
+        "ranks that hold identical KV (MLA's latent on every TP rank; KV heads vLLM replicates when TP exceeds "
+        "the model's KV heads) share one key per block and each key is put by one of them, so the store holds "
+        "one copy; false: every rank stores its own copy under its own keys (earlier versions' keys)",
+        tests="test_replicated_kv.py::test_mla_at_tp2_stores_one_copy_and_every_rank_loads_it, "
+              "::test_per_rank_copies_when_turned_off"),
     Key("pp_rank", "int", None, "engine", "pipeline stage, only for in-process drivers (tests); vLLM's PP group "
         "wins", lo=0, hi=1 << 16, in_file=False, shown_default="vLLM's",
         tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),

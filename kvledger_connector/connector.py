@@ -75,7 +75,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
         settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
         self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
                                              tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
-                                             weights_version=settings.get("weights_version") or "")
+                                             weights_version=settings.get("weights_version") or "",
+                                             replicated_once=settings.get("store_replicated_kv_once") is not False)
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None

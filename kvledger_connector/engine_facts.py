@@ -77,8 +77,24 @@ def model_identity(model_config: ModelConfig, prefix_caching_hash_algo: str, wei
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
+def kv_replicas(vllm_config: VllmConfig) -> int:
+    """How many consecutive TP ranks hold the same KV byte for byte: all of them for MLA (the latent is
+    computed by replicated weights on every rank), ``tp / total KV heads`` when vLLM replicates KV heads
+    (QKVParallelLinear gives rank r head ``r // replicas``), else 1. 1 too under decode or prefill context
+    parallelism, which split a request's KV across ranks by token."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    tp = pc.tensor_parallel_size
+    if (getattr(pc, "decode_context_parallel_size", 1) or 1) > 1 or \
+            (getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
+        return 1
+    if mc.use_mla:
+        return tp
+    total = mc.get_total_num_kv_heads()
+    return tp // total if tp > total and tp % total == 0 else 1
+
+
 def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int,
-               weights_version: str = "") -> KeyLayout:
+               weights_version: str = "", replicated_once: bool = True) -> KeyLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
     extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
@@ -88,15 +104,16 @@ def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int,
                      pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size, block_size=cc.block_size, dtype=dtype,
                      kv_layout=kv_layout, num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
                      head_size=spec.head_size, extra=extra,
-                     model_hash=model_identity(mc, cc.prefix_caching_hash_algo, weights_version))
+                     model_hash=model_identity(mc, cc.prefix_caching_hash_algo, weights_version),
+                     kv_replicas=kv_replicas(vllm_config) if replicated_once else 1)
 
 
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
-               pp_rank: int = 0, weights_version: str = "") -> KeyLayout:
+               pp_rank: int = 0, weights_version: str = "", replicated_once: bool = True) -> KeyLayout:
     """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
     from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
     return _layout_of(vllm_config, kv_cache_spec(kv_cache_config), resolved_layout(vllm_config, kv_cache_config),
-                      tp_rank, pp_rank, weights_version)
+                      tp_rank, pp_rank, weights_version, replicated_once)
 
 
 def _vllm_tp_rank() -> int | None:
@@ -162,7 +179,8 @@ class EngineFacts:
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
-           tp_rank: int | None = None, pp_rank: int | None = None, weights_version: str = "") -> EngineFacts:
+           tp_rank: int | None = None, pp_rank: int | None = None, weights_version: str = "",
+           replicated_once: bool = True) -> EngineFacts:
         """The facts, or the error naming what cannot be served. `tp_rank`/`pp_rank`: the extra config's
         (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both."""
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
@@ -179,7 +197,8 @@ class EngineFacts:
             pp = _rank("pp_rank", pp_rank, pc.pipeline_parallel_size, _vllm_pp_rank)
         spec = kv_cache_spec(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
-        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp, weights_version)
+        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp, weights_version,
+                            replicated_once)
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,
@@ -191,9 +210,10 @@ class EngineFacts:
                    num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks)
 
     def shard_layouts(self) -> list[KeyLayout]:
-        """The key layout of every shard of every stage (the scheduler: a hit needs all of them)."""
+        """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
+        sharing keys (`KeyLayout.kv_replicas`) are one shard."""
         return [dataclasses.replace(self.layout, tp_rank=t, pp_rank=p)
-                for p in range(self.pp_size) for t in range(self.tp_size)]
+                for p in range(self.pp_size) for t in range(0, self.tp_size, self.layout.kv_replicas)]
 
     def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:
         """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the keys

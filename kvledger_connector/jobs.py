@@ -12,7 +12,8 @@ second copy of this orchestration.
     (a save job)   gen = WorkerSteps.save_steps(...)       started, stopped at START: nothing done yet
     DmaRead        next(gen) -> SaveStep(DMA_READ)         begin_save: WorkerLedger.begin, saved_offset
                    gen.throw(exc) -> SaveStep(DMA_READ)    the handler raised: fail_save (record_failed)
-    Put            next(gen) -> SaveStep(PUT)              put: batch_is_exist, batch_put of the missing;
+    Put            next(gen) -> SaveStep(PUT)              put: this rank's share (kvledger.put_positions),
+                                                           batch_is_exist, batch_put of the missing;
                                                            record_put: kvledger.codes.classify_put ->
                                                            record_saved | record_failed
     Report         next(gen) -> SaveStep(REPORT)           report_save: WorkerLedger.finish (exactly once)
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 from kvledger import codes
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
-from kvledger.worker import Verdict, WorkerLedger
+from kvledger.worker import Verdict, WorkerLedger, put_positions
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import StoreCode
@@ -198,8 +199,10 @@ class WorkerSteps:
     def __init__(self, *, store: Any, ledger: WorkerLedger, loads: LoadLedger, buffers: Buffers,
                  tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
-                 lock: ContextManager[Any] | None = None) -> None:
-        """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation)."""
+                 lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None) -> None:
+        """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
+        ``stripe``: (this rank's replica index, replicas) among ranks that share keys
+        (`kvledger.put_positions`); default the key layout's, else (0, 1)."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
@@ -213,6 +216,10 @@ class WorkerSteps:
         self.block_size = block_size
         self.key_bytes = key_bytes  # set once the KV cache is registered
         self.keys = keys
+        if stripe is None:
+            stripe = (keys.layout.replica, keys.layout.kv_replicas) if keys is not None else (0, 1)
+        put_positions(0, 0, *stripe)  # checks it
+        self.stripe = stripe
         self.sub_batch = load_sub_batch_keys
         self.stats = stats or StatsRecorder()
         self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
@@ -393,8 +400,8 @@ class WorkerSteps:
                 verdict = plan.verdict
                 nxt = JobAction.PUT if plan.run else JobAction.REPORT
                 yield SaveStep(JobAction.DMA_READ, job_id, verdict, plan)
-                if plan.run:
-                    pos = list(plan.positions)
+                if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
+                    pos = put_positions(plan.start, plan.end, *self.stripe)
                     keys = self._key_list([block_hashes[i] for i in pos])
                     res = self.put(keys, [block_ids[i] for i in pos], before_read)
                     saved_to = end_block if full_end_block is None else full_end_block

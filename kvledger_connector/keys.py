@@ -6,8 +6,10 @@ changes the bytes of a block on this rank, plus the block's content hash:
 
     [<namespace>/]kvl2/<model, readable>/<layout digest>/tp<r>of<n>-pp<p>of<m>/<block hash hex>
           |                 |                 |                    `-- vLLM's chained block hash
-          |                 |                 `-- tensor-parallel shard (each rank stores its own heads)
-          |                 |                     and pipeline stage (each stage its own layers)
+          |                 |                 `-- tensor-parallel shard (each rank stores its own heads;
+          |                 |                     `tp<first>+<k>of<n>`: the k ranks from <first> hold
+          |                 |                     identical KV and share the key) and pipeline stage
+          |                 |                     (each stage its own layers)
           |                 `-- sha256 over (model, model_hash, block_size, dtype, kv_layout,
           |                     num_layers, num_kv_heads, head_size, extra: the KV cache spec):
           |                     different models, weights or layouts never collide
@@ -24,6 +26,11 @@ name is in the digest: engines with different physical layouts never share a key
 other's bytes in the wrong order); engines that differ only in the attention backend's kernel block size
 share keys (a split block is stored in token order). `kvl1` keys (the pre-0.32 object format) are never
 read: a new version string, not a silent reinterpretation.
+
+Identical KV is stored once: with MLA every TP rank holds the same latent, and with more TP ranks than
+the model's KV heads vLLM replicates each head on consecutive ranks. Those `kv_replicas` ranks share one
+key per block, and each key is put by exactly one of them (`kvledger.put_positions`); every one of them
+loads every key, and the scheduler's lookup asks each shared key once.
 
 A namespace (`StoreConfig.namespace`, upstream's ``cache_prefix``) lets tenants share one store: it is the
 first component, made of ``[A-Za-z0-9._-]`` (no ``/``), so a namespaced key has one more ``/`` than a key
@@ -72,6 +79,7 @@ class KeyLayout:
     pp_rank: int = 0
     pp_size: int = 1
     model_hash: str = ""  # the model's identity beyond its name (engine_facts.model_identity)
+    kv_replicas: int = 1  # consecutive TP ranks holding this rank's KV byte for byte (engine_facts.kv_replicas)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -88,11 +96,26 @@ class KeyLayout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KeyLayout.{name}={v!r}: must be an int >= 1")
+        kr = self.kv_replicas
+        if isinstance(kr, bool) or not isinstance(kr, int) or kr < 1 or self.tp_size % kr:
+            raise ValueError(f"KeyLayout.kv_replicas={kr!r}: must be an int >= 1 dividing tp_size={self.tp_size}")
         if not isinstance(self.model_hash, str):
             raise ValueError(f"KeyLayout.model_hash={self.model_hash!r}: must be a string")
         for name in ("dtype", "kv_layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
+
+    @property
+    def replica(self) -> int:
+        """This rank's index among the ranks sharing its keys (which of their keys it puts)."""
+        return self.tp_rank % self.kv_replicas
+
+    @property
+    def shard(self) -> str:
+        """The key's tensor-parallel component: this rank's, or its replica group's."""
+        if self.kv_replicas == 1:
+            return f"tp{self.tp_rank}of{self.tp_size}"
+        return f"tp{self.tp_rank - self.replica}+{self.kv_replicas}of{self.tp_size}"
 
     def digest(self) -> str:
         """16 hex chars of sha256 over a canonical encoding of every field except the shard and stage."""
@@ -144,7 +167,7 @@ class KeyBuilder:
         self.namespace = namespace
         readable = _UNSAFE.sub("_", layout.model)[:48]
         self.prefix = (f"{namespace + '/' if namespace else ''}"
-                       f"{KEY_VERSION}/{readable}/{layout.digest()}/tp{layout.tp_rank}of{layout.tp_size}"
+                       f"{KEY_VERSION}/{readable}/{layout.digest()}/{layout.shard}"
                        f"-pp{layout.pp_rank}of{layout.pp_size}/")
 
     def key(self, block_hash: bytes | int | str) -> str:

@@ -19,10 +19,14 @@ VOCAB = 1024
 _MOD = (1 << 61) - 1
 
 
-def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int) -> str:
-    """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig."""
+def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int,
+                    num_attention_heads: int | None = None, mla: bool = False) -> str:
+    """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig. With
+    ``num_attention_heads`` above ``num_kv_heads``: grouped-query attention (vLLM replicates KV heads on
+    TP ranks beyond them). ``mla``: a tiny DeepSeek-V2 config instead (``model_config.use_mla``; one latent
+    of ``head_size`` = kv_lora_rank + qk_rope_head_dim per token, the same on every TP rank)."""
     os.makedirs(path, exist_ok=True)
-    heads = num_kv_heads
+    heads = num_attention_heads or num_kv_heads
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": heads * head_size, "intermediate_size": 2 * heads * head_size,
@@ -31,6 +35,15 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
         "eos_token_id": EOS, "tie_word_embeddings": False, "torch_dtype": "float32",
     }
+    if mla:
+        if head_size < 8 or head_size % 4:
+            raise ValueError(f"write_model_dir head_size={head_size}: MLA needs a multiple of 4, >= 8")
+        rope = 4
+        cfg.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "kv_lora_rank": head_size - rope, "qk_rope_head_dim": rope, "qk_nope_head_dim": 8,
+                    "v_head_dim": 8, "q_lora_rank": None, "first_k_dense_replace": num_layers,
+                    "moe_layer_freq": 1})
+        del cfg["head_dim"]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

@@ -110,7 +110,16 @@ class Harness:
                  extra: dict[str, Any] | None = None, device: str = "cpu", workdir: str | None = None,
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
-                 kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0) -> None:
+                 kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0,
+                 kv_kind: str = "per_rank") -> None:
+        if kv_kind not in ("per_rank", "replicated", "mla"):
+            raise ValueError(f"Harness kv_kind={kv_kind!r}: must be 'per_rank', 'replicated' or 'mla'")
+        # per_rank: each rank its own KV heads; replicated: one KV head that vLLM replicates on every TP
+        # rank (GQA); mla: a DeepSeek-V2 model, one latent per token on every rank. In the last two every
+        # rank holds the same KV, so the stand-in's content does not depend on the rank.
+        self.kv_kind = kv_kind
+        if kv_kind != "per_rank":
+            num_kv_heads = 1
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
@@ -133,7 +142,9 @@ class Harness:
         self.tp_size = tp_size
         self.device = device
         model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
-                                    num_kv_heads=num_kv_heads * tp_size, head_size=head_size)
+                                    num_kv_heads=num_kv_heads * (tp_size if kv_kind == "per_rank" else 1),
+                                    num_attention_heads=2 * tp_size if kv_kind != "per_rank" else None,
+                                    head_size=head_size, mla=kv_kind == "mla")
         upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
         if connector == "ours" and "trace_path" not in extra and Harness.runlog_dir is not None:
@@ -169,7 +180,7 @@ class Harness:
         self.kv_layout = kv_layout
         self.kernel_block_sizes = [kernel_block_size] if kernel_block_size else None
         self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                                      head_size=head_size, dtype=torch.float32)
+                                      head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla")
         # the engine's KVCacheConfig (layout recorded on cache_config first, as EngineCore does)
         self.kv_cache_config = build_kv_cache_config(self.vllm_config, self._specs, num_blocks, kv_layout)
         init_none_hash(sha256)
@@ -456,8 +467,18 @@ class Harness:
 
     def _kv_of(self, t: torch.Tensor, kv: int) -> torch.Tensor:
         """K (kv=0) or V (kv=1) of a view: full attention packs them in C, K first."""
+        if self.kv_kind == "mla":  # one latent per token: the whole of C
+            return t
         d = t.shape[3] // 2
         return t[..., kv * d:(kv + 1) * d]
+
+    @property
+    def _kv_parts(self) -> tuple[int, ...]:
+        return (0,) if self.kv_kind == "mla" else (0, 1)
+
+    def _shard(self, rank: int) -> int:
+        """Whose KV a rank holds: its own, or (replicated, MLA) the one copy every rank holds."""
+        return rank if self.kv_kind == "per_rank" else 0
 
     def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int,
                      wrong: bool = False) -> None:
@@ -466,8 +487,8 @@ class Harness:
         for li, name in enumerate(self.layer_names):
             t = caches[name]
             for block, off, p, n in self._ranges(table, lo, hi):
-                for kv in (0, 1):
-                    want = self.content.slots(hashes[p:p + n], li, kv, rank)  # (n, H, D)
+                for kv in self._kv_parts:
+                    want = self.content.slots(hashes[p:p + n], li, kv, self._shard(rank))  # (n, H, D)
                     if wrong:
                         want = want + 1
                     for kb, a, b, i in self._token_slices(t, block, off, n):
@@ -479,8 +500,8 @@ class Harness:
         for li, name in enumerate(self.layer_names):
             t = caches[name]
             for block, off, p, n in self._ranges(table, lo, hi):
-                for kv in (0, 1):
-                    want = self.content.slots(hashes[p:p + n], li, kv, rank)
+                for kv in self._kv_parts:
+                    want = self.content.slots(hashes[p:p + n], li, kv, self._shard(rank))
                     for kb, a, b, i in self._token_slices(t, block, off, n):
                         if not torch.equal(self._kv_of(t, kv)[kb, :, a:b], want[i:i + b - a].transpose(0, 1)):
                             self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} (block {block}) "
@@ -543,15 +564,19 @@ class Harness:
         self.rested = not problems
         return problems
 
+    def checker(self) -> MooncakeStore:
+        """A client of this harness's store of its own (no segment): what a test reads the store with."""
+        if self._checker is None:
+            self._checker = MooncakeStore.connect(self._store_config.replace(global_segment_size=0))
+        return self._checker
+
     def check_store(self) -> tuple[int, int]:
         """S1 NoPollution over every full block of every request seen: (keys checked, polluted keys).
         Each stored object is read into block 1 of a scratch KV cache that vLLM's allocator builds with
         the same spec and layout, and compared through vLLM's view, token by token."""
         if self.connector_kind != "ours":
             raise NotImplementedError(f"check_store reads our keys; this harness runs {self.connector_kind!r}")
-        if self._checker is None:
-            self._checker = MooncakeStore.connect(self._store_config.replace(global_segment_size=0))
-        store = self._checker
+        store = self.checker()
         if self._scratch is None:  # one registered cache per harness (a re-registered address is -600)
             vc = copy.copy(self.vllm_config)
             vc.cache_config = copy.copy(vc.cache_config)
@@ -585,8 +610,8 @@ class Harness:
                     ok = True
                     for li, name in enumerate(self.layer_names):
                         t = scratch[name]
-                        for kv in (0, 1):
-                            want = self.content.slots(pos, li, kv, r).cpu()
+                        for kv in self._kv_parts:
+                            want = self.content.slots(pos, li, kv, self._shard(r)).cpu()
                             for kbk, a, b, i in self._token_slices(t, 1, 0, bs):
                                 ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b],
                                                         want[i:i + b - a].transpose(0, 1))
@@ -616,8 +641,8 @@ class Harness:
             ok = True
             for li, name in enumerate(self.layer_names):
                 t = self._scratch[name]
-                for kv in (0, 1):
-                    want = self.content.slots(pos, li, kv, rank).cpu()
+                for kv in self._kv_parts:
+                    want = self.content.slots(pos, li, kv, self._shard(rank)).cpu()
                     for kbk, a, b, i in self._token_slices(t, 1, 0, r):
                         ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b], want[i:i + b - a].transpose(0, 1))
             polluted += 0 if ok else 1

@@ -33,7 +33,16 @@
 (* when every rank finished the load (vLLM's finished_recving).            *)
 (*                                                                         *)
 (* Content model: chunk c of request r has content <<r, c>>; its store key *)
-(* is <<r, c>> too, so NoPollution is "store[k] = k".                      *)
+(* is <<r, c>> too, so NoPollution is "store[k] = k".  Every rank writes   *)
+(* and reads the same keys: the ranks of one shard share them.             *)
+(*                                                                         *)
+(* Identical KV stored once (Stripe = TRUE: MLA, replicated KV heads): the *)
+(* ranks hold the same bytes and share keys, and each key is put by one    *)
+(* rank only, Owner(c) (kvledger.put_positions); every rank loads every     *)
+(* key.  Why this is safe: a rank's job is "stored" once its own share is  *)
+(* put, so a key another rank failed to put is simply absent; a lookup     *)
+(* hits only the prefix of chunks whose keys all exist (Hits), and a key   *)
+(* lost after the lookup fails that rank's load and is reported (S8).      *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, TLC, JobLifecycle
 
@@ -56,11 +65,12 @@ CONSTANTS
     LateNotices,    \* TRUE: a notice may arrive any time later (even after the next generation's
                     \* jobs); FALSE: by the next engine step, as vLLM's step metadata delivers it
     PartialTail,    \* TRUE: chunk NumChunks is the prompt's partial tail, pinned as a job's tail (see above)
+    Stripe,         \* TRUE: the ranks hold identical KV; each key is put by its Owner only (see above)
     Legacy,         \* TRUE = the upstream design before the fix
     Mutant          \* "none" or the name of one seeded bug (see above)
 
 ASSUME NumBlocks >= NumChunks /\ MaxGen >= 1 /\ PinCap >= 1 /\ SubBatch >= 1
-ASSUME PartialTail \in BOOLEAN
+ASSUME PartialTail \in BOOLEAN /\ Stripe \in BOOLEAN
 ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin"}
 
 Blocks  == 1..NumBlocks
@@ -485,21 +495,32 @@ DmaRead(w) == \E j \in JobIds : DmaReadJob(w, j)
 \* (the tail has its own key; a job reaching a block boundary saves that block whole).
 SavedTo(j) == IF jobs[j].tail # 0 THEN jobs[j].hi - 1 ELSE jobs[j].hi
 
-PutKeys(r, rd) == [k \in Keys |-> IF k[1] = r /\ store[k] = NoContent /\ \E p \in rd : p[1] = k[2]
+\* The ranks in a fixed order (TLC's CHOOSE is deterministic); with Stripe, chunk c's key is put by
+\* Owner(c), the rank at (c - 1) mod |Ranks| in it: kvledger.put_positions(.., replica, replicas) with
+\* block position c - 1 and the rank's index as its replica.
+RankList == CHOOSE s \in [1..Cardinality(Ranks) -> Ranks] : Range(s) = Ranks
+Owner(c) == RankList[((c - 1) % Cardinality(Ranks)) + 1]
+Puts(w, c) == ~Stripe \/ Owner(c) = w
+
+PutKeys(w, r, rd) == [k \in Keys |-> IF k[1] = r /\ store[k] = NoContent /\ Puts(w, k[2]) /\ \E p \in rd : p[1] = k[2]
                                   THEN (CHOOSE p \in rd : p[1] = k[2])[2]
                                   ELSE store[k]]
 
-\* Put every read chunk (first writer wins).  ok moves the saved offset, pressure sets the skip flag,
-\* fail changes nothing; only a job still live in its generation may touch the request state.
+\* Put every read chunk this rank puts (first writer wins; with Stripe only the chunks it owns).  ok moves
+\* the saved offset, pressure sets the skip flag, fail changes nothing; only a job still live in its
+\* generation may touch the request state.
 PutJob(w, j) ==
       /\ jp[w][j] = "running"
       /\ LET r == jobs[j].r
              s == ws[w][r]
-             outs == (IF up THEN {"ok"} ELSE {"fail"}) \cup
+             \* nothing of its own to put (Stripe: every read chunk is another rank's): no store call, so
+             \* nothing can fail (WorkerSteps.put of no key)
+             outs == IF \A p \in buf[w] : ~Puts(w, p[1]) THEN {"ok"} ELSE
+                     (IF up THEN {"ok"} ELSE {"fail"}) \cup
                      (IF Fault("put") /\ up THEN {"fail"} ELSE {}) \cup
                      (IF Fault("pressure") /\ up THEN {"pressure"} ELSE {}) IN
          \E o \in outs :
-           /\ store' = IF o = "ok" THEN PutKeys(r, buf[w]) ELSE store
+           /\ store' = IF o = "ok" THEN PutKeys(w, r, buf[w]) ELSE store
            /\ ws' = IF ~Live(w, j) \/ o = "fail" THEN ws
                     ELSE IF o = "ok" THEN [ws EXCEPT ![w][r].off = Max2(@, SavedTo(j))]
                     ELSE [ws EXCEPT ![w][r].skip = TRUE]

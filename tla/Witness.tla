@@ -97,6 +97,21 @@ Witness_SharedPin == \E b \in Blocks : Cardinality({j \in PinnedJobs : b \in Ran
 Witness_StaleDmaRead ==
     \E w \in Ranks, j \in JobIds : jp[w][j] = "stale" /\ jobs[j].g < ws[w][jobs[j].r].g
 
+\* Stripe (identical KV stored once) [step]: a rank loads a key that only another rank put: what it reads
+\* must still be the chunk's content (S7), the same as if it had put it itself.
+Witness_CrossRank ==
+    /\ Stripe /\ lastAction'.name = "Load"
+    /\ \E i \in lastAction'.keys \ lastAction'.failed : Owner(i) # lastAction'.w
+
+\* Stripe: a request about to look up finds its first chunk's key missing (its owner's put failed, or its
+\* job went stale) while
+\* the other rank's key of a later chunk is stored: the hit must stop at the hole, never count past it (S7).
+Witness_StripeHole ==
+    /\ Stripe
+    /\ \E r \in Req : /\ status[r] = "running" /\ ld[r].ph = "idle"
+                      /\ store[<<r, 1>>] = NoContent
+                      /\ \E i \in Chunks : store[<<r, i>>] # NoContent
+
 \* Register's OTHER arm [step]: a rank receives a job of a generation it has closed or outgrown.  Not a
 \* gate: no config reaches it (MC_safety, MC_lag, MC_nonotice, MC_deep_lag searched in full).  A rank
 \* receives jobs in id order before the next schedule() (EngineSynced), and a notice waits until its
@@ -123,4 +138,6 @@ NotWitness_TwoPins == ~Witness_TwoPins
 NotWitness_SharedPin == ~Witness_SharedPin
 NotWitness_StaleDmaRead == ~Witness_StaleDmaRead
 NotWitness_RegisterOther == [][~Witness_RegisterOther]_vars
+NotWitness_CrossRank == [][~Witness_CrossRank]_vars
+NotWitness_StripeHole == ~Witness_StripeHole
 =============================================================================
