@@ -4,7 +4,7 @@ import importlib
 import sys
 
 SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
-          "bench.scheduler", "bench.outage")
+          "bench.scheduler", "bench.outage", "bench.replicas")
 
 
 def main() -> int:

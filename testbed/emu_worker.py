@@ -54,7 +54,7 @@ from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfe
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -143,7 +143,10 @@ class EmuWorker(WorkerBase):
         self.kv_dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, mc)
         self.layer_names = layer_names(self.num_layers)
         self.content = KVContent(self.num_kv_heads, self.head_size)
+        # MLA: one latent of head_size per token (no K/V halves), the same on every TP rank
+        self.mla = bool(mc.use_mla)
         self.tp_rank = 0
+        self.shard = 0  # whose KV this rank holds (the stand-in's content): set with the TP rank
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.kv_layout: str | None = None
         self.requests: dict[str, _ReqState] = {}
@@ -170,6 +173,10 @@ class EmuWorker(WorkerBase):
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
                                             self.local_rank, current_platform.dist_backend)
         self.tp_rank = get_tp_group().rank_in_group
+        # the KV this rank holds, as vLLM's layers would compute it: MLA's latent is every rank's; with more
+        # ranks than KV heads, QKVParallelLinear gives rank r head r // (tp / heads), shared by its replicas
+        tp, heads = self.parallel_config.tensor_parallel_size, self.model_config.get_total_num_kv_heads()
+        self.shard = 0 if self.mla else self.tp_rank // (tp // heads) if tp > heads else self.tp_rank
 
     @_rpc
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -184,9 +191,18 @@ class EmuWorker(WorkerBase):
 
     @_rpc
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=self.num_kv_heads,
-                                 head_size=self.head_size, dtype=self.kv_dtype)
+        spec: KVCacheSpec
+        if self.mla:
+            spec = MLAAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=1,
+                                    head_size=self.head_size, dtype=self.kv_dtype)
+        else:
+            spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=self.num_kv_heads,
+                                     head_size=self.head_size, dtype=self.kv_dtype)
         return {n: spec for n in self.layer_names}
+
+    def _kv_part(self, kv: int) -> slice:
+        """Where K (kv 0) or V (kv 1) lives in a view's last dim; MLA's one latent is all of it."""
+        return slice(None) if self.mla else slice(kv * self.head_size, (kv + 1) * self.head_size)
 
     @_rpc
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -362,10 +378,11 @@ class EmuWorker(WorkerBase):
                                       ("num_saves_run", "run_jobs"), ("num_saves_stale", "stale_jobs"),
                                       ("num_saves_skipped", "skipped_jobs"), ("num_saves_failed", "failed_jobs"),
                                       ("num_saves_rejected", "rejected_jobs"),
-                                      ("num_store_exceptions", "store_exceptions")):
+                                      ("num_store_exceptions", "store_exceptions"), ("put_keys", "put_keys")):
                     info[name] = int(steps.stats.total(counter))
                 info["loads_finished"] = steps.loads.num_loads_finished
                 info["errors"] = list(steps.errors)[:5]
+                info["key_prefix"] = steps.keys.prefix if steps.keys is not None else None
                 info["pending_work"] = bool(ws.has_pending_work())
                 injected = getattr(steps.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
                 if injected is not None:
@@ -444,9 +461,9 @@ class EmuWorker(WorkerBase):
             lo, hi = plan.write[rid]
             st = self.requests[rid]
             kb, off = self._slots(view, st.block_ids, lo, hi)
-            for kv in (0, 1):
-                want = self.content.slots(st.hashes[lo:hi], li, kv, self.tp_rank).to(view.dtype)
-                view[kb, :, off, kv * self.head_size:(kv + 1) * self.head_size] = want
+            for kv in ((0,) if self.mla else (0, 1)):
+                want = self.content.slots(st.hashes[lo:hi], li, kv, self.shard).to(view.dtype)
+                view[kb, :, off, self._kv_part(kv)] = want
         for rid, (lo, hi) in plan.check.items():
             self._check(rid, view, li, lo, hi)
 
@@ -464,9 +481,9 @@ class EmuWorker(WorkerBase):
         st = self.requests[rid]
         kb, off = self._slots(view, st.block_ids, lo, hi)
         self.counts["tokens_checked"] += hi - lo if li == 0 else 0
-        for kv in (0, 1):
-            want = self.content.slots(st.hashes[lo:hi], li, kv, self.tp_rank).to(view.dtype)
-            got = view[kb, :, off, kv * self.head_size:(kv + 1) * self.head_size]  # (n, H, D)
+        for kv in ((0,) if self.mla else (0, 1)):
+            want = self.content.slots(st.hashes[lo:hi], li, kv, self.shard).to(view.dtype)
+            got = view[kb, :, off, self._kv_part(kv)]  # (n, H, D)
             bad = (got != want).flatten(1).any(1)
             n_bad = int(bad.sum())
             if n_bad:

@@ -14,6 +14,8 @@ The spec (all keys but `workdir` and `prompts` optional):
                    itself, e.g. "MooncakeStoreConnector")}
     num_blocks (num_gpu_blocks_override), block_size, max_model_len, max_num_seqs, max_num_batched_tokens
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
+    kv_kind        "per_rank" (default: the Llama model above), "replicated" (one KV head, which vLLM replicates
+                   on every TP rank) or "mla" (a DeepSeek-V2 model: one latent of head_size per token)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
@@ -225,10 +227,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from testbed.procs import mooncake_servers_started_by_session, session_processes
 
     tp = int(spec.get("tp", 1))
+    kind = spec.get("kv_kind", "per_rank")
+    if kind not in ("per_rank", "replicated", "mla"):
+        raise ValueError(f"engine spec kv_kind={kind!r}: must be 'per_rank', 'replicated' or 'mla'")
     model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
                                 num_layers=int(spec.get("num_layers", 2)),
-                                num_kv_heads=int(spec.get("num_kv_heads", 2)),
-                                head_size=int(spec.get("head_size", 8)))
+                                num_kv_heads=int(spec.get("num_kv_heads", 2)) if kind == "per_rank" else 1,
+                                num_attention_heads=None if kind == "per_rank" else 2 * tp,
+                                head_size=int(spec.get("head_size", 8)), mla=kind == "mla")
     kvt = None
     conn = spec.get("connector")
     if conn is not None:

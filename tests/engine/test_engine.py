@@ -18,7 +18,7 @@ in vLLM's own cache and loads prompt blocks from the Mooncake store. Checked per
   its processes started, and (EngineCore in the driver's process) no pinned block after shutdown.
 
 Runs: TP=1 in-process (vLLM's default layout, and LHBNC); TP=2 with worker processes and EngineCore in its
-own process, on a configured master and on the embedded default (no master address: the engine's first
+own process, on a configured master (also with an MLA model: one copy in the store) and on the embedded default (no master address: the engine's first
 connector starts a private master, the other processes attach through a rendezvous file); TP=1 with a pool
 small enough that vLLM preempts and the same request ids added again after they finished; TP=1 with load
 faults injected (`FaultyEmuWorker`: a FAULT-INJECTION TEST DOUBLE around the real store) under both
@@ -233,6 +233,24 @@ def test_tp2_mp_engine_loads_prefixes_from_the_store(
     # store, and both ranks checked the loaded tail slots (wrong_kv == 0 in _check_run)
     assert res["passes"][1]["num_cached_tokens"] == [len(p) - 1 for p in PROMPTS], res["passes"][1]
     assert res["engine_mooncake"] == {"startup": [], "end": []}, "a configured master: the engine starts none"
+
+
+def test_tp2_mla_engine_stores_one_copy_and_both_ranks_load_it(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    """A DeepSeek-V2 (MLA) model at TP=2 with worker processes: both ranks hold the same latent, share one
+    key per block (`tp0+2of2`) and each key is put by one of them; in pass 2 both ranks load every key,
+    half of which the other rank put, and each checks every loaded position against the model's KV."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace), kv_kind="mla",
+                           head_size=16, shutdown_timeout_s=30), timeout_s=300, name="tp2-mla")
+    print(f"tp2 mla: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}")
+    _check_run(res, tp=2, trace=trace, baseline=baseline)
+    conns = [w["connector"] for w in res["workers"]]
+    assert len({c["key_prefix"] for c in conns}) == 1 and "/tp0+2of2-pp0of1/" in conns[0]["key_prefix"], conns
+    full_blocks = {tuple(p[:BLOCK_SIZE * (i + 1)]) for p in PROMPTS for i in range(len(p) // BLOCK_SIZE)}
+    puts = [c["put_keys"] for c in conns]
+    assert sum(puts) == len(full_blocks) and all(puts), f"keys put per rank {puts}, {len(full_blocks)} blocks"
 
 
 def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
