@@ -14,10 +14,17 @@ confines them. Isolate hosts with a network namespace or firewall if that matter
 Processes are started in their own session and stopped by pid (`stop()`, idempotent, also at interpreter
 exit). `restart_master()` kills and restarts the master on the same ports: every key is lost, as in a real
 master restart, and connected clients re-mount after ~2 s.
+
+Supervised (``supervise=True``, what the connector's embedded mode asks for): a thread of the owner waits on
+the master process and, when it exits without `stop()`, starts a new one on the same ports, a failed start
+retried after 1 s doubling up to `MAX_RESTART_BACKOFF_S`. The new master has no keys (every stored block is a
+miss again); the engine's clients, the owner's and those of the attached processes, reconnect to the same
+address and their store breakers close at the next probe. The metadata server is not restarted.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import signal
@@ -31,8 +38,11 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+logger = logging.getLogger(__name__)
+
 LOOPBACK = "127.0.0.1"
 _START_TIMEOUT_S = 30.0
+MAX_RESTART_BACKOFF_S = 30.0  # a supervised master that keeps failing to start is retried at most this often
 # flags we set ourselves; overriding them could open a listener beyond loopback or break readiness
 _OWN_FLAGS = frozenset({"--rpc_address", "--rpc_port", "--port", "--enable_http_metadata_server",
                         "--http_metadata_server_host", "--http_metadata_server_port", "--metrics_host",
@@ -83,8 +93,11 @@ def _tail(path: str, n: int = 25) -> str:
 def _pdeathsig_prefix() -> list[str]:
     """`setpriv --pdeathsig KILL --` when available and called from the main thread: the kernel kills the
     server when this process dies, even by SIGKILL (no atexit then), so a killed or timed-out test run
-    leaves no master behind. The signal follows the spawning *thread*, hence main thread only."""
-    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
+    leaves no master behind. The signal follows the spawning *thread*, hence the main thread only, or a
+    supervisor thread (it lives until the servers are stopped)."""
+    me = threading.current_thread()
+    if (me is not threading.main_thread() and not getattr(me, "kvl_outlives_children", False)) \
+            or not sys.platform.startswith("linux"):
         return []
     global _SETPRIV
     if _SETPRIV is None:
@@ -127,7 +140,7 @@ class EmbeddedMooncake:
 
     def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
                  client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
-                 extra_master_flags: Sequence[str] = ()) -> None:
+                 extra_master_flags: Sequence[str] = (), supervise: bool = False) -> None:
         for name, value in (("rpc_timeout_ms", rpc_timeout_ms), ("lease_ttl_ms", lease_ttl_ms),
                             ("client_ttl_s", client_ttl_s)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -151,6 +164,11 @@ class EmbeddedMooncake:
         self._metadata: _Proc | None = None
         self._holders: list[_Proc] = []
         self._stopped = False
+        self.supervise = supervise
+        self.num_master_restarts = 0  # by the supervisor
+        self._restarted = threading.Condition()
+        self._supervisor: threading.Thread | None = None
+        self._wake = threading.Event()  # stop() cuts a supervisor's backoff short
         # stop at interpreter exit even if the owner forgets; weak so the object can still be collected
         ref = weakref.ref(self)
         self._atexit = lambda: (lambda o: o.stop() if o is not None else None)(ref())
@@ -192,6 +210,11 @@ class EmbeddedMooncake:
             try:
                 self._start_metadata()
                 self.start_master()
+                if self.supervise and self._supervisor is None:
+                    t = threading.Thread(target=self._supervise, name="kvledger-mooncake-supervisor", daemon=True)
+                    t.kvl_outlives_children = True  # type: ignore[attr-defined]  (see _pdeathsig_prefix)
+                    self._supervisor = t
+                    t.start()
                 return self
             except EmbeddedStartError as e:
                 last = e
@@ -221,6 +244,48 @@ class EmbeddedMooncake:
         self._refuse_busy("master", [self.rpc_port, self.metrics_port])
         self._master = self._spawn("master", cmd)
         self._wait_ready(self._master, [self.rpc_port])
+
+    def _supervise(self) -> None:
+        """Wait on the master; restart it on its ports whenever it exits before `stop()` (module doc)."""
+        backoff = 1.0
+        while not self._stopped:
+            proc = self._master
+            if proc is not None and proc.popen is not None:
+                rc = proc.popen.wait()
+                if self._stopped:
+                    return
+                logger.warning("embedded mooncake_master (pid %d) exited with %s; restarting it on %s (its keys "
+                               "are lost)", proc.popen.pid, rc, self.master_address)
+            try:
+                deadline = time.monotonic() + 10
+                while port_accepts(self.rpc_port) and time.monotonic() < deadline and not self._stopped:
+                    self._wake.wait(0.05)  # the old listener must be gone before the new one binds
+                if self._stopped:
+                    return
+                self.start_master()
+                if self._stopped:  # stop() ran meanwhile and may have missed the new master
+                    self._kill(self._master, signal.SIGTERM)
+                    return
+            except EmbeddedStartError as e:
+                if self.master_pid is not None:  # started meanwhile (restart_master): wait on that one
+                    continue
+                logger.warning("embedded mooncake_master did not restart (%s); retrying in %.0f s",
+                               str(e).splitlines()[0], backoff)
+                if self._wake.wait(backoff):
+                    return
+                backoff = min(backoff * 2, MAX_RESTART_BACKOFF_S)
+                continue
+            backoff = 1.0
+            with self._restarted:
+                self.num_master_restarts += 1
+                self._restarted.notify_all()
+            logger.warning("embedded mooncake_master restarted (pid %s, restart %d)", self.master_pid,
+                           self.num_master_restarts)
+
+    def wait_restarts(self, n: int, timeout: float) -> bool:
+        """Whether the supervisor has restarted the master at least ``n`` times within ``timeout`` seconds."""
+        with self._restarted:
+            return self._restarted.wait_for(lambda: self.num_master_restarts >= n, timeout)
 
     def start_holder(self, segment_size: int) -> int:
         """Start a storage-only `mooncake_client` contributing `segment_size` bytes to the pool (RPC port on
@@ -274,6 +339,7 @@ class EmbeddedMooncake:
         if self._stopped:
             return
         self._stopped = True
+        self._wake.set()
         first: BaseException | None = None
         for proc in [*self._holders, self._master, self._metadata]:
             try:

@@ -222,7 +222,8 @@ def acquire_shared(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | At
     with _SHARED_LOCK:
         ent = _SHARED.get(engine_id)
         if ent is None:
-            handle = acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms))
+            # supervised: a master that dies is restarted on its ports, and every process's client re-attaches
+            handle = acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms, supervise=True))
             ent = _SHARED[engine_id] = [handle, 0]
         ent[1] += 1
         return ent[0]

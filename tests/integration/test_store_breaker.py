@@ -172,3 +172,50 @@ def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
                 for i in ids:
                     assert h.stats.outputs[f"p{p}-{i}"] == expected_output(prompts[i], 8), (p, i)
             assert h.garbage == [] and h.check_at_rest() == []
+
+
+def _pass(h: Harness, tag: str, prompts: Sequence[list[int]]) -> None:
+    for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
+        if h.scheduler.reset_prefix_cache():
+            break
+        h.step()
+    else:
+        raise AssertionError("reset_prefix_cache() never succeeded")
+    for i, p in enumerate(prompts):
+        h.add_request(f"{tag}-{i}", p, 8)
+    h.run(max_steps=5_000, timeout_s=120)
+    for i, p in enumerate(prompts):
+        assert h.stats.outputs[f"{tag}-{i}"] == expected_output(p, 8), (tag, i)
+
+
+def test_the_embedded_master_is_restarted_and_every_client_reattaches() -> None:
+    """The connector's embedded default (no master address): its owner supervises the master. Killed
+    (SIGKILL) between passes, it is started again on the same port with no keys; the scheduler's and both
+    ranks' clients re-attach (their breakers close, their segments are mounted again), a later pass saves
+    again and the one after it loads from the store. Every output is the model's, nothing read wrong KV, nothing stays pinned."""
+    prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=48, suffix_len=16, seed=11)
+    cfg = StoreConfig(global_segment_size=32 << 20, rpc_timeout_ms=1000, unhealthy_backoff_ms=BACKOFF_MS,
+                      max_unhealthy_backoff_ms=4 * BACKOFF_MS)
+    assert cfg.embedded
+    with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute") as h:
+        owner = next(c._embedded for c in (h.scheduler_connector, *h.workers)
+                     if isinstance(c._embedded, EmbeddedMooncake))
+        assert owner.supervise
+        ss = h.scheduler_connector.scheduler_side
+        _pass(h, "p1", prompts)
+        loads_before, port, pid = ss.num_loads, owner.rpc_port, owner.master_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert owner.wait_restarts(1, 60.0), "the supervisor did not restart the master"
+        assert owner.master_pid not in (None, pid) and owner.rpc_port == port
+        _pass(h, "p2", prompts)  # the keys went with the old master: misses, then saves again
+        stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
+        assert wait_until(lambda: not any(s.breaker_open for s in stores), 30.0)
+        # the clients re-mount their segments on the new master in the background (puts answer "no space"
+        # until they have): passes until one loads what an earlier one saved there, a bounded number
+        for n in range(3, 12):
+            _pass(h, f"p{n}", prompts)
+            if ss.num_loads > loads_before:
+                break
+        assert ss.num_loads > loads_before, "no load from the restarted master"
+        assert h.garbage == [] and h.check_at_rest() == []
