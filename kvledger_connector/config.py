@@ -290,6 +290,13 @@ KEYS: tuple[Key, ...] = (
     Key("rpc_timeout_ms", "int", 2000, "store",
         "bound on every client→master RPC (`MC_RPC_TIMEOUT_MS`): a hung master costs at most this",
         lo=1, hi=_MS_BOUND, tests="test_store_faults.py::test_hung_master_times_out_with_901_within_rpc_timeout"),
+    Key("transfer_timeout_s", "int", 10, "store",
+        "bound on a transfer that makes no progress, e.g. from a peer that holds the bytes and is frozen "
+        "(`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`; Mooncake's default 30): such a get or "
+        "put returns -800 and its blocks are reported, so a frozen peer holds a job's pins this long at most. "
+        "Read when each client is set up",
+        lo=1, hi=3600, tests="test_store_faults.py::test_a_frozen_holder_fails_a_get_within_transfer_timeout, "
+                             "test_connector_faults.py::test_a_frozen_holder_costs_load_errors_never_a_stall"),
     Key("unhealthy_backoff_ms", "int", 1000, "store",
         "after a master failure (-900/-901) the store's breaker opens: every call is skipped (a miss, a failed "
         "save or load) instead of paying a reconnect per call, until a probe the store's own thread sends "
@@ -426,6 +433,7 @@ class StoreConfig:
     global_segment_size: int = 512 << 20
     local_buffer_size: int = 16 << 20
     rpc_timeout_ms: int = 2000
+    transfer_timeout_s: int = 10
     unhealthy_backoff_ms: int = 1000
     max_unhealthy_backoff_ms: int = 30_000
     load_sub_batch_keys: int = 64

@@ -206,9 +206,12 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
     _probe("master_server_address", config.master_server_address, config.metadata_server)
     if config.metadata_server.startswith(("http://", "https://")):
         _probe("metadata_server", config.metadata_server, config.master_server_address)
-    # Both are read by the transfer engine / RPC client at setup(); process-wide by Mooncake's design.
+    # Read by the transfer engine / RPC client at setup(); process-wide by Mooncake's design. A transfer
+    # that makes no progress (a frozen peer) fails with -800 after transfer_timeout_s instead of hanging.
     os.environ["MC_TCP_BIND_ADDRESS"] = config.local_hostname
     os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
+    os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(config.transfer_timeout_s)
+    os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(config.transfer_timeout_s)
     from mooncake.store import MooncakeDistributedStore  # heavy import, only at the edge
 
     raw = MooncakeDistributedStore()

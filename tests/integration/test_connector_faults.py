@@ -1,6 +1,6 @@
 """Faults through vLLM's real Scheduler and load-failure recovery: keys evicted or removed between lookup and
-load, failed gets (negative codes, exceptions), failed puts (store full, transfer failures), and a real
-master killed and restarted. Under `recompute` affected requests recompute and finish correctly; under `fail`
+load, failed gets (negative codes, exceptions), failed puts (store full, transfer failures), a real
+master killed and restarted, and a real holder of the stored bytes frozen. Under `recompute` affected requests recompute and finish correctly; under `fail`
 they finish with an error; never does a request compute on garbage (the harness checks the KV of every
 position it did not compute itself before each forward).
 
@@ -8,6 +8,8 @@ Faults are injected with `testbed.faults.FaultyStore` (a test double around the 
 """
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -139,6 +141,33 @@ def test_master_killed_then_restarted(own_master: EmbeddedMooncake):
             assert store.probe(force=True), store.last_exception
         h.stats.outputs.clear()
         _pass(h, prompts)
+        for i, p in enumerate(prompts):
+            assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
+        _common_checks(h)
+
+
+def test_a_frozen_holder_costs_load_errors_never_a_stall(own_master: EmbeddedMooncake):
+    """The ranks are pure consumers (segment 0) and every stored block lives in one holder process. Between
+    passes the holder is frozen (SIGSTOP): pass 2's lookups hit (the master answers), its loads and puts make
+    no progress and fail after `transfer_timeout_s` (-800); the loads' blocks are reported and recomputed,
+    the saves reported and their pins released. Every output is the model's, nothing reads wrong KV, nothing
+    stays pinned, and the engine never waits longer than that bound on any one transfer."""
+    holder = own_master.start_holder(64 << 20)
+    cfg = StoreConfig(global_segment_size=0, local_buffer_size=4 << 20, rpc_timeout_ms=1000,
+                      transfer_timeout_s=1).with_addresses(own_master.master_address, own_master.metadata_server)
+    prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=16, seed=53)
+    with Harness(cfg, tp_size=2, num_blocks=24, policy="recompute") as h:
+        ss = h.scheduler_connector.scheduler_side
+        _pass(h, prompts)
+        assert h.scheduler.reset_prefix_cache()
+        h.stats.outputs.clear()
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            _pass(h, prompts)
+        finally:
+            os.kill(holder, signal.SIGCONT)
+        assert ss.num_loads > 0 and h.stats.load_error_blocks > 0  # loaded from the holder: failed, reported
+        assert all(w.stats.total(f"fail_code.{int(StoreCode.TRANSFER_FAIL)}") > 0 for w in h.workers)
         for i, p in enumerate(prompts):
             assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
         _common_checks(h)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -119,6 +120,33 @@ def test_hung_master_times_out_with_901_within_rpc_timeout(
     assert res == [StoreCode.RPC_TIMEOUT], res
     assert store.batch_is_exist(["a"]) == [StoreCode.UNHEALTHY_SKIPPED]
     assert wait_until(lambda: store.batch_is_exist(["a"]) == [0], 30.0)  # the same client works again
+
+
+def test_a_frozen_holder_fails_a_get_within_transfer_timeout() -> None:
+    """The process holding a key's bytes is frozen (SIGSTOP: its socket accepts, it never answers). Without a
+    bound the get would wait for it; with `transfer_timeout_s` the transfer fails (-800) once it made no
+    progress that long, and the caller's thread is free. Continued, the holder serves again."""
+    with EmbeddedMooncake(rpc_timeout_ms=RPC_TIMEOUT_MS) as mc:
+        holder = mc.start_holder(32 << 20)
+        store = MooncakeStore.connect(StoreConfig(global_segment_size=0, rpc_timeout_ms=RPC_TIMEOUT_MS,
+                                                  transfer_timeout_s=1), embedded=mc)
+        try:
+            src, dst = torch.arange(4096, dtype=torch.float32), torch.zeros(4096)
+            assert put_one(store, "held", src) == 0  # the only segment is the holder's
+            os.kill(holder, signal.SIGSTOP)
+            try:
+                out: list[int] = []
+                t = threading.Thread(target=lambda: out.append(get_one(store, "held", dst)), daemon=True)
+                t.start()
+                t.join(HANG_GUARD_S)
+                assert out == [StoreCode.TRANSFER_FAIL], f"a get from a frozen holder: {out or 'still inside'}"
+            finally:
+                os.kill(holder, signal.SIGCONT)
+            assert store.healthy()  # the master never failed: no breaker, the next get is sent
+            assert wait_until(lambda: get_one(store, "held", dst) == src.nbytes, HANG_GUARD_S)
+            assert torch.equal(dst, src)
+        finally:
+            store.close()
 
 
 def test_segment_owner_dies_readers_see_800_then_704_and_puts_200() -> None:
