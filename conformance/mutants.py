@@ -378,6 +378,13 @@ def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if e
     return kv_replicas
 
 
+def _start_time_unread(orig):  # liveness by pid alone: a reused pid keeps a dead owner's file
+    def _start_time(pid):
+        orig(pid)
+        return None
+    return _start_time
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     # scheduler ledger
@@ -432,6 +439,7 @@ MUTANTS: dict[str, list[Patch]] = {
     # the embedded master's runtime directory
     "runtime_dir_any_directory": [(rendezvous, "runtime_dir", _runtime_dir_any_directory)],
     "sweep_ignores_liveness": [(rendezvous, "_alive", _sweep_ignores_liveness)],
+    "liveness_ignores_start_time": [(rendezvous, "_start_time", _start_time_unread)],
 }
 # the scheduler side's steps (kvledger_connector/scheduler_steps.py): pin choice, tail, deferral, collect,
 # finish notices of a reused req_id, generations, loaded blocks, lookups

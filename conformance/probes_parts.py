@@ -258,16 +258,20 @@ def dead_pid() -> int:
 
 def probe_sweep_keeps_live_owners() -> None:
     """acquire() sweeps the rendezvous files of dead owners only: a live engine's file stays (removing it
-    would let a second master start for that engine), a dead one's goes."""
+    would let a second master start for that engine), a dead one's goes, and so does one whose pid runs
+    but as another process (a reused pid: its start time differs)."""
     with tempfile.TemporaryDirectory() as tmp, runtime_dir_env(tmp):
-        live, dead = os.path.join(tmp, "embedded-live.json"), os.path.join(tmp, "embedded-dead.json")
-        for path, pid in ((live, os.getpid()), (dead, dead_pid())):
-            Path(path).write_text(json.dumps({"pid": pid, "master_address": "127.0.0.1:1",
+        paths = {w: os.path.join(tmp, f"embedded-{w}.json") for w in ("live", "dead", "reused")}
+        fields = {"live": rendezvous.owner_fields(os.getpid()), "dead": rendezvous.owner_fields(dead_pid())}
+        fields["reused"] = {**fields["live"], "start_time": fields["live"]["start_time"] + 1}
+        for w, path in paths.items():
+            Path(path).write_text(json.dumps({**fields[w], "master_address": "127.0.0.1:1",
                                               "metadata_server": "http://127.0.0.1:1/metadata"}))
         rendezvous.acquire("probe-sweep", _Servers)  # type: ignore[arg-type]
         rendezvous.release("probe-sweep")
-        check(os.path.exists(live), "the sweep removed the rendezvous file of a live owner")
-        check(not os.path.exists(dead), "the sweep kept the rendezvous file of a dead owner")
+        check(os.path.exists(paths["live"]), "the sweep removed the rendezvous file of a live owner")
+        check(not os.path.exists(paths["dead"]), "the sweep kept the rendezvous file of a dead owner")
+        check(not os.path.exists(paths["reused"]), "the sweep kept a file whose pid now runs another process")
 
 
 PROBES: list[Probe] = [

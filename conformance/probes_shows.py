@@ -317,6 +317,11 @@ def _() -> None:
     raise ProbeFailed(f"another user's directory {d} accepted as the runtime dir")
 
 
+@shows("liveness_ignores_start_time")
+def _() -> None:
+    check(rendezvous._start_time(os.getpid()) is not None, "this process's start time is not read")
+
+
 @shows("sweep_ignores_liveness")
 def _() -> None:
     check(rendezvous._alive(os.getpid()), "this very process counts as dead")

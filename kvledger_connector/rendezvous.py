@@ -5,13 +5,18 @@ scheduler-side connector in the EngineCore process, one worker-side connector pe
 use ONE master, or the scheduler looks up keys on a master no worker writes to. All processes of one
 engine carry the same `kv_transfer_config.engine_id` (the config is pickled to every worker), so:
 
-    <runtime dir>/embedded-<engine_id>.json     {"pid", "master_address", "metadata_server"}
+    <runtime dir>/embedded-<engine_id>.json     {"pid", "start_time", "pid_ns", "master_address",
+                                                 "metadata_server"}
     <runtime dir>/.lock                         flock: one process at a time decides (waited for at most
                                                 `LOCK_TIMEOUT_S`, then a RendezvousError)
 
     the first process to arrive starts the servers and writes the file; the others attach to it.
     The servers die with their owner (parent-death SIGKILL), so a crashed engine leaves no server;
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
+
+An owner is alive when its pid runs with the start time the file records (a reused pid is another
+process); an owner in another PID namespace sharing the directory (its pid means nothing here) is alive
+while its master answers, since its servers die with it.
 
 The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created 0700 and refused when
 another user owns it or others may write to it. Nothing in it is trusted: files are opened without
@@ -87,14 +92,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])  # fields from 3 on follow the ")" of comm
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_ns() -> str:
+    """This process's PID namespace ("pid:[4026531836]"), "" where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def owner_fields(pid: int) -> dict[str, Any]:
+    """What a rendezvous file records of its owner: pid, start time and PID namespace."""
+    return {"pid": pid, "start_time": _start_time(pid) or 0, "pid_ns": _pid_ns()}
+
+
+def owner_alive(info: dict[str, Any]) -> bool:
+    """Whether the owner a parsed file names still runs (module doc): the same process, not its pid reused;
+    in another PID namespace, while its master answers."""
+    if info["pid_ns"] != _pid_ns():
+        return port_accepts(info["master_port"])
+    if not _alive(info["pid"]):
+        return False
+    started = _start_time(info["pid"])
+    return started is None or started == info["start_time"]
+
+
 def _port_of(m: re.Match[str] | None) -> int | None:
     port = int(m.group(1)) if m else 0
     return port if 0 < port < 65536 else None
 
 
 def parse_info(blob: bytes) -> dict[str, Any] | None:
-    """A rendezvous file's content, or None unless it is exactly what `acquire` writes: a positive pid and
-    the two servers on 127.0.0.1 at valid ports (a planted remote address is never joined)."""
+    """A rendezvous file's content, or None unless it is exactly what `acquire` writes: a positive pid, its
+    start time and PID namespace, and the two servers on 127.0.0.1 at valid ports (a planted remote address
+    is never joined)."""
     try:
         info = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -104,12 +143,17 @@ def parse_info(blob: bytes) -> dict[str, Any] | None:
     pid, master, metadata = info.get("pid"), info.get("master_address"), info.get("metadata_server")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         return None
+    start, ns = info.get("start_time"), info.get("pid_ns")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or not isinstance(ns, str) \
+            or len(ns) > 64:
+        return None
     if not isinstance(master, str) or not isinstance(metadata, str):
         return None
     port = _port_of(_MASTER_RE.fullmatch(master))
     if port is None or _port_of(_METADATA_RE.fullmatch(metadata)) is None:
         return None
-    return {"pid": pid, "master_address": master, "metadata_server": metadata, "master_port": port}
+    return {"pid": pid, "start_time": start, "pid_ns": ns, "master_address": master, "metadata_server": metadata,
+            "master_port": port}
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -138,7 +182,7 @@ def _sweep(d: str) -> None:
         if name.startswith("embedded-") and name.endswith(".json"):
             path = os.path.join(d, name)
             info = _read(path)
-            if info is None or not _alive(info["pid"]):
+            if info is None or not owner_alive(info):
                 try:
                     os.remove(path)
                 except OSError:
@@ -182,7 +226,7 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
         _lock_within(lock, lock_path, lock_timeout_s)
         _sweep(os.path.dirname(path))
         info = _read(path)
-        if info is not None and info["pid"] != os.getpid():
+        if info is not None and info["pid"] != os.getpid() and owner_alive(info):
             if port_accepts(info["master_port"], timeout=1.0):
                 return AttachedMooncake(info["master_address"], info["metadata_server"], info["pid"])
         if os.path.lexists(path):
@@ -193,7 +237,7 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
             os.remove(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "master_address": emb.master_address,
+            json.dump({**owner_fields(os.getpid()), "master_address": emb.master_address,
                        "metadata_server": emb.metadata_server}, f)
         os.replace(tmp, path)
         return emb

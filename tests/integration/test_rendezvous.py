@@ -153,13 +153,14 @@ def live_pid():
 
 
 @pytest.mark.parametrize("what", ["remote master", "remote metadata", "port not a number", "port 0",
-                                  "pid not an int", "not json", "a symlink", "group-writable", "too large"])
+                                  "pid not an int", "not json", "a symlink", "group-writable", "too large",
+                                  "pid reused", "no start time"])
 def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening_port: int, live_pid: int,
                                                       what: str) -> None:
     """A file a live owner's would be joined (its master port answers on loopback); each of these is
     refused and replaced by this process's own servers, with no exception."""
     from kvledger_connector import rendezvous
-    good = {"pid": live_pid, "master_address": f"127.0.0.1:{listening_port}",
+    good = {**rendezvous.owner_fields(live_pid), "master_address": f"127.0.0.1:{listening_port}",
             "metadata_server": f"http://127.0.0.1:{listening_port}/metadata"}
     path = Path(rendezvous.rendezvous_path("planted"))
     bad = dict(good)
@@ -173,6 +174,10 @@ def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening_port:
         bad["master_address"] = "127.0.0.1:0"
     elif what == "pid not an int":
         bad["pid"] = str(live_pid)
+    elif what == "pid reused":  # the pid runs, but it is not the process that wrote the file
+        bad["start_time"] = good["start_time"] + 1
+    elif what == "no start time":  # a file of the format before start times
+        del bad["start_time"]
     text = "{not json" if what == "not json" else json.dumps(bad)
     if what == "too large":
         text = json.dumps({**good, "pad": "x" * rendezvous.MAX_FILE_BYTES})
@@ -234,3 +239,52 @@ def test_a_lock_held_for_good_fails_start_up_with_a_reason(rdir: Path) -> None:
     got = rendezvous.acquire("x", _Started, lock_timeout_s=0.2)  # type: ignore[arg-type]
     assert isinstance(got, _Started)
     rendezvous.release("x")
+
+
+_NS_OWNER = """
+import os, socket, sys
+from kvledger_connector import rendezvous
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)  # stands in for its master (test double)
+port = s.getsockname()[1]
+class Servers:
+    master_address = f"127.0.0.1:{port}"
+    metadata_server = f"http://127.0.0.1:{port}/metadata"
+rendezvous.acquire("ns-engine", Servers)
+print(os.getpid(), port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdir: Path) -> None:
+    """An engine in its own PID namespace shares the runtime directory: its file names pid 1 of that
+    namespace, which means nothing here. Its file is neither swept nor replaced while its master answers
+    (else the engine would split onto two masters); once it is gone, the file is swept."""
+    from kvledger_connector import rendezvous
+    cmd = ["unshare", "--pid", "--kill-child", sys.executable, "-c", _NS_OWNER]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        owner = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env)
+    except OSError as e:
+        pytest.skip(f"unshare cannot run here: {e}")
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline().split()
+        if not line:
+            owner.wait(30)
+            pytest.skip(f"no PID namespace could be created: {owner.stderr.read() if owner.stderr else ''}")
+        ns_pid, port = int(line[0]), int(line[1])
+        assert ns_pid == 1  # the namespace's init: a pid that is this test's own pytest worker or nothing here
+        info = json.loads(Path(rendezvous.rendezvous_path("ns-engine")).read_text())
+        assert info["pid_ns"] != os.readlink("/proc/self/ns/pid")
+        joined = rendezvous.acquire("ns-engine", _Started)  # type: ignore[arg-type]
+        assert isinstance(joined, rendezvous.AttachedMooncake) and joined.master_address == f"127.0.0.1:{port}"
+    finally:
+        _stop(owner)  # type: ignore[arg-type]  (unshare's death kills the namespace's processes)
+    from kvledger_connector.embedded import port_accepts
+    deadline = time.monotonic() + 30  # a hang guard: the namespace's init dies after unshare
+    while port_accepts(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = rendezvous.acquire("ns-engine", _Started)  # type: ignore[arg-type]  (its master is gone with it)
+    assert isinstance(got, _Started)
+    rendezvous.release("ns-engine")
