@@ -84,8 +84,9 @@ WITNESSES: list[Witness] = [
             only=("MC_nonotice",), label="S4 NoStaleEffect+"),
     Witness("CrossRank", "NoGarbageCompute", "identical KV stored once: a rank loads a key only another rank put",
             step=True, only=("MC_stripe",), label="S7 NoGarbageCompute+"),
-    Witness("StripeHole", "NoGarbageCompute", "chunk 1's owner never put it (failed put, stale job), the other rank "
-            "put chunk 2; a lookup is due", only=("MC_stripe",), label="S7 NoGarbageCompute++"),
+    Witness("StripeHole", "NoGarbageCompute",
+            "chunk 1's owner never put it, the other rank put chunk 2; a lookup is due",
+            only=("MC_stripe",), label="S7 NoGarbageCompute++"),
 ]
 
 # Not gates, runnable with --only: branches the model never takes (measured; see tla/Witness.tla).
