@@ -213,7 +213,7 @@ def test_the_embedded_master_is_restarted_and_every_client_reattaches() -> None:
         assert wait_until(lambda: not any(s.breaker_open for s in stores), 30.0)
         # the clients re-mount their segments on the new master in the background (puts answer "no space"
         # until they have): passes until one loads what an earlier one saved there, a bounded number
-        for n in range(3, 12):
+        for n in range(3, 40):
             _pass(h, f"p{n}", prompts)
             if ss.num_loads > loads_before:
                 break
