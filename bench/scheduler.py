@@ -295,12 +295,7 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
         wall = 0.0
         for p in (1, 2):
             if p == 2:
-                for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
-                    if h.scheduler.reset_prefix_cache():
-                        break
-                    h.step()
-                else:
-                    raise RuntimeError(f"{way}: reset_prefix_cache() never succeeded")
+                h.reset_prefix_cache_when_idle()
                 if wl.fault == "evict" and way != "none":
                     raws = _wrap_raw(h, evict_before_get=True)
             for i, pr in enumerate(prompts):

@@ -257,9 +257,7 @@ class EmbeddedMooncake:
                 logger.warning("embedded mooncake_master (pid %d) exited with %s; restarting it on %s (its keys "
                                "are lost)", proc.popen.pid, rc, self.master_address)
             try:
-                deadline = time.monotonic() + 10
-                while port_accepts(self.rpc_port) and time.monotonic() < deadline and not self._stopped:
-                    self._wake.wait(0.05)  # the old listener must be gone before the new one binds
+                self._wait_master_port_free()
                 if self._stopped:
                     return
                 self.start_master()
@@ -281,6 +279,13 @@ class EmbeddedMooncake:
                 self._restarted.notify_all()
             logger.warning("embedded mooncake_master restarted (pid %s, restart %d)", self.master_pid,
                            self.num_master_restarts)
+
+    def _wait_master_port_free(self, timeout_s: float = 10.0) -> None:
+        """The old master's listener must be gone before a new one binds its port (at most `timeout_s`;
+        `stop()` cuts the wait short)."""
+        deadline = time.monotonic() + timeout_s
+        while port_accepts(self.rpc_port) and time.monotonic() < deadline and not self._stopped:
+            self._wake.wait(0.05)
 
     def wait_restarts(self, n: int, timeout: float) -> bool:
         """Whether the supervisor has restarted the master at least ``n`` times within ``timeout`` seconds."""
@@ -327,9 +332,7 @@ class EmbeddedMooncake:
         self.kill_master()
         if down_s > 0:
             time.sleep(down_s)
-        deadline = time.monotonic() + 10
-        while port_accepts(self.rpc_port) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the old listener must be gone before the new one binds
+        self._wait_master_port_free()
         self.start_master()
 
     def stop(self) -> None:

@@ -309,6 +309,15 @@ class Harness:
         return list(Request("probe", prompt, SamplingParams(max_tokens=1), None,
                             block_hasher=self._hasher).block_hashes)
 
+    def reset_prefix_cache_when_idle(self, max_steps: int = 200) -> None:
+        """vLLM's `reset_prefix_cache()`, stepping until it succeeds: it refuses while a block is held, and
+        pins of finished jobs are collected over the next steps. RuntimeError after ``max_steps`` steps."""
+        for _ in range(max_steps):
+            if self.scheduler.reset_prefix_cache():
+                return
+            self.step()
+        raise RuntimeError(f"reset_prefix_cache() never succeeded in {max_steps} steps")
+
     # ------------------------------------------------------------------ one engine step
     def step(self) -> bool:
         """One engine step; False when the engine would stop (Scheduler.has_requests() is False)."""

@@ -47,10 +47,7 @@ def say(**kw):
 
 
 def run_pass(h, tag):
-    for _ in range(200):
-        if h.scheduler.reset_prefix_cache():
-            break
-        h.step()
+    h.reset_prefix_cache_when_idle()
     for i, p in enumerate(prompts):
         h.add_request(f"{tag}-{i}", p, 8)
     h.run(max_steps=5_000, timeout_s=120)

@@ -142,12 +142,7 @@ def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
             for i, p in enumerate(prompts):
                 h.add_request(f"p1-{i}", p, 8)
             h.run(max_steps=5_000, timeout_s=120)
-            for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
-                if h.scheduler.reset_prefix_cache():
-                    break
-                h.step()
-            else:
-                raise AssertionError("reset_prefix_cache() never succeeded")
+            h.reset_prefix_cache_when_idle()
             for i, p in enumerate(prompts):
                 h.add_request(f"p2-{i}", p, 8)
             for _ in range(3):
@@ -175,12 +170,7 @@ def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
 
 
 def _pass(h: Harness, tag: str, prompts: Sequence[list[int]]) -> None:
-    for _ in range(200):  # reset succeeds once nothing runs (pins may still be collected)
-        if h.scheduler.reset_prefix_cache():
-            break
-        h.step()
-    else:
-        raise AssertionError("reset_prefix_cache() never succeeded")
+    h.reset_prefix_cache_when_idle()
     for i, p in enumerate(prompts):
         h.add_request(f"{tag}-{i}", p, 8)
     h.run(max_steps=5_000, timeout_s=120)
@@ -192,7 +182,8 @@ def test_the_embedded_master_is_restarted_and_every_client_reattaches() -> None:
     """The connector's embedded default (no master address): its owner supervises the master. Killed
     (SIGKILL) between passes, it is started again on the same port with no keys; the scheduler's and both
     ranks' clients re-attach (their breakers close, their segments are mounted again), a later pass saves
-    again and the one after it loads from the store. Every output is the model's, nothing read wrong KV, nothing stays pinned."""
+    again and the one after it loads from the store. Every output is the model's, nothing read wrong KV,
+    nothing stays pinned."""
     prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=48, suffix_len=16, seed=11)
     cfg = StoreConfig(global_segment_size=32 << 20, rpc_timeout_ms=1000, unhealthy_backoff_ms=BACKOFF_MS,
                       max_unhealthy_backoff_ms=4 * BACKOFF_MS)
