@@ -1,5 +1,5 @@
 """Worker data-path benchmark, side by side in one run: save and load GB/s of a
-batch of KV blocks, three paths measured in one run on the same Mooncake client, rotating order.
+batch of KV blocks, five paths measured in one run on the same Mooncake client, rotating order.
 
 Caches come from vLLM's own allocator (testbed.kvcache: `build_kv_cache_config` + `allocate`) for a
 realistic model shape, 32 layers x 8 KV heads x head size 128, block size 16, bf16 (2 MiB per block),
@@ -11,7 +11,13 @@ block), one key per block.
             `WorkerSide._handle_save(spec)` / `_handle_load(spec)`, the very handlers the store and load
             threads run, called on the benchmark thread (the worker threads stay idle). A save includes
             its `batch_is_exist` check, the ledger's begin/record/finish and the copy plan's per-block
-            buffers; a load its sub-batching and ledger accounting.
+            buffers; a load its sub-batching and ledger accounting. With the default integrity
+            "checksum": each put computes its blocks' tags and sends the trailers, each get checks them
+            (kvledger_connector/integrity.py).
+  ours-mac  the same worker with an integrity "mac" seal (a random secret).
+  ours-off  the same worker with no seal (integrity "off"): no tag, the objects of earlier versions. Its
+            ratios to raw and upstream are like for like (neither tags anything); "cost" is what the
+            tag adds: time(ours or ours-mac) / time(ours-off) - 1, paired per iteration.
   upstream  vLLM 0.32's `MooncakeStoreConnector` worker path on the same tensors. `MooncakeStoreWorker`
             cannot be constructed here: its `__init__` needs vLLM's distributed groups (TP/PCP/DCP) and
             starts its own Mooncake client, whose segment would make the placement of puts differ from
@@ -41,7 +47,9 @@ Run: ``make bench`` or ``python -m bench.datapath [--quick] [--layout LBNHC ...]
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
+import itertools
 import logging
 import os
 import statistics
@@ -65,8 +73,9 @@ BATCH_BLOCKS = 64
 ITERS = 20  # --quick: 5
 # get keys of three paths + one batch of fresh put keys, with room for the allocator's slack
 SEGMENT_BYTES = 1 << 30
-TARGETS = {"ours/raw": 0.8, "ours/upstream": 1.0}
-PATHS = ("ours", "raw", "upstream")
+TARGETS = {"off/raw": 0.8, "off/upstream": 1.0}
+COST_TARGET = 0.05  # integrity's cost: time(ours) / time(ours-off) - 1
+PATHS = ("ours", "ours-mac", "ours-off", "raw", "upstream")
 
 
 class BenchError(RuntimeError):
@@ -162,7 +171,22 @@ class _Path:
 
 
 class _Ours(_Path):
+    """Ours as configured by default (integrity "checksum"); `variant` gives the same worker with another
+    integrity seal (the registration of the cache is the worker's: one connector serves every variant)."""
+
     name = "ours"
+
+    def variant(self, name: str, seal: Any) -> _Ours:
+        v = copy.copy(self)
+        v.name, v._seal = name, seal
+        v._get_hashes = tuple(_hashes(f"{self.run}/{name}/get", len(self.block_ids)))
+        v.close = lambda: None  # type: ignore[method-assign]  # the base path shuts the connector down
+        return v
+
+    def _apply(self) -> None:
+        steps = self.ws.steps
+        steps.seal = self._seal
+        steps.key_bytes = self.ws._plan.block_bytes + (self._seal.trailer_bytes if self._seal is not None else 0)
 
     def __init__(self, env: _Env, store: Any, run: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -178,25 +202,27 @@ class _Ours(_Path):
         self.run = run
         self.block_ids = tuple(env.block_ids)
         self.job = 0
-        self.step = 0
+        self._job_ids = itertools.count(1)  # shared with the variants: one worker ledger, one step counter
+        self._steps = itertools.count(1)
         self._req = ""
         self._get_hashes = tuple(_hashes(f"{run}/ours/get", len(self.block_ids)))
+        self._seal = ws.steps.seal
 
     def _drop(self, req_id: str) -> None:
         """DropGeneration (finished) through the worker's step hook, and take the reports: keeps the ledger
         bounded over many jobs."""
         from kvledger_connector.metadata import DropNotice, KVLedgerConnectorMetadata
 
-        self.step += 1
-        self.ws.start_step(KVLedgerConnectorMetadata(step=self.step, drops=[DropNotice(req_id, 0, True)]))
+        self.ws.start_step(KVLedgerConnectorMetadata(step=next(self._steps), drops=[DropNotice(req_id, 0, True)]))
         self.ws.build_worker_meta()
 
     def put_call(self, tag: str) -> tuple[list[str], Callable[[], None]]:
         from kvledger_connector.metadata import SaveSpec
 
-        hashes = tuple(_hashes(f"{self.run}/ours/{tag}", len(self.block_ids)))
-        self.job += 1
-        self._req = f"ours-{tag}"
+        self._apply()
+        hashes = tuple(_hashes(f"{self.run}/{self.name}/{tag}", len(self.block_ids)))
+        self.job = next(self._job_ids)
+        self._req = f"{self.name}-{tag}"
         spec = SaveSpec(req_id=self._req, store_job_id=self.job, generation=0, start_block=0,
                         end_block=len(self.block_ids), block_ids=self.block_ids, block_hashes=hashes)
         job = self.ws.steps.receive_save(spec)  # Receive (model runner side)
@@ -208,11 +234,12 @@ class _Ours(_Path):
     def settle_put(self) -> None:
         self._drop(self._req)
         if self.ws.steps.stats.total("failed_jobs") != self._failed0 or self.ws.steps.errors:
-            raise BenchError(f"ours: save failed: {self.ws.steps.errors[-1:]}")
+            raise BenchError(f"{self.name}: save failed: {self.ws.steps.errors[-1:]}")
 
     def get_call(self) -> Callable[[], None]:
         from kvledger_connector.metadata import LoadSpec
 
+        self._apply()
         spec = LoadSpec(req_id="ours-load", block_ids=self.block_ids, block_hashes=self._get_hashes)
         return lambda: self.ws._handle_load(spec)
 
@@ -220,7 +247,7 @@ class _Ours(_Path):
         errors = self.ws.take_load_errors()
         done = self.ws.take_finished_loads()
         if errors or done != {"ours-load"} or self.ws.steps.errors:
-            raise BenchError(f"ours: load failed: blocks {sorted(errors)[:4]}, finished {done}, "
+            raise BenchError(f"{self.name}: load failed: blocks {sorted(errors)[:4]}, finished {done}, "
                              f"{self.ws.steps.errors[-1:]}")
 
     def close(self) -> None:
@@ -413,6 +440,13 @@ def _layout_run(mc: Any, layout: str, iters: int, workdir: str) -> dict[str, Any
     note = ""
     try:
         ours = paths["ours"] = _Ours(env, store, run)
+        from kvledger_connector.integrity import BlockSeal, IntegrityKey
+        mac = BlockSeal(IntegrityKey("mac", os.urandom(32)), ours.ws._plan, env.caches, slots=1,
+                        max_keys=len(env.block_ids) + 1)
+        for ptr, nbytes in mac.regions:
+            store.register_buffer(ptr, nbytes)
+        paths["ours-mac"] = ours.variant("ours-mac", mac)
+        paths["ours-off"] = ours.variant("ours-off", None)
         try:
             paths["upstream"] = _Upstream(env, store, run, ours.ws._plan)
         except _Unsupported as e:
@@ -470,8 +504,10 @@ def _layout_run(mc: Any, layout: str, iters: int, workdir: str) -> dict[str, Any
     for op, ts in times.items():
         r: dict[str, float | None] = {n: _gbps(total, statistics.median(ts[n])) if n in ts else None for n in PATHS}
         for other in ("raw", "upstream"):  # paired per iteration: throughput ratio = inverse time ratio
-            r[f"ours/{other}"] = (statistics.median(b / a for a, b in zip(ts["ours"], ts[other]))
-                                  if other in ts else None)
+            r[f"off/{other}"] = (statistics.median(b / a for a, b in zip(ts["ours-off"], ts[other]))
+                                 if other in ts else None)
+        for way in ("ours", "ours-mac"):  # integrity's cost, paired per iteration
+            r[f"{way} cost"] = statistics.median(a / b - 1 for a, b in zip(ts[way], ts["ours-off"]))
         out[op] = r
     return out
 
@@ -502,19 +538,27 @@ def datapath_suite(args: argparse.Namespace) -> int:
               f"upstream {segs.get('upstream', 'n/a')}, raw {segs['raw']}")
         if r["note"]:
             print(r["note"])
-        print(f"{'op':<4} {'ours GB/s':>10} {'raw GB/s':>9} {'upstream GB/s':>14} {'ours/raw':>9} "
-              f"{'ours/upstream':>14}")
+        print(f"{'op':<4} {'ours GB/s':>10} {'mac GB/s':>9} {'off GB/s':>9} {'raw GB/s':>9} {'upstream GB/s':>14} "
+              f"{'off/raw':>8} {'off/upstream':>13} {'checksum cost':>14} {'mac cost':>9}")
         for op in ("put", "get"):
             x = r[op]
             # judged on the printed (rounded) value, so "1.00*" never shows
             flags = {k: "*" if x[k] is not None and round(x[k], 2) < t else " " for k, t in TARGETS.items()}
             below += [f"{r['layout']} {op} {k}" for k, f in flags.items() if f == "*"]
-            print(f"{op:<4} {_cell(x['ours'], 10)} {_cell(x['raw'], 9)} {_cell(x['upstream'], 14)} "
-                  f"{_cell(x['ours/raw'], 9, flags['ours/raw'])} "
-                  f"{_cell(x['ours/upstream'], 14, flags['ours/upstream'])}")
-    print("\nratios: median of per-iteration throughput ratios. targets (printed, not asserted): "
-          + ", ".join(f"{k} >= {v:.1f}" for k, v in TARGETS.items())
-          + f"; * = below target{': ' + ', '.join(below) if below else ' (none)'}")
+            costs = {k: f"{x[k]:+.0%}{'*' if round(x[k], 2) > COST_TARGET else ' '}" for k in ("ours cost",
+                                                                                              "ours-mac cost")}
+            below += [f"{r['layout']} {op} {k}" for k, c in costs.items() if c.endswith("*")]
+            print(f"{op:<4} {_cell(x['ours'], 10)} {_cell(x['ours-mac'], 9)} {_cell(x['ours-off'], 9)} "
+                  f"{_cell(x['raw'], 9)} {_cell(x['upstream'], 14)} "
+                  f"{_cell(x['off/raw'], 8, flags['off/raw'])} "
+                  f"{_cell(x['off/upstream'], 13, flags['off/upstream'])} "
+                  f"{costs['ours cost']:>14} {costs['ours-mac cost']:>9}")
+    print("\nours: the default (integrity \"checksum\"); mac: integrity \"mac\"; off: integrity \"off\" (like raw and "
+          "upstream, no tag). Ratios: median of per-iteration throughput ratios; cost: median of per-iteration "
+          "time(way) / time(off) - 1. Targets (printed, not asserted): "
+          + ", ".join(f"{k} >= {v:.1f}" for k, v in TARGETS.items()) + f", cost <= {COST_TARGET:.0%}"
+          + f"; * = off target{': ' + ', '.join(below) if below else ' (none)'}. On a CPU the KV cache is host "
+          "memory, so the tag's pass over it costs about what the transfer does (README: Integrity)")
     return 0
 
 

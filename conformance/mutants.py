@@ -50,6 +50,7 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector import rendezvous
+from kvledger_connector.integrity import IntegrityKey
 from kvledger_connector.jobs import SavePlan, WorkerSteps
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
@@ -378,6 +379,19 @@ def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if e
     return kv_replicas
 
 
+def _mismatch_loaded(orig):  # the tag is computed and compared, and a mismatching block loaded all the same
+    def _verified(self, slot, keys, block_ids, res):
+        orig(self, slot, keys, block_ids, res)
+        return res
+    return _verified
+
+
+def _pad_ignores_key(orig):  # the tag binds the bytes and the nonce, not the key: a block loads under any key
+    def pad(self, key, nonce):
+        return orig(self, "", nonce)
+    return pad
+
+
 def _start_time_unread(orig):  # liveness by pid alone: a reused pid keeps a dead owner's file
     def _start_time(pid):
         orig(pid)
@@ -433,6 +447,9 @@ MUTANTS: dict[str, list[Patch]] = {
     "tail_hash_without_tokens": [(kvledger_connector.keys, "partial_tail_hash", _tail_hash_without_tokens),
                                  (kvledger_connector.scheduler_steps, "partial_tail_hash",
                                   _tail_hash_without_tokens)],
+    # integrity tags
+    "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
+    "integrity_tag_ignores_key": [(IntegrityKey, "pad", _pad_ignores_key)],
     # reset_cache's pattern
     "reset_pattern_unanchored": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_unanchored)],
     "reset_pattern_first_shard_only": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_first_shard)],

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
@@ -274,9 +274,44 @@ def probe_sweep_keeps_live_owners() -> None:
         check(not os.path.exists(paths["reused"]), "the sweep kept a file whose pid now runs another process")
 
 
+# ---------------------------------------------------------------- integrity tags
+def integrity_case(mode: str = "mac") -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(a rank's WorkerSteps with a seal over vLLM's LBNHC cache, its seal, the cache): trailers of blocks 1
+    and 2 under keys "k1" and "k2" sealed in slot 0, then one byte of block 2 flipped."""
+    from conformance.kvprobes import ProbeStore, rank
+    from kvledger_connector.integrity import BlockSeal, IntegrityKey
+
+    kv = kv_cache("LBNHC")
+    plan = plan_block_copies(kv, layout="LBNHC", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    seal = BlockSeal(IntegrityKey(mode, b"probe-secret-16b" if mode == "mac" else b""), plan, kv, slots=1,
+                     max_keys=2)
+    w = rank(ProbeStore())
+    w.seal, w.key_bytes = seal, plan.block_bytes + seal.trailer_bytes
+    seal.seal(0, ["k1", "k2"], [1, 2])
+    first = ctypes.c_uint8.from_address(plan.buffers(2)[0][0])  # block 2's first byte, in the cache
+    first.value ^= 1
+    return w, seal, kv
+
+
+def probe_a_block_loads_only_under_its_own_tag() -> None:
+    """A get that read a whole object is loaded only if its trailer's tag matches the bytes now in the
+    block and the key it was read under: a changed byte, or a trailer of another key, is a load error."""
+    from kvledger_connector.store import StoreCode
+
+    w, seal, _kv = integrity_case()
+    whole = [w.key_bytes, w.key_bytes]
+    got = w._verified(0, ["k1", "k2"], [1, 2], whole)
+    check(got == [w.key_bytes, int(StoreCode.INTEGRITY_MISMATCH)],
+          f"block 2 changed after its tag: the get's codes became {got}, not [{w.key_bytes}, INTEGRITY_MISMATCH]")
+    seal.seal(0, ["k1", "k2"], [1, 1])  # block 1's bytes sealed under two keys
+    got = w._verified(0, ["k2", "k1"], [1, 1], whole)
+    check(got == [int(StoreCode.INTEGRITY_MISMATCH)] * 2, f"trailers read under each other's key gave {got}")
+
+
 PROBES: list[Probe] = [
     probe_every_layout_reads_each_block_exactly, probe_keys_separate_shards_stages_and_layouts,
     probe_replicas_put_each_key_once, probe_only_identical_kv_shares_a_key,
     probe_partial_tail_keys_name_the_tail_tokens, probe_reset_pattern_matches_exactly_the_engines_keys,
     probe_runtime_dir_refuses_what_is_not_private, probe_sweep_keeps_live_owners,
+    probe_a_block_loads_only_under_its_own_tag,
 ]

@@ -19,8 +19,8 @@ import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
 from conformance import probes_sched
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank
-from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, replica_split, replicas_of, reset_case,
-                                     runtime_dir_env)
+from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
+                                     replicas_of, reset_case, runtime_dir_env)
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
@@ -289,6 +289,21 @@ def _() -> None:
 @shows("replicas_share_distinct_heads")
 def _() -> None:
     check(replicas_of("per_rank", 2) == 1, "two ranks with heads of their own share keys")
+
+
+# ---------------------------------------------------------------- integrity tags
+@shows("integrity_mismatch_loaded")
+def _() -> None:
+    w, _seal, _kv = integrity_case()
+    got = w._verified(0, ["k2"], [2], [w.key_bytes])
+    check(got != [w.key_bytes], "WorkerSteps._verified kept a block whose bytes changed after its tag as loaded")
+
+
+@shows("integrity_tag_ignores_key")
+def _() -> None:
+    from kvledger_connector.integrity import IntegrityKey
+    ik = IntegrityKey("mac", b"s" * 16)
+    check((ik.pad("a", b"n" * 8) != ik.pad("b", b"n" * 8)).any(), "IntegrityKey.pad is the same for keys a and b")
 
 
 # ---------------------------------------------------------------- reset_cache's pattern

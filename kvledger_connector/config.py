@@ -79,7 +79,7 @@ class ConfigError(ValueError):
 # -- the table ------------------------------------------------------------------------------------------
 
 KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", "int", "bool", "namespace", "version",
-                  "path"]
+                  "path", "integrity"]
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
@@ -248,6 +248,12 @@ def _parse_version(key: Key, field: str, raw: Any, source: str) -> str:
     return _key_part(field, raw, source, "it goes into every store key's layout digest")
 
 
+def _parse_integrity(key: Key, field: str, raw: Any, source: str) -> str:
+    if raw not in ("checksum", "mac", "off") or not isinstance(raw, str):
+        raise ConfigError(field, raw, "must be 'checksum', 'mac' or 'off'", source)
+    return raw
+
+
 def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:
     if raw is None or raw == "":  # off
         return None
@@ -261,6 +267,7 @@ _PARSERS: dict[str, Callable[[Key, str, Any, str], Any]] = {
     "address": _parse_address, "metadata": _parse_metadata, "host": _parse_host, "protocol": _parse_protocol,
     "devices": _parse_devices, "size": _parse_size, "int": _parse_int, "bool": _parse_bool,
     "namespace": _parse_namespace, "version": _parse_version, "path": _parse_path,
+    "integrity": _parse_integrity,
 }
 
 _T = 1 << 40
@@ -367,6 +374,18 @@ KEYS: tuple[Key, ...] = (
         "vLLM collects them every step, so the cap only bites when one step collects more",
         lo=1, hi=1 << 22, tests="test_kv_events.py::test_max_kv_events_refuses_bad_values, "
                                 "::test_pending_events_are_bounded_oldest_dropped"),
+    Key("integrity", "integrity", "checksum", "connector",
+        "a tag over every stored block's bytes, in an 80-byte trailer of its object, computed where the KV "
+        "cache lives and checked before a load reports the block loaded (a mismatch is a load error). "
+        "\"checksum\": anyone can compute it (catches corruption, a block under another key, a careless "
+        "overwrite); \"mac\": keyed by `integrity_secret_file`, so a store client without the secret cannot "
+        "make a value that loads; \"off\": no trailer. In every key's layout digest",
+        tests="test_integrity.py::test_a_same_size_overwrite_is_a_load_error_never_loaded, "
+              "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key"),
+    Key("integrity_secret_file", "path", None, "connector",
+        "the deployment secret for integrity \"mac\" (16-4096 bytes, a regular file of this user, mode 0600; "
+        "opened without following links); the same file on every engine that shares the store",
+        shown_default="none", tests="test_integrity.py::test_the_secret_file_is_refused_unless_private"),
     Key("trace_path", "path", None, "connector",
         "NDJSON trace of the shared-vocabulary events (schema: `kvledger.trace.EVENTS`), one file per process "
         "(checked by `python -m conformance.runlog`)", shown_default="off",
@@ -690,6 +709,8 @@ class ConnectorConfig:
     trace_path: str | None = None
     max_inflight_jobs: int = 64
     max_pinned_blocks: int = DERIVED
+    integrity: str = "checksum"
+    integrity_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -706,6 +727,10 @@ class ConnectorConfig:
             raise ConfigError("kv_load_failure_policy", self.kv_load_failure_policy,
                               f"must be one of {LOAD_FAILURE_POLICIES}", "vllm kv_transfer_config")
         _check_fields(self, "connector")
+        if (self.integrity == "mac") != (self.integrity_secret_file is not None):
+            raise ConfigError("integrity_secret_file", self.integrity_secret_file,
+                              f"required by integrity 'mac' and used only by it (integrity={self.integrity!r})",
+                              "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:
             raise ConfigError("master_server_address", None,
@@ -816,7 +841,7 @@ _ACCEPTS: dict[str, str] = {
     "host": "host name or IP address", "protocol": "`tcp`, `rdma`", "devices": "comma list of device names",
     "bool": "`true`, `false`", "namespace": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
     "version": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
-    "path": "path; `\"\"` or null: off",
+    "path": "path; `\"\"` or null: off", "integrity": "`checksum`, `mac`, `off`",
 }
 
 

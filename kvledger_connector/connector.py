@@ -39,6 +39,7 @@ from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.engine_facts import EngineFacts, key_layout, kv_cache_spec, resolved_layout
 from kvledger_connector.events import StoreEvents
+from kvledger_connector.integrity import IntegrityKey
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
 from kvledger_connector.rendezvous import AttachedMooncake
@@ -73,10 +74,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
         is_scheduler = role == KVConnectorRole.SCHEDULER
         # everything is read and checked before anything is started or connected
         settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.integrity = IntegrityKey.of(settings.get("integrity"), settings.get("integrity_secret_file"))
         self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
                                              tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
                                              weights_version=settings.get("weights_version") or "",
-                                             replicated_once=settings.get("store_replicated_kv_once") is not False)
+                                             replicated_once=settings.get("store_replicated_kv_once") is not False,
+                                             integrity_tag=self.integrity.key_tag)
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
@@ -115,7 +118,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(
                 cfg, store=self.store, keys=KeyBuilder(facts.layout, sc.max_key_bytes, sc.namespace),
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
-                stats=self.stats, trace=trace)
+                stats=self.stats, trace=trace, integrity=self.integrity)
 
     @property
     def store_config(self) -> StoreConfig:
@@ -193,7 +196,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(self.engine.copy_plan(kv_caches))
+        self._worker().register_kv_caches(self.engine.copy_plan(kv_caches), kv_caches)
 
     def _meta(self) -> KVLedgerConnectorMetadata:
         meta = self._get_connector_metadata()

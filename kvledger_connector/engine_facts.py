@@ -94,7 +94,7 @@ def kv_replicas(vllm_config: VllmConfig) -> int:
 
 
 def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int,
-               weights_version: str = "", replicated_once: bool = True) -> KeyLayout:
+               weights_version: str = "", replicated_once: bool = True, integrity_tag: str = "") -> KeyLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(spec.dtype)
     extra = (("spec", type(spec).__name__), ("content_bytes", str(spec.state_content_size_bytes)),
@@ -105,15 +105,16 @@ def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int,
                      kv_layout=kv_layout, num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=spec.num_heads,
                      head_size=spec.head_size, extra=extra,
                      model_hash=model_identity(mc, cc.prefix_caching_hash_algo, weights_version),
-                     kv_replicas=kv_replicas(vllm_config) if replicated_once else 1)
+                     kv_replicas=kv_replicas(vllm_config) if replicated_once else 1, integrity=integrity_tag)
 
 
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
-               pp_rank: int = 0, weights_version: str = "", replicated_once: bool = True) -> KeyLayout:
+               pp_rank: int = 0, weights_version: str = "", replicated_once: bool = True,
+               integrity_tag: str = "") -> KeyLayout:
     """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
     from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
     return _layout_of(vllm_config, kv_cache_spec(kv_cache_config), resolved_layout(vllm_config, kv_cache_config),
-                      tp_rank, pp_rank, weights_version, replicated_once)
+                      tp_rank, pp_rank, weights_version, replicated_once, integrity_tag)
 
 
 def _vllm_tp_rank() -> int | None:
@@ -180,7 +181,7 @@ class EngineFacts:
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
            tp_rank: int | None = None, pp_rank: int | None = None, weights_version: str = "",
-           replicated_once: bool = True) -> EngineFacts:
+           replicated_once: bool = True, integrity_tag: str = "") -> EngineFacts:
         """The facts, or the error naming what cannot be served. `tp_rank`/`pp_rank`: the extra config's
         (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both."""
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
@@ -198,7 +199,7 @@ class EngineFacts:
         spec = kv_cache_spec(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
         layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp, weights_version,
-                            replicated_once)
+                            replicated_once, integrity_tag)
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,

@@ -50,6 +50,7 @@ from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import StoreCode
 
 if TYPE_CHECKING:
+    from kvledger_connector.integrity import BlockSeal
     from kvledger_connector.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,8 @@ class WorkerSteps:
         self.buffers = buffers
         self.tp_rank = tp_rank
         self.block_size = block_size
-        self.key_bytes = key_bytes  # set once the KV cache is registered
+        self.key_bytes = key_bytes  # set once the KV cache is registered (with the trailer, under a seal)
+        self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/integrity.py); None: off
         self.keys = keys
         if stripe is None:
             stripe = (keys.layout.replica, keys.layout.kv_replicas) if keys is not None else (0, 1)
@@ -297,10 +299,11 @@ class WorkerSteps:
         self.stats.add({Verdict.RUN: "run_jobs", Verdict.STALE: "stale_jobs", Verdict.SKIP: "skipped_jobs"}[verdict])
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
-    def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None
-            ) -> list[int]:
+    def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None,
+            tail: int | None = None) -> list[int]:
         """Put: the keys not in the store yet are put from ``buffers(ids)`` (``before_read``: wait for the
-        forward's writes first). Returns one code per key (0 for a key already present)."""
+        forward's writes first); ``tail``: the index of a partial tail block's key, whose later slots decode
+        may still write. Returns one code per key (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
@@ -312,9 +315,19 @@ class WorkerSteps:
             return out
         if before_read is not None:
             before_read()
-        ptrs, sizes = self.buffers([ids[j] for j in todo])
+        put_keys, put_ids = [keys[j] for j in todo], [ids[j] for j in todo]
+        ptrs, sizes = self.buffers(put_ids)
         t0 = time.perf_counter()
-        res = self.store_call("batch_put", len(todo), [keys[j] for j in todo], ptrs, sizes)
+        if self.seal is None:
+            res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
+        else:  # each object ends in its trailer (kvledger_connector/integrity.py), tagged from the blocks read
+            with self.seal.slot(len(todo)) as slot:
+                stage = todo.index(tail) if tail in todo else None
+                tails, staged = self.seal.seal(slot, put_keys, put_ids, stage)
+                if stage is not None:  # the tail is sent from the copy its tag was computed over
+                    ptrs[stage], sizes[stage] = [staged], [self.seal.block_bytes]
+                res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, tails)],
+                                      [s + [self.seal.trailer_bytes] for s in sizes])
         self.stats.add("put_s", time.perf_counter() - t0)
         self.stats.add("puts")
         self.stats.add("put_keys", len(todo))
@@ -403,7 +416,9 @@ class WorkerSteps:
                 if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
                     pos = put_positions(plan.start, plan.end, *self.stripe)
                     keys = self._key_list([block_hashes[i] for i in pos])
-                    res = self.put(keys, [block_ids[i] for i in pos], before_read)
+                    partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
+                    tail = pos.index(end_block - 1) if partial and end_block - 1 in pos else None
+                    res = self.put(keys, [block_ids[i] for i in pos], before_read, tail)
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
@@ -456,7 +471,14 @@ class WorkerSteps:
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
         ptrs, sizes = self.buffers(list(block_ids))
         t0 = time.perf_counter()
-        res = self.store_call("batch_get", len(keys), list(keys), ptrs, sizes)
+        if self.seal is None:
+            res = self.store_call("batch_get", len(keys), list(keys), ptrs, sizes)
+        else:
+            with self.seal.slot(len(keys)) as slot:
+                tails = self.seal.trailer_ptrs(slot, len(keys))
+                res = self.store_call("batch_get", len(keys), list(keys), [p + [t] for p, t in zip(ptrs, tails)],
+                                      [s + [self.seal.trailer_bytes] for s in sizes])
+                res = self._verified(slot, keys, block_ids, res)
         self.stats.add("get_s", time.perf_counter() - t0)
         self.stats.add("gets")
         self.stats.add("get_keys", len(keys))
@@ -466,6 +488,29 @@ class WorkerSteps:
             self.stats.fail_code(c if c < 0 else int(StoreCode.INVALID_PARAMS))
         self.stats.add("get_bytes", self.key_bytes * (len(keys) - len(bad)))
         return bad
+
+    def _verified(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], res: list[int]) -> list[int]:
+        """The get's codes with every object read whole but failing its tag turned into INTEGRITY_MISMATCH
+        (a load error: vLLM's policy acts, the bytes are never used). Such an object is removed from the
+        store: it would fail every later load of its key, and while it exists no save replaces it."""
+        if len(res) != len(keys):
+            return res  # record_results names the broken store
+        whole = [i for i, c in enumerate(res) if codes.is_loaded(c, self.key_bytes)]
+        if not whole:
+            return res
+        ok = self.seal.verify(slot, [keys[i] for i in whole], [block_ids[i] for i in whole])
+        out = list(res)
+        for i, good in zip(whole, ok):
+            if not good:
+                out[i] = int(StoreCode.INTEGRITY_MISMATCH)
+                self.stats.add("integrity_mismatches")
+                logger.warning("kvledger worker r%d: %s does not match its integrity tag: not loaded, removed",
+                               self.tp_rank, keys[i])
+                try:
+                    self.store.remove(keys[i], True)
+                except Exception as e:  # best effort: the load error stands either way
+                    self.note_error(f"remove {keys[i]} after an integrity mismatch: {type(e).__name__}: {e}")
+        return out
 
     def pending(self, load_id: int) -> list[int]:
         with self.lock:

@@ -11,8 +11,9 @@ changes the bytes of a block on this rank, plus the block's content hash:
           |                 |                     identical KV and share the key) and pipeline stage
           |                 |                     (each stage its own layers)
           |                 `-- sha256 over (model, model_hash, block_size, dtype, kv_layout,
-          |                     num_layers, num_kv_heads, head_size, extra: the KV cache spec):
-          |                     different models, weights or layouts never collide
+          |                     num_layers, num_kv_heads, head_size, extra: the KV cache spec,
+          |                     integrity: the object's trailer and secret's fingerprint):
+          |                     different models, weights, layouts or integrity modes never collide
           `-- for humans reading `batch_is_exist` logs; never relied on for uniqueness
 
 `model_hash` is the model's identity beyond its name (`engine_facts.model_identity`): vLLM's own hash of
@@ -80,6 +81,7 @@ class KeyLayout:
     pp_size: int = 1
     model_hash: str = ""  # the model's identity beyond its name (engine_facts.model_identity)
     kv_replicas: int = 1  # consecutive TP ranks holding this rank's KV byte for byte (engine_facts.kv_replicas)
+    integrity: str = ""  # the object's trailer (`IntegrityKey.key_tag`); "": none, the older object format
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -99,6 +101,8 @@ class KeyLayout:
         kr = self.kv_replicas
         if isinstance(kr, bool) or not isinstance(kr, int) or kr < 1 or self.tp_size % kr:
             raise ValueError(f"KeyLayout.kv_replicas={kr!r}: must be an int >= 1 dividing tp_size={self.tp_size}")
+        if not isinstance(self.integrity, str):
+            raise ValueError(f"KeyLayout.integrity={self.integrity!r}: must be a string")
         if not isinstance(self.model_hash, str):
             raise ValueError(f"KeyLayout.model_hash={self.model_hash!r}: must be a string")
         for name in ("dtype", "kv_layout"):
@@ -119,9 +123,11 @@ class KeyLayout:
 
     def digest(self) -> str:
         """16 hex chars of sha256 over a canonical encoding of every field except the shard and stage."""
-        canon = json.dumps([self.model, self.model_hash, self.block_size, self.dtype, self.kv_layout,
-                            self.num_layers, self.num_kv_heads, self.head_size, sorted(self.extra)],
-                           separators=(",", ":"))
+        fields: list[object] = [self.model, self.model_hash, self.block_size, self.dtype, self.kv_layout,
+                                self.num_layers, self.num_kv_heads, self.head_size, sorted(self.extra)]
+        if self.integrity:  # objects with a trailer are other bytes: never under a key of the older format
+            fields.append(["integrity", self.integrity])
+        canon = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 

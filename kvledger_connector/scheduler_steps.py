@@ -51,7 +51,10 @@ it waits for a slot: under pool pressure that cost the engine steps (a loader he
 average). The load is pinned all the same (EmitLoad) and released by the ranks' ``completed_loads``; the
 request's save waits until then (the model's EmitStore needs its load done: a save must not read blocks
 a failed load left wrong). A req_id that still has a load pinned loads asynchronously: a report applies to
-the oldest pinned load of its req_id, and two channels must not race for it.
+the oldest pinned load of its req_id, and two channels must not race for it. While more than half of the
+last ``LOAD_OUTCOME_WINDOW`` loads failed (keys evicted between lookup and get, a holder gone), loads are
+async too: a failed sync load spends its get inside the step and saves the request nothing, an async one
+fails beside the forward. Async loads report outcomes as well, so loads turn sync again once they succeed.
 
 Loads are sync only under ``kv_load_failure_policy`` "fail" (vLLM's default): vLLM caches a sync load's
 blocks in its prefix cache when it allocates them, and on a failed block it evicts them only under "fail";
@@ -68,7 +71,7 @@ holds, so no store job re-reads them (the model's HandleLoadErrors: emitted := k
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
@@ -286,6 +289,8 @@ class _RequestTable:
 
 #: vLLM's ``kv_load_failure_policy`` values
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# the loads whose outcomes decide whether a short load may still run inside the step (`load_is_async`)
+LOAD_OUTCOME_WINDOW = 16
 
 #: a request's block table (group 0) by req_id, or None when the scheduler has none for it now
 TableOf = Callable[[str], "Sequence[int] | None"]
@@ -334,6 +339,9 @@ class SchedulerSteps:
         self.num_store_queries = 0
         self.num_loads = 0
         self.num_sync_loads = 0
+        self.num_async_after_failures = 0  # short loads made async because most recent loads failed
+        self._load_outcomes: deque[bool] = deque(maxlen=LOAD_OUTCOME_WINDOW)  # True: the load failed
+        self._failed_loads: set[str] = set()  # req_ids of pinned loads with a noted load error
         self.num_tail_saves = 0  # store jobs that carried a partial tail
         self.num_tail_hits = 0  # lookups answered with a partial tail
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
@@ -426,9 +434,15 @@ class SchedulerSteps:
     def load_is_async(self, req_id: str, num_external_tokens: int) -> bool:
         """vLLM's ``load_kv_async`` for an external hit of ``num_external_tokens``: False (loaded inside the
         step that schedules the request) up to ``sync_load_max_tokens`` under the "fail" policy, unless the
-        req_id still has a load pinned (its reports would race). See the module's notes for both."""
+        req_id still has a load pinned (its reports would race), or while most recent loads failed. See the
+        module's notes for each."""
         return (num_external_tokens > self.sync_load_max_tokens or self.kv_load_failure_policy != "fail"
-                or (self.ledger is not None and self.ledger.has_pinned_load(req_id)))
+                or (self.ledger is not None and self.ledger.has_pinned_load(req_id))
+                or self.loads_mostly_fail())
+
+    def loads_mostly_fail(self) -> bool:
+        """More than half of the last ``LOAD_OUTCOME_WINDOW`` loads' outcomes were failures."""
+        return 2 * sum(self._load_outcomes) > len(self._load_outcomes)
 
     # ------------------------------------------------------------------ EmitLoad
     def emit_load(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
@@ -459,6 +473,8 @@ class SchedulerSteps:
         # the answer `get_num_new_matched_tokens` gave in this schedule() (nothing is collected in between),
         # taken before this load's own pin
         sync = not self.load_is_async(req_id, num_external_tokens)
+        self.num_async_after_failures += (not sync and num_external_tokens <= self.sync_load_max_tokens
+                                          and self.loads_mostly_fail())
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
         st.load_dest, st.load_first = dest, first
         spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync)
@@ -643,11 +659,22 @@ class SchedulerSteps:
             return
         for b in invalid_block_ids:
             req_id = ledger.load_owner(b)
-            st = self._reqs.get(req_id) if req_id is not None else None
+            if req_id is None:
+                continue  # not a block of a pinned load of ours (another connector's)
+            self._failed_loads.add(req_id)  # a pinned load's (its request may be gone: "fail" ended it)
+            st = self._reqs.get(req_id)
             if st is None or b not in st.load_dest:
-                continue  # a load of an earlier request under a reused id, or not ours
+                continue  # a load of an earlier request under a reused id
             i = st.load_first + st.load_dest.index(b)
             st.load_failed_at = i if st.load_failed_at is None else min(st.load_failed_at, i)
+
+    def _note_load_outcomes(self, req_ids: Iterable[str]) -> None:
+        """Each load released by this report counts once in the recent outcomes (`loads_mostly_fail`)."""
+        ledger = self._ledger()
+        for req_id in req_ids:
+            if not ledger.has_pinned_load(req_id):
+                self._load_outcomes.append(req_id in self._failed_loads)
+                self._failed_loads.discard(req_id)
 
     def collect_loads(self, finished_recving: Sequence[str] | set[str]) -> int:
         """CollectLoad: vLLM reports a req_id in ``finished_recving`` once every rank finished its load, so
@@ -655,14 +682,18 @@ class SchedulerSteps:
         if not finished_recving:
             return 0
         world = self.world_size
-        return self._ledger().collect_loads({req_id: world for req_id in finished_recving})
+        released = self._ledger().collect_loads({req_id: world for req_id in finished_recving})
+        self._note_load_outcomes(finished_recving)
+        return released
 
     def collect_sync_loads(self, completed_loads: Mapping[str, int]) -> int:
         """CollectLoad of sync loads: the ranks' merged ``completed_loads`` ``{req_id: ranks}``; a load's pins
         are released once every rank reported it (a rank that reports later releases it then)."""
         if not completed_loads:
             return 0
-        return self._ledger().collect_loads(dict(completed_loads))
+        released = self._ledger().collect_loads(dict(completed_loads))
+        self._note_load_outcomes(completed_loads)
+        return released
 
     # ------------------------------------------------------------------ queries, shutdown
     def has_pending_push_work(self) -> bool:
@@ -672,6 +703,7 @@ class SchedulerSteps:
         """Shutdown (workers stopped first): drop every store and load pin."""
         if self.ledger is not None:
             self.ledger.release_all()
+        self._failed_loads.clear()
         if self.events is not None:
             self.events.forget_jobs()
 

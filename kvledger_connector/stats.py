@@ -53,7 +53,7 @@ from kvledger.errors import LedgerInputError
 
 COUNTERS = (
     "puts", "put_keys", "put_bytes", "put_failed_keys",
-    "gets", "get_keys", "get_bytes", "store_exceptions",
+    "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "tail_saves", "deferrals",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",

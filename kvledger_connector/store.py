@@ -61,7 +61,7 @@ CLOSE_DRAIN_SHARE = 0.5
 
 
 class StoreCode(enum.IntEnum):
-    """Result codes. Mooncake's own (mooncake-store/include/types.h, seen through Python) plus three local
+    """Result codes. Mooncake's own (mooncake-store/include/types.h, seen through Python) plus local
     ones below -9000 for outcomes decided in this wrapper. Results stay plain ints; use `StoreCode.label`."""
 
     OK = 0
@@ -81,6 +81,7 @@ class StoreCode(enum.IntEnum):
     UNHEALTHY_SKIPPED = -9002  # skipped: master failed recently (backoff)
     CLIENT_EXCEPTION = -9003  # the client raised; see MooncakeStore.last_exception
     BAD_BUFFER = -9004  # null pointer or size <= 0 for this key: not sent
+    INTEGRITY_MISMATCH = -9005  # read whole, but its trailer's tag does not match (kvledger_connector/integrity.py)
 
     @staticmethod
     def label(code: int) -> str:

@@ -33,11 +33,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from kvledger_connector.config import ConnectorConfig
+from kvledger_connector.integrity import BlockSeal, IntegrityKey
 from kvledger_connector.jobs import SaveJob, WorkerSteps
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
@@ -56,7 +58,9 @@ _STOP = object()
 
 class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder, tp_rank: int,
-                 max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+                 max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
+                 integrity: IntegrityKey | None = None) -> None:
+        """``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None: no trailer."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -64,6 +68,7 @@ class WorkerSide:
         block_size = connector_config.block_size
         self.tp_rank = tp_rank
         self.connector_config = connector_config
+        self.integrity = integrity if integrity is not None and integrity.enabled else None
         self._lock = threading.Lock()
         self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
@@ -89,15 +94,27 @@ class WorkerSide:
             load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock)
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, plan: BlockCopyPlan) -> None:
+    def register_kv_caches(self, plan: BlockCopyPlan, kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
         """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py): a key's object is the plan's
-        segments of one block. Each backing allocation is registered with the store once."""
+        segments of one block, then its integrity trailer (read from ``kv_caches``, the views the plan was
+        made of). Each backing allocation, and the trailer slots, is registered with the store once."""
         if self._plan is not None:
             raise KVLayoutError("register_kv_caches called twice on one worker")
+        seal = None
+        if self.integrity is not None:
+            if kv_caches is None:
+                raise KVLayoutError(f"integrity {self.integrity.mode!r} needs the KV cache views")
+            # a put or a get at once per thread that stores: the store thread, the load threads, a sync load
+            seal = BlockSeal(self.integrity, plan, kv_caches, slots=self._num_load_threads + 2,
+                             max_keys=plan.num_blocks)
         for ptr, nbytes in plan.storages:
             self.steps.store.register_buffer(ptr, nbytes)
+        if seal is not None:
+            for ptr, nbytes in seal.regions:
+                self.steps.store.register_buffer(ptr, nbytes)
+            self.steps.seal = seal
         self._plan = plan
-        self.steps.key_bytes = plan.block_bytes
+        self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
         self._num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
         self._start_threads()

@@ -73,6 +73,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvledger_connector.config import StoreConfig  # noqa: E402
 from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
+from kvledger_connector.integrity import BlockSeal  # noqa: E402
 from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
 from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
 from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
@@ -222,6 +223,7 @@ class Harness:
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
         self._scratch_plan: Any = None
+        self._scratch_seal: BlockSeal | None = None
         emb = self.workers[0]._embedded if store_config.embedded and connector == "ours" else None
         # embedded default: the connectors started a private master; the checker joins it
         self._store_config = (store_config.with_addresses(emb.master_address, emb.metadata_server)
@@ -595,8 +597,13 @@ class Harness:
                                                    block_size=self.block_size, num_blocks=2)
             for ptr, nbytes in self._scratch_plan.storages:
                 store.register_buffer(ptr, nbytes)
+            seal = self.workers[0].worker_side.steps.seal if self.workers else None  # type: ignore[union-attr]
+            if seal is not None:  # the objects' trailers, read and checked with the workers' integrity key
+                self._scratch_seal = BlockSeal(seal.ikey, self._scratch_plan, self._scratch, slots=1, max_keys=1)
+                for ptr, nbytes in self._scratch_seal.regions:
+                    store.register_buffer(ptr, nbytes)
         scratch, plan = self._scratch, self._scratch_plan
-        ptrs, sizes = plan.buffers(1)
+        ptrs, sizes = self._scratch_buffers()
         bs = self.block_size
         checked = polluted = 0
         seen: set[tuple[int, bytes]] = set()
@@ -616,7 +623,7 @@ class Harness:
                         continue  # evicted between the two calls
                     checked += 1
                     pos = hashes[bi * bs:(bi + 1) * bs]
-                    ok = True
+                    ok = self._trailer_ok(key)
                     for li, name in enumerate(self.layer_names):
                         t = scratch[name]
                         for kv in self._kv_parts:
@@ -628,6 +635,17 @@ class Harness:
             checked, polluted = self._check_tail(store, req, hashes, seen, checked, polluted)
         return checked, polluted
 
+    def _scratch_buffers(self) -> tuple[list[int], list[int]]:
+        """Block 1 of the scratch cache, then the trailer slot when the workers tag their objects."""
+        ptrs, sizes = self._scratch_plan.buffers(1)
+        if self._scratch_seal is not None:
+            ptrs, sizes = ptrs + self._scratch_seal.trailer_ptrs(0, 1), sizes + [self._scratch_seal.trailer_bytes]
+        return ptrs, sizes
+
+    def _trailer_ok(self, key: str) -> bool:
+        """The object just read into the scratch block matches its trailer's tag (True without integrity)."""
+        return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1]) == [True]
+
     def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, bytes]],
                     checked: int, polluted: int) -> tuple[int, int]:
         """The prompt's partial tail key (save_partial_tail), if stored: its first r token slots."""
@@ -636,7 +654,7 @@ class Harness:
         if r < 2 or k < 1 or len(req.block_hashes) < k:
             return checked, polluted
         th = partial_tail_hash(req.block_hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r])
-        ptrs, sizes = self._scratch_plan.buffers(1)
+        ptrs, sizes = self._scratch_buffers()
         for rank, kb in enumerate(self.key_builders):
             if (rank, th) in seen:
                 continue
@@ -647,7 +665,7 @@ class Harness:
             checked += 1
             self.tails_checked += 1
             pos = hashes[k * bs:k * bs + r]
-            ok = True
+            ok = self._trailer_ok(key)
             for li, name in enumerate(self.layer_names):
                 t = self._scratch[name]
                 for kv in self._kv_parts:

@@ -161,3 +161,43 @@ def test_a_failed_block_caps_the_requests_later_lookups():
     assert s.steps.lookup(other, 0) == 2 * BS
     s.steps.note_load_errors(None)
     s.steps.note_load_errors(set())
+
+
+def _one_load(s, i: int, *, fail: bool, finished_first: bool = False) -> bool:
+    """A new request loads 2 stored blocks (sync if the rule says so), fails or not, and is collected; its
+    blocks go back to the pool (``finished_first``: vLLM ended the request, as "fail" does, before the
+    connector is told of the failed block). Returns whether the load was sync."""
+    req = Req(f"r{i}", 3 * BS + 1)
+    s.steps.on_new_request(req)
+    s.stored(req, 2)
+    n = s.steps.lookup(req, 0)
+    blocks = s.alloc(req.request_id, 4)
+    spec = s.steps.emit_load(req, blocks, n)
+    s.steps.take_loads()
+    if finished_first:
+        s.steps.request_finished(req)
+    s.steps.note_load_errors({spec.block_ids[0]} if fail else None)
+    if spec.sync:
+        s.steps.collect_sync_loads({req.request_id: 1})
+    else:
+        s.steps.collect_loads([req.request_id])
+    if not finished_first:
+        s.steps.request_finished(req)
+    s.pool.free_blocks(s.pool.blocks[b] for b in s.table.pop(req.request_id))
+    return spec.sync
+
+
+def test_short_loads_turn_async_while_most_recent_loads_fail_and_sync_again_once_they_succeed():
+    """A failed sync load spends its get inside the step: while more than half of the last
+    LOAD_OUTCOME_WINDOW loads failed, short loads are async; async outcomes count, so the rule recovers."""
+    from kvledger_connector.scheduler_steps import LOAD_OUTCOME_WINDOW
+    s = sched(sync_load_max_tokens=1 << 10)
+    assert _one_load(s, 0, fail=True, finished_first=True) is True  # no outcome yet: sync
+    assert s.steps.loads_mostly_fail()
+    assert _one_load(s, 1, fail=True) is False and s.steps.num_async_after_failures == 1
+    for i in range(2, 2 + 3 * LOAD_OUTCOME_WINDOW):  # more outcomes than the window holds
+        _one_load(s, i, fail=True)
+    assert len(s.steps._load_outcomes) == LOAD_OUTCOME_WINDOW and not s.steps._failed_loads
+    syncs = [_one_load(s, 100 + i, fail=False) for i in range(LOAD_OUTCOME_WINDOW)]
+    assert syncs.index(True) == LOAD_OUTCOME_WINDOW // 2  # failures no longer more than half: sync again
+    assert all(syncs[LOAD_OUTCOME_WINDOW // 2:]) and s.ledger.num_pinned_loads == 0

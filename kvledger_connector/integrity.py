@@ -1,0 +1,336 @@
+"""Integrity of stored blocks: every object carries a tag over its bytes, checked before a load reports
+the block loaded. A mismatch is a load error (vLLM's ``kv_load_failure_policy`` acts), never wrong KV.
+
+The object under a key is the block's bytes (kvledger_connector/kvlayout.py) followed by a trailer::
+
+    | block bytes (P0) | "KVLTAG01" | nonce (8 bytes) | tag: 8 lanes x uint64, little-endian |
+                         `------------------ TRAILER_BYTES = 80 -------------------------------'
+
+The tag (`reference_digest` is its definition without torch; `BlockSeal` computes it with torch on the
+device the KV cache lives in, and a unit test holds the two equal):
+
+    b     the block's bytes as int8, zero-padded to P = ceil(P0 / CHUNK) * CHUNK
+    h     h[c, l] = sum_j b[c*CHUNK + j] * A[j, l]          exact in int32 (|h| < 2**23)
+    T     T[l]   = sum_c U[c, l] * h[c, l]   mod 2**64
+    tag   tag[l] = T[l] + pad[l]             mod 2**64
+
+``A`` (int8, CHUNK x LANES) and ``U`` (int64 per chunk and lane) are drawn by SHAKE-256 from the mode and
+the deployment secret; ``pad`` is HMAC-SHA512(secret, key || nonce), a fresh one-time pad per put (the
+nonce is random), so equal keys written twice with bit-different KV (GPU kernels need not be bitwise
+deterministic) never reuse a pad, and a tag holds only under its own key.
+
+* ``checksum`` (the default): the secret is empty, so anyone can compute a tag. It catches bytes changed
+  in the store, a torn transfer, a block stored under another block's key, and a client that overwrites
+  a value with bytes of its own, unless it recomputes the tag on purpose.
+* ``mac``: a secret from ``integrity_secret_file``. A client without it cannot make a value that loads:
+  for a changed value under an existing nonce it must guess, per lane, a first-level hash that is zero
+  with probability at most 2**-8 or the second-level sum mod 2**64; for a new nonce, the pad. About
+  2**-64 per attempt. Bytes are not encrypted: the store still shows them to whoever can read it.
+* ``off``: no trailer (the object format of earlier versions, under the same keys).
+
+The mode and a fingerprint of the secret are in every key's layout digest (`key_tag`): engines with
+different modes or secrets never share keys, so none fails every load on the other's objects.
+
+Cost: one gather of the block into a contiguous int8 buffer, one int8 matmul (``torch._int_mm``; a float32
+matmul, exact for these ranges, where it is not available), one int64 multiply-sum over 1/64 of the bytes.
+On a GPU each is a pass over HBM at hundreds of GB/s to TB/s while the block itself crosses a NIC at tens
+of GB/s; on a CPU, where the KV lives in host memory, it costs about what the transfer does
+(`bench.datapath` measures it).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import queue
+import stat
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvledger.errors import LedgerError, LedgerInputError
+from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
+
+MODES = ("checksum", "mac", "off")
+MAGIC = b"KVLTAG01"
+NONCE_BYTES = 8
+LANES = 8
+CHUNK = 512  # bytes per first-level sum: 512 * 128 * 128 = 2**23, exact in int32 and in float32
+TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + 8 * LANES
+MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
+_MASK = (1 << 64) - 1
+
+
+class IntegrityError(LedgerError):
+    """A trailer slot was asked for with none free (more concurrent store calls than the seal was sized for)."""
+
+
+def read_secret(path: str) -> bytes:
+    """The deployment secret: a regular file owned by this user, readable by no one else, of
+    MIN_SECRET_BYTES..MAX_SECRET_BYTES bytes; opened without following a link."""
+    field_ = "integrity_secret_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise LedgerInputError(field_, path, f"cannot be opened without following links: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LedgerInputError(field_, path, "is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise LedgerInputError(field_, path, f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise LedgerInputError(field_, path, f"has mode {stat.S_IMODE(st.st_mode):04o}: others may read it; "
+                                   f"chmod 600")
+        blob = os.read(fd, MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not MIN_SECRET_BYTES <= len(blob) <= MAX_SECRET_BYTES:
+        raise LedgerInputError(field_, path, f"holds {len(blob)} bytes; a secret is {MIN_SECRET_BYTES}.."
+                               f"{MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom`)")
+    return blob
+
+
+@dataclass(frozen=True)
+class IntegrityKey:
+    """The mode and the secret: what a tag is computed with (the same on every rank and engine)."""
+
+    mode: str = "checksum"
+    secret: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise LedgerInputError("integrity", self.mode, f"must be one of {MODES}")
+        if (self.mode == "mac") != bool(self.secret):
+            raise LedgerInputError("integrity_secret_file", "<set>" if self.secret else None,
+                                   f"a secret is needed by integrity 'mac' and only by it (integrity={self.mode!r})")
+
+    @classmethod
+    def of(cls, mode: str | None, secret_file: str | None) -> IntegrityKey:
+        mode = mode or "checksum"
+        if mode == "mac" and not secret_file:
+            raise LedgerInputError("integrity_secret_file", secret_file, "required by integrity 'mac'")
+        if mode != "mac" and secret_file:
+            raise LedgerInputError("integrity_secret_file", secret_file,
+                                   f"set with integrity={mode!r}; a secret is used only by 'mac'")
+        return cls(mode, read_secret(secret_file) if secret_file else b"")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def key_tag(self) -> str:
+        """What goes into every key's layout digest: '' (off: the old object format), 'ck1', or 'mac1-' and
+        16 hex chars of an HMAC of the secret (not the secret: the digest is public)."""
+        if self.mode == "off":
+            return ""
+        if self.mode == "checksum":
+            return "ck1"
+        fp = hmac.new(self.secret, b"kvledger key tag v1", hashlib.sha256).hexdigest()[:16]
+        return f"mac1-{fp}"
+
+    def material(self, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """(A: int8 [CHUNK, LANES], U: uint64 [num_chunks, LANES]); U's rows do not depend on num_chunks."""
+        shake = hashlib.shake_256(b"kvledger-integrity-v1\0" + self.mode.encode() + b"\0" + self.secret)
+        na = CHUNK * LANES
+        blob = shake.digest(na + num_chunks * LANES * 8)
+        a = np.frombuffer(blob[:na], dtype=np.int8).reshape(CHUNK, LANES)
+        u = np.frombuffer(blob[na:], dtype="<u8").reshape(num_chunks, LANES)
+        return a, u
+
+    def pad(self, key: str, nonce: bytes) -> np.ndarray:
+        """The one-time pad of a (key, nonce): uint64 [LANES]. Under 'checksum' the secret is empty: anyone
+        can compute it, and it still binds the tag to its key (a block stored under another key fails)."""
+        mac = hmac.new(self.secret, key.encode() + b"\0" + nonce, hashlib.sha512).digest()
+        return np.frombuffer(mac, dtype="<u8").astype(np.uint64)
+
+
+def reference_digest(obj: bytes, ikey: IntegrityKey) -> list[int]:
+    """T of the module's definition in numpy and Python integers, no torch (slow; what `BlockSeal.digests`
+    is tested against)."""
+    n = -(-len(obj) // CHUNK)
+    b = np.frombuffer(obj + bytes(n * CHUNK - len(obj)), dtype=np.int8).astype(np.int64).reshape(n, CHUNK)
+    a, u = ikey.material(n)
+    h = b @ a.astype(np.int64)  # exact: |h| < 2**23
+    return [sum(int(u[c, l]) * int(h[c, l]) for c in range(n)) & _MASK for l in range(LANES)]
+
+
+def trailer(ikey: IntegrityKey, key: str, digest: Sequence[int], nonce: bytes) -> bytes:
+    """The TRAILER_BYTES that follow a block's bytes under ``key``."""
+    tag = (np.asarray([int(d) for d in digest], dtype=np.uint64) + ikey.pad(key, nonce)).astype("<u8")
+    return MAGIC + nonce + tag.tobytes()
+
+
+def _int8_matmul(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x [m, CHUNK] int8 @ a [CHUNK, LANES] int8 -> int32, exact either way."""
+    try:
+        return torch._int_mm(x, a)
+    except RuntimeError:  # shapes or a device the int8 kernel does not take: float32 holds every value exactly
+        return (x.to(torch.float32) @ a.to(torch.float32)).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Segments of one storage with one size and stride, at an even spacing: one [blocks, count, nbytes] view."""
+
+    view: torch.Tensor
+    offset: int  # in the object
+    nbytes: int  # count * segment bytes
+
+
+class BlockSeal:
+    """Tags of a rank's blocks, computed where its KV cache lives, and the trailer slots the store calls use.
+
+    ``slots`` trailer slots of ``max_keys`` rows each, one per thread that may be inside a put or a get at
+    once (the store thread, the load threads, the step's sync load): `slot` takes one for a call."""
+
+    def __init__(self, ikey: IntegrityKey, plan: BlockCopyPlan, kv_caches: Mapping[str, Any], *, slots: int,
+                 max_keys: int) -> None:
+        if not ikey.enabled:
+            raise LedgerInputError("integrity", ikey.mode, "a BlockSeal needs 'checksum' or 'mac'")
+        for name, v in (("slots", slots), ("max_keys", max_keys)):
+            if v.__class__ is not int or v < 1:
+                raise LedgerInputError(name, v, "must be an int >= 1")
+        self.ikey = ikey
+        self.block_bytes = plan.block_bytes
+        self.max_keys = max_keys
+        flats: dict[int, torch.Tensor] = {}
+        device = None
+        for t in kv_caches.values():
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                flats.setdefault(st.data_ptr(), torch.empty(0, dtype=torch.int8, device=t.device).set_(st))
+                device = t.device
+        if device is None:
+            raise KVLayoutError("integrity: no KV cache tensors to read blocks from")
+        self.device = device
+        self._groups = self._group(plan, flats)
+        self.num_chunks = -(-self.block_bytes // CHUNK)
+        a, u = ikey.material(self.num_chunks)
+        self._a = torch.from_numpy(a.copy()).to(device)
+        self._u = torch.from_numpy(u.view(np.int64).copy()).to(device)
+        self._arena = torch.zeros((slots, max_keys, TRAILER_BYTES), dtype=torch.uint8, device=device)
+        self._staging = torch.zeros((slots, self.num_chunks * CHUNK), dtype=torch.int8, device=device)
+        self._free: queue.Queue[int] = queue.Queue(maxsize=slots)
+        for i in range(slots):
+            self._free.put_nowait(i)
+        self.num_mismatches = 0
+        self.trailer_bytes = TRAILER_BYTES
+
+    @staticmethod
+    def _group(plan: BlockCopyPlan, flats: Mapping[int, torch.Tensor]) -> list[_Group]:
+        spans = sorted(flats.items())
+        out: list[_Group] = []
+        run: list[Any] = []  # [storage ptr, first base, stride, nbytes, count, spacing, object offset]
+        obj = 0
+
+        def close() -> None:
+            if run:
+                ptr, base, stride, nb, count, spacing, off = run
+                flat = flats[ptr]
+                view = flat.as_strided((plan.num_blocks, count, nb), (stride, spacing or nb, 1), base - ptr)
+                out.append(_Group(view, off, count * nb))
+
+        for seg in plan.segments:
+            ptr = next((p for p, t in spans if p <= seg.base and seg.base + seg.nbytes <= p + t.numel()), None)
+            if ptr is None:
+                raise KVLayoutError(f"integrity: segment at {seg.base:#x} lies in no KV cache storage")
+            if run and run[0] == ptr and run[2] == seg.block_stride and run[3] == seg.nbytes and (
+                    (run[4] == 1 and seg.base > run[1]) or seg.base == run[1] + run[4] * run[5]):
+                if run[4] == 1:
+                    run[5] = seg.base - run[1]
+                run[4] += 1
+            else:
+                close()
+                run = [ptr, seg.base, seg.block_stride, seg.nbytes, 1, 0, obj]
+            obj += seg.nbytes
+        close()
+        return out
+
+    # ------------------------------------------------------------------ tags
+    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK]."""
+        n = len(block_ids)
+        buf = torch.empty((n, self.num_chunks * CHUNK), dtype=torch.int8, device=self.device)
+        buf[:, self.block_bytes:].zero_()
+        # one strided copy per block and group: a gather (index_select) of these views runs at a fraction
+        # of memcpy speed on a CPU
+        for i, b in enumerate(block_ids):
+            row = buf[i]
+            for g in self._groups:
+                row[g.offset:g.offset + g.nbytes].view(g.view.shape[1], g.view.shape[2]).copy_(g.view[b])
+        return buf
+
+    def _digests(self, buf: torch.Tensor) -> np.ndarray:
+        n = buf.shape[0]
+        h = _int8_matmul(buf.view(n * self.num_chunks, CHUNK), self._a).view(n, self.num_chunks, LANES)
+        t = (h.to(torch.int64) * self._u).sum(dim=1)  # int64 arithmetic wraps: mod 2**64
+        return t.cpu().numpy().view(np.uint64)
+
+    def digests(self, block_ids: Sequence[int]) -> np.ndarray:
+        """T of each block (uint64 [n, LANES]), from the KV cache as it is now."""
+        return self._digests(self._gather(block_ids))
+
+    # ------------------------------------------------------------------ trailer slots
+    @contextmanager
+    def slot(self, num_keys: int) -> Iterator[int]:
+        if not 0 <= num_keys <= self.max_keys:
+            raise LedgerInputError("num_keys", num_keys, f"a store call of at most max_keys={self.max_keys} keys")
+        try:
+            i = self._free.get_nowait()
+        except queue.Empty:
+            raise IntegrityError(f"integrity: every one of {self._free.maxsize} trailer slots is in use") from None
+        try:
+            yield i
+        finally:
+            self._free.put_nowait(i)
+
+    def trailer_ptrs(self, slot: int, num_keys: int) -> list[int]:
+        base = self._arena[slot].data_ptr()
+        return [base + i * TRAILER_BYTES for i in range(num_keys)]
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """(ptr, nbytes) of the trailer slots and the staging rows, to register with the store once."""
+        return [(self._arena.data_ptr(), self._arena.numel()), (self._staging.data_ptr(), self._staging.numel())]
+
+    def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stage: int | None = None
+             ) -> tuple[list[int], int | None]:
+        """Write the trailers of ``keys`` (block ``block_ids``) into ``slot``: their pointers, in key order,
+        and with ``stage`` (an index into ``keys``) the pointer of a copy of that block's object, made from
+        the very bytes its tag was computed over. A partial tail block is put from that copy: decode may
+        write the block's later token slots while it is read, which would make the bytes sent differ from
+        the tagged ones (the slots the key promises never change; the others need not match)."""
+        if len(keys) != len(block_ids):
+            raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
+        buf = self._gather(block_ids)
+        rows = bytearray()
+        for key, d in zip(keys, self._digests(buf)):
+            rows += trailer(self.ikey, key, d, os.urandom(NONCE_BYTES))
+        n = len(keys)
+        self._arena[slot, :n].copy_(torch.frombuffer(rows, dtype=torch.uint8).view(n, TRAILER_BYTES))
+        staged = None
+        if stage is not None:
+            self._staging[slot].copy_(buf[stage])
+            staged = self._staging[slot].data_ptr()
+        return self.trailer_ptrs(slot, n), staged
+
+    def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        """Whether each block read into ``block_ids`` with its trailer in ``slot`` matches its tag."""
+        n = len(keys)
+        if not n:
+            return []
+        rows = self._arena[slot, :n].cpu().numpy()
+        digests = self.digests(block_ids)
+        out = []
+        for key, row, d in zip(keys, rows, digests):
+            raw = row.tobytes()
+            nonce = raw[len(MAGIC):len(MAGIC) + NONCE_BYTES]
+            out.append(raw[:len(MAGIC)] == MAGIC and hmac.compare_digest(raw, trailer(self.ikey, key, d, nonce)))
+        self.num_mismatches += out.count(False)
+        return out
