@@ -557,8 +557,9 @@ def datapath_suite(args: argparse.Namespace) -> int:
           "upstream, no tag). Ratios: median of per-iteration throughput ratios; cost: median of per-iteration "
           "time(way) / time(off) - 1. Targets (printed, not asserted): "
           + ", ".join(f"{k} >= {v:.1f}" for k, v in TARGETS.items()) + f", cost <= {COST_TARGET:.0%}"
-          + f"; * = off target{': ' + ', '.join(below) if below else ' (none)'}. On a CPU the KV cache is host "
-          "memory, so the tag's pass over it costs about what the transfer does (README: Integrity)")
+          + f"; * = off target{': ' + ', '.join(below) if below else ' (none)'}. On a CPU the tag is the CPU's "
+          "work (a gather and an int8 matmul over every byte) against Mooncake's in-process memcpy: several times "
+          "the transfer; on a GPU it is a few passes over HBM (README: bench.datapath)")
     return 0
 
 

@@ -33,9 +33,9 @@ different modes or secrets never share keys, so none fails every load on the oth
 
 Cost: one gather of the block into a contiguous int8 buffer, one int8 matmul (``torch._int_mm``; a float32
 matmul, exact for these ranges, where it is not available), one int64 multiply-sum over 1/64 of the bytes.
-On a GPU each is a pass over HBM at hundreds of GB/s to TB/s while the block itself crosses a NIC at tens
-of GB/s; on a CPU, where the KV lives in host memory, it costs about what the transfer does
-(`bench.datapath` measures it).
+On a GPU each is a pass over HBM (TB/s) while the block itself crosses a NIC or PCIe (tens of GB/s); on a
+CPU the same work runs on the cores at a few GB/s, several times what Mooncake's in-process memcpy takes
+(`bench.datapath` measures it; README: bench.datapath).
 """
 from __future__ import annotations
 
