@@ -62,6 +62,7 @@ LANES = 8
 CHUNK = 512  # bytes per first-level sum: 512 * 128 * 128 = 2**23, exact in int32 and in float32
 TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + 8 * LANES
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
+FEW_BLOCKS = 16  # up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
 _MASK = (1 << 64) - 1
 
 
@@ -166,6 +167,28 @@ def trailer(ikey: IntegrityKey, key: str, digest: Sequence[int], nonce: bytes) -
     return MAGIC + nonce + tag.tobytes()
 
 
+@torch.jit.script
+def _digests_few(views: list[torch.Tensor], block_ids: list[int], a: torch.Tensor, u: torch.Tensor,
+                 pad: int) -> torch.Tensor:
+    """T of a few blocks (int64 [n, LANES]) in one call: TorchScript runs the whole graph with the GIL
+    released once (`BlockSeal.digests` says why that matters); the same arithmetic as `_digests`."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=a.device)
+    n = ids.size(0)
+    parts = [v.index_select(0, ids).reshape(n, -1) for v in views]
+    if pad > 0:
+        parts.append(torch.zeros((n, pad), dtype=torch.int8, device=ids.device))
+    x = torch.cat(parts, dim=1).reshape(-1, a.size(0))
+    if x.is_cuda and x.size(0) <= 16:  # the int8 kernel's smallest m on CUDA; float32 is exact here too
+        h = (x.to(torch.float32) @ a.to(torch.float32)).to(torch.int32)
+    else:
+        h = torch._int_mm(x, a)
+    return (h.reshape(n, -1, a.size(1)).to(torch.int64) * u).sum(dim=1)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
 def _int8_matmul(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """x [m, CHUNK] int8 @ a [CHUNK, LANES] int8 -> int32, exact either way."""
     try:
@@ -216,6 +239,7 @@ class BlockSeal:
         self._u = torch.from_numpy(u.view(np.int64).copy()).to(device)
         self._arena = torch.zeros((slots, max_keys, TRAILER_BYTES), dtype=torch.uint8, device=device)
         self._staging = torch.zeros((slots, self.num_chunks * CHUNK), dtype=torch.int8, device=device)
+        self._arena_np = self._arena.numpy() if device.type == "cpu" else None  # the same memory
         self._free: queue.Queue[int] = queue.Queue(maxsize=slots)
         for i in range(slots):
             self._free.put_nowait(i)
@@ -254,12 +278,13 @@ class BlockSeal:
 
     # ------------------------------------------------------------------ tags
     def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK]."""
+        """The blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK].
+
+        One strided copy per block and group: a gather (index_select) of these views runs at a fraction of
+        memcpy speed on a CPU."""
         n = len(block_ids)
         buf = torch.empty((n, self.num_chunks * CHUNK), dtype=torch.int8, device=self.device)
         buf[:, self.block_bytes:].zero_()
-        # one strided copy per block and group: a gather (index_select) of these views runs at a fraction
-        # of memcpy speed on a CPU
         for i, b in enumerate(block_ids):
             row = buf[i]
             for g in self._groups:
@@ -270,10 +295,19 @@ class BlockSeal:
         n = buf.shape[0]
         h = _int8_matmul(buf.view(n * self.num_chunks, CHUNK), self._a).view(n, self.num_chunks, LANES)
         t = (h.to(torch.int64) * self._u).sum(dim=1)  # int64 arithmetic wraps: mod 2**64
-        return t.cpu().numpy().view(np.uint64)
+        return _host(t).view(np.uint64)
 
     def digests(self, block_ids: Sequence[int]) -> np.ndarray:
-        """T of each block (uint64 [n, LANES]), from the KV cache as it is now."""
+        """T of each block (uint64 [n, LANES]), from the KV cache as it is now.
+
+        Every torch call releases the GIL and takes it back, and in an engine whose main thread is busy in
+        Python each take can wait out the interpreter's switch interval: a load's latency then grows with
+        its count of torch calls, not its bytes (`bench.engine` measured it). Up to FEW_BLOCKS blocks, one
+        TorchScript call does it all; a larger batch amortises its calls and takes the faster copies."""
+        if len(block_ids) <= FEW_BLOCKS:
+            t = _digests_few([g.view for g in self._groups], [int(b) for b in block_ids], self._a, self._u,
+                             self.num_chunks * CHUNK - self.block_bytes)
+            return _host(t).view(np.uint64)
         return self._digests(self._gather(block_ids))
 
     # ------------------------------------------------------------------ trailer slots
@@ -308,14 +342,17 @@ class BlockSeal:
         the tagged ones (the slots the key promises never change; the others need not match)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
-        buf = self._gather(block_ids)
+        buf = self._gather(block_ids) if stage is not None else None
         rows = bytearray()
-        for key, d in zip(keys, self._digests(buf)):
+        for key, d in zip(keys, self._digests(buf) if buf is not None else self.digests(block_ids)):
             rows += trailer(self.ikey, key, d, os.urandom(NONCE_BYTES))
         n = len(keys)
-        self._arena[slot, :n].copy_(torch.frombuffer(rows, dtype=torch.uint8).view(n, TRAILER_BYTES))
+        if self._arena_np is not None:  # host memory: written without a torch call
+            self._arena_np[slot, :n] = np.frombuffer(bytes(rows), dtype=np.uint8).reshape(n, TRAILER_BYTES)
+        else:
+            self._arena[slot, :n].copy_(torch.frombuffer(rows, dtype=torch.uint8).view(n, TRAILER_BYTES))
         staged = None
-        if stage is not None:
+        if buf is not None and stage is not None:
             self._staging[slot].copy_(buf[stage])
             staged = self._staging[slot].data_ptr()
         return self.trailer_ptrs(slot, n), staged
@@ -325,7 +362,7 @@ class BlockSeal:
         n = len(keys)
         if not n:
             return []
-        rows = self._arena[slot, :n].cpu().numpy()
+        rows = self._arena_np[slot, :n] if self._arena_np is not None else self._arena[slot, :n].cpu().numpy()
         digests = self.digests(block_ids)
         out = []
         for key, row, d in zip(keys, rows, digests):
