@@ -245,6 +245,10 @@ class BlockSeal:
             self._free.put_nowait(i)
         self.num_mismatches = 0
         self.trailer_bytes = TRAILER_BYTES
+        # the first calls compile and profile the TorchScript graph and set up the int8 kernel (tens of ms):
+        # paid here, at start-up, on vLLM's null block 0, not by the first loads while the engine serves
+        for n in (1, 2, FEW_BLOCKS + 1):
+            self.digests([0] * n)
 
     @staticmethod
     def _group(plan: BlockCopyPlan, flats: Mapping[int, torch.Tensor]) -> list[_Group]:
