@@ -403,6 +403,14 @@ KEYS: tuple[Key, ...] = (
         "reads the old weights' KV",
         tests="test_keys.py::test_model_identity_is_in_the_key, "
               "test_namespace.py::test_a_bumped_weights_version_never_loads_the_old_kv"),
+    Key("weights_version_file", "path", None, "engine",
+        "a file holding the weights version (as `weights_version`; this user's, writable by no one else), read "
+        "at start-up and again at every `reset_cache` (vLLM's `reset_prefix_cache(reset_connector=True)`): an RL "
+        "loop that writes the new version there (a new file renamed over the old) and resets after each weight "
+        "update moves the engine's keys to it, so no other engine's old-weights KV is read. Excludes "
+        "`weights_version`", shown_default="none",
+        tests="test_namespace.py::test_a_weights_version_bumped_at_reset_never_reads_the_old_kv, "
+              "::test_a_bad_weights_version_file_is_refused_by_name"),
     Key("store_replicated_kv_once", "bool", True, "engine",
         "ranks that hold identical KV (MLA's latent on every TP rank; KV heads vLLM replicates when TP exceeds "
         "the model's KV heads) share one key per block and each key is put by one of them, so the store holds "

@@ -34,10 +34,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvledger_connector import rendezvous
-from kvledger_connector.config import ConnectorConfig, StoreConfig, read_settings
+from kvledger.errors import LedgerInputError
+from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, read_settings
 from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.engine_facts import EngineFacts, key_layout, kv_cache_spec, resolved_layout
+from kvledger_connector.engine_facts import (
+    EngineFacts,
+    key_layout,
+    kv_cache_spec,
+    read_weights_version,
+    resolved_layout,
+)
 from kvledger_connector.events import StoreEvents
 from kvledger_connector.integrity import IntegrityKey
 from kvledger_connector.keys import KeyBuilder
@@ -75,9 +82,10 @@ class KVLedgerConnector(KVConnectorBase_V1):
         # everything is read and checked before anything is started or connected
         settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
         self.integrity = IntegrityKey.of(settings.get("integrity"), settings.get("integrity_secret_file"))
+        self._weights_version_file: str | None = settings.get("weights_version_file")
         self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
                                              tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
-                                             weights_version=settings.get("weights_version") or "",
+                                             weights_version=self._first_weights_version(settings, is_scheduler),
                                              replicated_once=settings.get("store_replicated_kv_once") is not False,
                                              integrity_tag=self.integrity.key_tag)
         self.config = cfg = ConnectorConfig.build(settings, facts)
@@ -95,6 +103,20 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self._stop(quiet=True)  # what was started before the failure (store client, embedded servers, trace)
             raise
 
+    def _first_weights_version(self, settings: Any, is_scheduler: bool) -> str:
+        """`weights_version`, or the scheduler's reading of `weights_version_file`. Workers do not read the
+        file: every step's metadata names the version its keys are built under, and they follow it."""
+        path, fixed = self._weights_version_file, settings.get("weights_version") or ""
+        if path is not None and fixed:
+            raise ConfigError("weights_version_file", path, f"set together with weights_version={fixed!r}: "
+                              f"choose one", "kv_connector_extra_config")
+        return read_weights_version(path) if path is not None and is_scheduler else fixed
+
+    def _key_builders(self, weights_version: str | None = None) -> list[KeyBuilder]:
+        """The scheduler's key builders: one per shard (a hit needs every one)."""
+        sc = self.config.store
+        return [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in self.engine.shard_layouts(weights_version)]
+
     def _start(self, store: KVStore | None) -> None:
         cfg, facts, sc = self.config, self.engine, self.config.store
         trace = None
@@ -104,11 +126,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
         if facts.scheduler:
             # lookups only: this client contributes no memory
             self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
-            builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.shard_layouts()]
+            builders = self._key_builders()
             # the engine step's store calls, each bounded by lookup_timeout_ms
             bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
-                                                store=TimedLookups(bounded, self.stats))  # lookup histogram
+                                                store=TimedLookups(bounded, self.stats),  # lookup histogram
+                                                weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers
                 self.scheduler_side.events = StoreEvents(key_builders=builders, store=bounded,
                                                          block_size=cfg.block_size, max_pending=cfg.max_kv_events,
@@ -118,7 +141,8 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(
                 cfg, store=self.store, keys=KeyBuilder(facts.layout, sc.max_key_bytes, sc.namespace),
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
-                stats=self.stats, trace=trace, integrity=self.integrity)
+                stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
+                rekey=lambda v: KeyBuilder(facts.layout_for(v), sc.max_key_bytes, sc.namespace))
 
     @property
     def store_config(self) -> StoreConfig:
@@ -184,10 +208,23 @@ class KVLedgerConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         """Drop every key of this engine's model and namespace (kvledger_connector/reset.py); False while
-        anything in flight could bring pre-reset KV back. The worker role has nothing to reset: None."""
-        if self.scheduler_side is None or self.store is None:
+        anything in flight could bring pre-reset KV back. With `weights_version_file`, the file is read again
+        and the keys move to the version it names; a file that cannot be read refuses the reset (going on
+        under the old version after a weight update would read the old weights' KV). The worker role has
+        nothing to reset: None."""
+        side = self.scheduler_side
+        if side is None or self.store is None:
             return None
-        return reset_scheduler_side(self.scheduler_side, self.store)
+        new_keys = None
+        if self._weights_version_file is not None:
+            try:
+                version = read_weights_version(self._weights_version_file)
+            except (ConfigError, LedgerInputError) as e:
+                logger.error("reset_cache refused: %s", e)
+                self.stats.add("resets_refused")
+                return False
+            new_keys = (version, self._key_builders(version))
+        return reset_scheduler_side(side, self.store, new_keys)
 
     # ============================================================ worker side
     def _worker(self) -> WorkerSide:

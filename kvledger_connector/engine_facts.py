@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kvledger_connector.config import ConfigError
+from kvledger_connector.config import BY_NAME, ConfigError
 from kvledger_connector.keys import KeyLayout
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies
+from kvledger_connector.ownfile import read_own_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -72,9 +73,32 @@ def model_identity(model_config: ModelConfig, prefix_caching_hash_algo: str, wei
     (it covers the weights' path, revision, quantization, dtype and the hf_config after overrides), the block
     hash algorithm, and the operator's `weights_version` (bumped when weights change in place). 32 hex chars;
     the scheduler and every worker compute it from their copy of the same config."""
-    canon = json.dumps([model_config.compute_hash(), str(prefix_caching_hash_algo), weights_version],
-                       separators=(",", ":"))
+    return _identity(model_config.compute_hash(), str(prefix_caching_hash_algo), weights_version)
+
+
+def _identity(config_hash: str, hash_algo: str, weights_version: str) -> str:
+    canon = json.dumps([config_hash, hash_algo, weights_version], separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+MAX_WEIGHTS_VERSION_FILE_BYTES = 256
+
+
+def read_weights_version(path: str) -> str:
+    """The weights version in `path` (`weights_version_file`): this user's regular file that no one else may
+    write (whoever writes it chooses which stored KV this engine reads), holding a `weights_version` value
+    (surrounding whitespace ignored). An empty file is refused: it is what a writer that truncates before
+    writing leaves for an instant (write a new file and rename it over the old one)."""
+    field_ = "weights_version_file"
+    blob = read_own_file(field_, path, max_bytes=MAX_WEIGHTS_VERSION_FILE_BYTES, private=False)
+    try:
+        text = blob.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(field_, path, "holds bytes that are not ASCII", "file") from None
+    if not text:
+        raise ConfigError(field_, path, "is empty (write the version to a new file, then rename it over this one)",
+                          "file")
+    return str(BY_NAME["weights_version"].parse(field_, text, f"file {path}"))
 
 
 def kv_replicas(vllm_config: VllmConfig) -> int:
@@ -177,6 +201,9 @@ class EngineFacts:
     spec: Any  # the attention KV cache spec
     num_layers: int  # layers of the KV cache config (this stage's)
     num_blocks: int  # blocks of the KV cache config
+    model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layout_for` a new weights version
+    hash_algo: str = ""  # vLLM's prefix_caching_hash_algo
+    weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
@@ -208,12 +235,21 @@ class EngineFacts:
                    max_num_seqs=vllm_config.scheduler_config.max_num_seqs, save_enabled=bool(kt.is_kv_producer),
                    load_enabled=bool(kt.is_kv_consumer), kv_load_failure_policy=str(kt.kv_load_failure_policy),
                    kv_events=kvev is not None and bool(kvev.enable_kv_cache_events), layout=layout, spec=spec,
-                   num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks)
+                   num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks,
+                   model_config_hash=vllm_config.model_config.compute_hash(),
+                   hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version)
 
-    def shard_layouts(self) -> list[KeyLayout]:
+    def layout_for(self, weights_version: str) -> KeyLayout:
+        """This rank's key layout under another weights version (a runtime bump: only the model's identity
+        changes)."""
+        return dataclasses.replace(self.layout,
+                                   model_hash=_identity(self.model_config_hash, self.hash_algo, weights_version))
+
+    def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
-        sharing keys (`KeyLayout.kv_replicas`) are one shard."""
-        return [dataclasses.replace(self.layout, tp_rank=t, pp_rank=p)
+        sharing keys (`KeyLayout.kv_replicas`) are one shard. `weights_version`: under that version instead."""
+        base = self.layout if weights_version is None else self.layout_for(weights_version)
+        return [dataclasses.replace(base, tp_rank=t, pp_rank=p)
                 for p in range(self.pp_size) for t in range(0, self.tp_size, self.layout.kv_replicas)]
 
     def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:

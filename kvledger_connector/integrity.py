@@ -43,7 +43,6 @@ import hashlib
 import hmac
 import os
 import queue
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ import torch
 
 from kvledger.errors import LedgerError, LedgerInputError
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
+from kvledger_connector.ownfile import read_own_file
 
 MODES = ("checksum", "mac", "off")
 MAGIC = b"KVLTAG01"
@@ -73,26 +73,10 @@ class IntegrityError(LedgerError):
 def read_secret(path: str) -> bytes:
     """The deployment secret: a regular file owned by this user, readable by no one else, of
     MIN_SECRET_BYTES..MAX_SECRET_BYTES bytes; opened without following a link."""
-    field_ = "integrity_secret_file"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise LedgerInputError(field_, path, f"cannot be opened without following links: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise LedgerInputError(field_, path, "is not a regular file")
-        if st.st_uid != os.geteuid():
-            raise LedgerInputError(field_, path, f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})")
-        if st.st_mode & 0o077:
-            raise LedgerInputError(field_, path, f"has mode {stat.S_IMODE(st.st_mode):04o}: others may read it; "
-                                   f"chmod 600")
-        blob = os.read(fd, MAX_SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
+    blob = read_own_file("integrity_secret_file", path, max_bytes=MAX_SECRET_BYTES, private=True)
     if not MIN_SECRET_BYTES <= len(blob) <= MAX_SECRET_BYTES:
-        raise LedgerInputError(field_, path, f"holds {len(blob)} bytes; a secret is {MIN_SECRET_BYTES}.."
-                               f"{MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom`)")
+        raise LedgerInputError("integrity_secret_file", path, f"holds {len(blob)} bytes; a secret is "
+                               f"{MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom`)")
     return blob
 
 

@@ -1,6 +1,7 @@
 """What crosses the process boundary each engine step, in both directions.
 
     scheduler ──KVLedgerConnectorMetadata──▶ every worker rank      (built in build_connector_meta)
+        weights_version: the keys' weights version (changed only by reset_cache)
         drops:     DropNotice per req_id finished or preempted  (DropGeneration, before this step's jobs)
         loads:     LoadSpec per request whose external hit was allocated (blocks, hashes)
         saves:     SaveSpec per store job opened this step (store_job_id, generation, end; only the blocks
@@ -88,6 +89,9 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     """Scheduler → worker payload of one step."""
 
     step: int = 0
+    # the weights version the step's keys are built under: it changes only at a reset_cache that ran with
+    # no store job or load in flight (kvledger_connector/reset.py), and every rank re-keys before its jobs
+    weights_version: str = ""
     # in the order they happened (finished since the last step, then preempted in this one); each names
     # the generation it ends, so a late or duplicate notice cannot close a newer one
     drops: list[DropNotice] = field(default_factory=list)

@@ -35,6 +35,12 @@ removal, like an eviction of many keys at once (`Evict(k)`).
 
 After the removal the scheduler side forgets what it learned from the store: cached lookup answers, save
 trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
+
+A runtime weights version (`weights_version_file`, re-read by the connector at each reset): when it changed,
+the removal above takes the old version's keys (this engine's, as always) and then the keys move to the new
+version — lookups, KV events, and every rank's jobs through the next step's metadata. That is the one
+moment the switch is safe: the refusal rules above leave nothing in flight that was keyed under the old
+version. Another engine still on the old weights keeps writing old-version keys; this one never reads them.
 """
 from __future__ import annotations
 
@@ -78,9 +84,12 @@ def refusal(side: SchedulerSide) -> str | None:
     return None
 
 
-def reset_scheduler_side(side: SchedulerSide, store: Any) -> bool:
+def reset_scheduler_side(side: SchedulerSide, store: Any,
+                         new_keys: tuple[str, Sequence[KeyBuilder]] | None = None) -> bool:
     """Remove this engine's keys and forget what the scheduler side learned from the store. False (nothing
-    removed) when refused or when the store fails."""
+    removed) when refused or when the store fails. `new_keys`: (weights version, its key builders), switched
+    to once the old version's keys are removed — a moment with nothing in flight, so no job or load keyed
+    under the old version outlives the switch."""
     why = refusal(side)
     if why is not None:
         logger.warning("reset_cache refused: %s; retry once the engine is drained", why)
@@ -99,6 +108,10 @@ def reset_scheduler_side(side: SchedulerSide, store: Any) -> bool:
     side.forget_store_knowledge()
     if side.events is not None:
         side.events.store_reset()
+    if new_keys is not None and new_keys[0] != side.weights_version:
+        logger.info("reset_cache: weights version %r -> %r: keys move to %s", side.weights_version, new_keys[0],
+                    new_keys[1][0].prefix if new_keys[1] else "?")
+        side.switch_weights_version(*new_keys)
     side.stats.add("resets")
     side.stats.add("reset_removed_keys", rc)
     side.num_resets += 1

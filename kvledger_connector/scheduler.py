@@ -35,7 +35,8 @@ from kvledger_connector.store import KVStore
 
 class SchedulerSide(SchedulerSteps):
     def __init__(self, config: ConnectorConfig, *, key_builders: Sequence[KeyBuilder], store: KVStore | None,
-                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+                 stats: StatsRecorder | None = None, trace: TraceSink | None = None,
+                 weights_version: str = "") -> None:
         if not isinstance(config, ConnectorConfig):
             raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
         super().__init__(block_size=config.block_size, world_size=config.world_size, key_builders=key_builders,
@@ -44,7 +45,8 @@ class SchedulerSide(SchedulerSteps):
                          save_decode=config.save_decode, save_partial_tail=config.save_partial_tail,
                          max_lookup_cache=config.max_lookup_cache,
                          sync_load_max_tokens=config.sync_load_max_tokens,
-                         kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace)
+                         kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace,
+                         weights_version=weights_version)
         self.config = config
         self.max_inflight_jobs = config.max_inflight_jobs
         self._kv_cache_manager: Any = None
@@ -70,7 +72,7 @@ class SchedulerSide(SchedulerSteps):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         self._step += 1
-        meta = KVLedgerConnectorMetadata(step=self._step)
+        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=self.weights_version)
         meta.drops = self.notices(sorted(scheduler_output.finished_req_ids),
                                   sorted(scheduler_output.preempted_req_ids or ()))
         meta.loads = self.take_loads()

@@ -304,7 +304,8 @@ class SchedulerSteps:
                  store: Any, max_pinned_blocks: int, save_enabled: bool = True, load_enabled: bool = True,
                  save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
                  sync_load_max_tokens: int = 0, kv_load_failure_policy: str = "fail",
-                 stats: StatsRecorder | None = None, trace: TraceSink | None = None) -> None:
+                 stats: StatsRecorder | None = None, trace: TraceSink | None = None,
+                 weights_version: str = "") -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
@@ -319,6 +320,7 @@ class SchedulerSteps:
         self.block_size = block_size
         self.world_size = world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
+        self.weights_version = weights_version  # the key builders' (in every step's metadata for the workers)
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
@@ -716,6 +718,23 @@ class SchedulerSteps:
 
     def forget_store_knowledge(self) -> None:
         self._reqs.forget_lookups_and_saves()
+
+    def switch_weights_version(self, weights_version: str, key_builders: Sequence[KeyBuilder]) -> None:
+        """Build keys under `weights_version` from now on (lookups, KV events, and through the metadata every
+        rank's jobs). Only with nothing in flight that was keyed under the old version: no store job (its
+        put would land under the old key after the switch, fine, but its pins and report would outlive the
+        keys it names) and no load (its blocks hold the old weights' KV)."""
+        ledger = self.ledger
+        if (ledger is not None and ledger.num_inflight_jobs) or self.has_pending_loads():
+            raise LedgerInputError("weights_version", weights_version, "switched while store jobs or loads "
+                                   "are in flight (only a successful reset_cache may switch it)")
+        if len(key_builders) != len(self.key_builders):
+            raise LedgerInputError("key_builders", len(key_builders), f"one per shard ({len(self.key_builders)})")
+        self.key_builders = list(key_builders)
+        self.weights_version = weights_version
+        if self.events is not None:
+            self.events.key_builders = list(key_builders)
+        self.stats.add("weights_version_switches")
 
     @property
     def num_load_pins(self) -> int:

@@ -13,7 +13,8 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
-               kv_events_dropped, resets, resets_refused, resets_failed, reset_removed_keys
+               kv_events_dropped, resets, resets_refused, resets_failed, reset_removed_keys,
+               weights_version_switches (the keys moved to a new weights version at a reset)
                the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent);
                lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
@@ -60,6 +61,7 @@ COUNTERS = (
     "loads", "rejected_loads", "load_errors_reported",
     "put_s", "get_s", "lookup_s",
     "kv_events_dropped", "resets", "resets_refused", "resets_failed", "reset_removed_keys",
+    "weights_version_switches",
     "breaker_trips", "breaker_probes", "lookups_past_deadline",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")

@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -59,8 +59,11 @@ _STOP = object()
 class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
-                 integrity: IntegrityKey | None = None) -> None:
-        """``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None: no trailer."""
+                 integrity: IntegrityKey | None = None, weights_version: str = "",
+                 rekey: Callable[[str], KeyBuilder] | None = None) -> None:
+        """``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None: no trailer.
+        ``weights_version``: the one ``keys`` builds under; ``rekey``: the key builder of another version, for
+        when a step's metadata names one (a reset_cache switched it, see kvledger_connector/reset.py)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -68,6 +71,8 @@ class WorkerSide:
         block_size = connector_config.block_size
         self.tp_rank = tp_rank
         self.connector_config = connector_config
+        self.weights_version = weights_version
+        self._rekey = rekey
         self.integrity = integrity if integrity is not None and integrity.enabled else None
         self._lock = threading.Lock()
         self._store_q: queue.Queue[Any] = queue.Queue(maxsize=config.store_queue_size)
@@ -147,6 +152,8 @@ class WorkerSide:
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
+        if meta.weights_version != self.weights_version:
+            self._switch_weights_version(meta.weights_version)
         for nt in meta.drops:
             self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
         for spec in meta.loads:
@@ -155,6 +162,17 @@ class WorkerSide:
         for spec in meta.loads:
             if spec.sync:
                 self._run_sync_load(spec)
+
+    def _switch_weights_version(self, version: str) -> None:
+        """This step's jobs and loads are keyed under `version`. The scheduler switches only at a reset that
+        found no store job or load in flight (every rank reported them all), so no thread of this rank holds
+        a job keyed under the old version: the switch is one reference swap the threads pick up per job."""
+        if self._rekey is None:
+            raise LedgerInputError("weights_version", version, f"this worker builds keys under "
+                                   f"{self.weights_version!r} only (no rekey given)")
+        self.steps.keys = self._rekey(version)
+        self.weights_version = version
+        self.steps.stats.add("weights_version_switches")
 
     def _run_sync_load(self, spec: LoadSpec) -> None:
         if self._closed:  # shut down: every block reported failed (vLLM recomputes), as a refused async one

@@ -218,8 +218,7 @@ class Harness:
         self._verified: dict[str, int] = {}
         self.garbage: list[str] = []  # S7 violations: (req_id, position, rank) read wrong KV
         self.stats = RunStats()
-        self.key_builders = ([w.worker_side.steps.keys for w in self.workers]  # type: ignore[union-attr]
-                             if connector == "ours" else [])
+        self._ours = connector == "ours"
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
         self._scratch_plan: Any = None
@@ -305,17 +304,23 @@ class Harness:
             if self.stats.outputs[f"{tag}-{i}"] != expected_output(p, max_tokens):
                 raise AssertionError(f"pass {tag!r}: {tag}-{i} output differs from the model's")
 
+    @property
+    def key_builders(self) -> list[Any]:
+        """Each rank's key builder now (a reset may move them to a new weights version); [] for upstream."""
+        return [w.worker_side.steps.keys for w in self.workers] if self._ours else []  # type: ignore[union-attr]
+
     def block_hashes_of(self, prompt: list[int]) -> list[Any]:
         """vLLM's block hashes of a prompt, as this engine's scheduler computes them."""
         from vllm.v1.request import Request
         return list(Request("probe", prompt, SamplingParams(max_tokens=1), None,
                             block_hasher=self._hasher).block_hashes)
 
-    def reset_prefix_cache_when_idle(self, max_steps: int = 200) -> None:
-        """vLLM's `reset_prefix_cache()`, stepping until it succeeds: it refuses while a block is held, and
-        pins of finished jobs are collected over the next steps. RuntimeError after ``max_steps`` steps."""
+    def reset_prefix_cache_when_idle(self, max_steps: int = 200, *, reset_connector: bool = False) -> None:
+        """vLLM's `reset_prefix_cache(reset_connector=...)`, stepping until it succeeds: it refuses while a
+        block is held, and pins of finished jobs are collected over the next steps. RuntimeError after
+        ``max_steps`` steps."""
         for _ in range(max_steps):
-            if self.scheduler.reset_prefix_cache():
+            if self.scheduler.reset_prefix_cache(reset_connector=reset_connector):
                 return
             self.step()
         raise RuntimeError(f"reset_prefix_cache() never succeeded in {max_steps} steps")

@@ -4,10 +4,12 @@ tenant-b then finds none of it (and saves its own), and a second tenant-a engine
 saved (the control: without it, "no hits" could mean the workload never hits)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from kvledger.errors import LedgerInputError
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from testbed.harness import Harness, shared_prefix_prompts
@@ -97,3 +99,106 @@ def test_a_bad_weights_version_is_refused_by_name(store_config: StoreConfig, tmp
 
     with pytest.raises(ConfigError, match="weights_version"):
         Harness(store_config, workdir=str(tmp_path / "model"), extra={"weights_version": bad})
+
+
+def _write_version(path: Path, version: str, mode: int = 0o644) -> None:
+    """As an RL loop should: a new file renamed over the old one (a reader never sees it half-written)."""
+    new = path.with_name(path.name + ".new")
+    new.write_text(version + "\n")
+    new.chmod(mode)
+    os.replace(new, path)
+
+
+def test_a_weights_version_bumped_at_reset_never_reads_the_old_kv(store_config: StoreConfig, tmp_path: Path):
+    """An RL loop on engine A: its weights version comes from `weights_version_file`; after a weight update the
+    loop writes the new version and calls vLLM's reset_prefix_cache(reset_connector=True). Engine B is not
+    updated and keeps writing the old weights' KV under the old keys: A never loads it and saves its own under
+    the new keys, every rank following the scheduler's switch. B loads the old KV (the control)."""
+    prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=8, seed=13)
+    work = str(tmp_path / "model")
+    version = tmp_path / "weights_version"
+    _write_version(version, "step-1")
+    with Harness(store_config, workdir=work, tp_size=2, extra={"weights_version_file": str(version)}) as a:
+        hashes = a.block_hashes_of(prompts[0])
+        a.run_pass(prompts, MAX_TOKENS, tag="a1")
+        ss = a.scheduler_connector.scheduler_side
+        old_keys = ss.key_builders[0].keys(hashes)
+        assert a.key_builders[0].keys(hashes) == old_keys  # the workers followed the file's first version
+        assert a.workers[0].store.batch_is_exist(old_keys) == [1] * len(old_keys)
+
+        _write_version(version, "step-2")
+        a.reset_prefix_cache_when_idle()  # vLLM's own prefix cache only: the connector does not look
+        assert ss.weights_version == "step-1"
+        a.reset_prefix_cache_when_idle(reset_connector=True)
+        assert ss.weights_version == "step-2"
+        new_keys = ss.key_builders[0].keys(hashes)
+        assert not set(new_keys) & set(old_keys)
+
+        with Harness(store_config, workdir=work, tp_size=2, extra={"weights_version": "step-1"}) as b:
+            b.run_pass(prompts, MAX_TOKENS, tag="b")  # the old weights' KV, under the old keys again
+            assert b.key_builders[0].keys(hashes) == old_keys
+            assert b.workers[0].store.batch_is_exist(old_keys) == [1] * len(old_keys)
+
+            loads, lookups = ss.num_loads, a.scheduler_connector.stats.totals.data.get("lookups", 0)
+            a.run_pass(prompts, MAX_TOKENS, tag="a2")
+            assert ss.num_loads == loads  # none of B's old-weights KV
+            assert a.scheduler_connector.stats.totals.data.get("lookups", 0) > lookups  # it did look
+            # every rank switched: its keys are the scheduler's for its shard
+            assert [kb.keys(hashes) for kb in a.key_builders] == [kb.keys(hashes) for kb in ss.key_builders]
+            assert a.workers[1].store.batch_is_exist(new_keys) == [1] * len(new_keys)
+            assert [w.worker_side.weights_version for w in a.workers] == ["step-2"] * 2
+            assert a.scheduler_connector.stats.total("weights_version_switches") == 1
+
+            b.scheduler.reset_prefix_cache()
+            loads_b = b.scheduler_connector.scheduler_side.num_loads
+            b.run_pass(prompts, MAX_TOKENS, tag="b2")
+            assert b.scheduler_connector.scheduler_side.num_loads > loads_b  # the control: the old keys hit
+
+
+@pytest.mark.parametrize("case", ["missing", "link", "others-write", "empty", "bad-chars", "not-ascii", "huge"])
+def test_a_bad_weights_version_file_is_refused_by_name(tmp_path: Path, case: str):
+    from kvledger_connector.config import ConfigError
+    from kvledger_connector.engine_facts import read_weights_version
+
+    path = tmp_path / "weights_version"
+    _write_version(path, "step-1")
+    if case == "missing":
+        path.unlink()
+    elif case == "link":
+        target = tmp_path / "elsewhere"
+        _write_version(target, "step-1")
+        path.unlink()
+        path.symlink_to(target)
+    elif case == "others-write":
+        path.chmod(0o664)
+    else:
+        path.write_bytes({"empty": b" \n", "bad-chars": b"step 1/x", "not-ascii": "stép".encode(),
+                          "huge": b"x" * 300}[case])
+    with pytest.raises((ConfigError, LedgerInputError), match="weights_version_file") as err:
+        read_weights_version(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_a_weights_version_file_is_checked_at_start_and_at_every_reset(store_config: StoreConfig, tmp_path: Path):
+    """At start-up a bad file (or one set with `weights_version`) refuses the engine; at a reset a file that
+    went bad refuses the reset (going on under the old version after an update would read old KV) and keeps
+    the keys where they were."""
+    from kvledger_connector.config import ConfigError
+
+    version = tmp_path / "weights_version"
+    _write_version(version, "step-1", mode=0o666)
+    work = str(tmp_path / "model")
+    with pytest.raises(LedgerInputError, match="weights_version_file.*0666"):
+        Harness(store_config, workdir=work, extra={"weights_version_file": str(version)})
+    version.chmod(0o644)
+    with pytest.raises(ConfigError, match="weights_version_file.*choose one"):
+        Harness(store_config, workdir=work, extra={"weights_version_file": str(version), "weights_version": "x"})
+    with Harness(store_config, workdir=work, extra={"weights_version_file": str(version)}) as h:
+        ss = h.scheduler_connector.scheduler_side
+        _write_version(version, "step-2", mode=0o646)
+        assert h.scheduler_connector.reset_cache() is False
+        assert ss.weights_version == "step-1"
+        assert h.scheduler_connector.stats.total("resets_refused") == 1
+        version.chmod(0o644)
+        assert h.scheduler_connector.reset_cache() is True
+        assert ss.weights_version == "step-2"
