@@ -186,7 +186,7 @@ class _Ours(_Path):
     def _apply(self) -> None:
         steps = self.ws.steps
         steps.seal = self._seal
-        steps.key_bytes = self.ws._plan.block_bytes + (self._seal.trailer_bytes if self._seal is not None else 0)
+        steps.key_bytes = self.ws._plans[0].block_bytes + (self._seal.trailer_bytes if self._seal is not None else 0)
 
     def __init__(self, env: _Env, store: Any, run: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -196,9 +196,9 @@ class _Ours(_Path):
         self.conn = KVLedgerConnector(env.vllm_config, KVConnectorRole.WORKER, env.kv_cache_config, store=store)
         self.conn.register_kv_caches(env.caches)
         ws = self.conn.worker_side
-        assert ws is not None and ws._plan is not None
+        assert ws is not None and ws._plans
         self.ws = ws
-        self.segments_per_key = len(ws._plan.segments)
+        self.segments_per_key = len(ws._plans[0].segments)
         self.run = run
         self.block_ids = tuple(env.block_ids)
         self.job = 0
@@ -441,14 +441,14 @@ def _layout_run(mc: Any, layout: str, iters: int, workdir: str) -> dict[str, Any
     try:
         ours = paths["ours"] = _Ours(env, store, run)
         from kvledger_connector.integrity import BlockSeal, IntegrityKey
-        mac = BlockSeal(IntegrityKey("mac", os.urandom(32)), ours.ws._plan, env.caches, slots=1,
+        mac = BlockSeal(IntegrityKey("mac", os.urandom(32)), ours.ws._plans[0], env.caches, slots=1,
                         max_keys=len(env.block_ids) + 1)
         for ptr, nbytes in mac.regions:
             store.register_buffer(ptr, nbytes)
         paths["ours-mac"] = ours.variant("ours-mac", mac)
         paths["ours-off"] = ours.variant("ours-off", None)
         try:
-            paths["upstream"] = _Upstream(env, store, run, ours.ws._plan)
+            paths["upstream"] = _Upstream(env, store, run, ours.ws._plans[0])
         except _Unsupported as e:
             note = f"upstream not run: {e}"
         raw = paths["raw"] = _Raw(env, store, run)

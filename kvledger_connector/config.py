@@ -348,15 +348,17 @@ KEYS: tuple[Key, ...] = (
     Key("save_partial_tail", "bool", False, "connector",
         "also save a prompt's partial last block (at least 2 tokens past a full block) under its own key, so a "
         "repeated prompt loads all but its last token; off by default like upstream's (one more key per prompt; "
-        "multimodal and prompt-embedding requests never use it)",
-        tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token"),
+        "multimodal and prompt-embedding requests never use it; refused for a hybrid model so far)",
+        tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token, "
+              "test_hybrid_kv.py::test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name"),
     Key("sync_load_max_tokens", "int", 256, "connector",
         "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
         "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
         "while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and admitted past "
         "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour). Only under vLLM's "
         "`kv_load_failure_policy` \"fail\" (its default): under \"recompute\" vLLM keeps a failed sync load's "
-        "blocks in its prefix cache, so every load is asynchronous there", lo=0, hi=1 << 24,
+        "blocks in its prefix cache, so every load is asynchronous there, as for a hybrid model (vLLM takes "
+        "a failed load of several KV cache groups per request)", lo=0, hi=1 << 24,
         tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
               "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
               "::test_recompute_policy_keeps_every_load_async"),
@@ -379,7 +381,8 @@ KEYS: tuple[Key, ...] = (
         "cache lives and checked before a load reports the block loaded (a mismatch is a load error). "
         "\"checksum\": anyone can compute it (catches corruption, a block under another key, a careless "
         "overwrite); \"mac\": keyed by `integrity_secret_file`, so a store client without the secret cannot "
-        "make a value that loads; \"off\": no trailer. In every key's layout digest",
+        "make a value that loads; \"off\": no trailer. In every key's layout digest. A hybrid model (several "
+        "KV cache groups) needs \"off\" so far",
         tests="test_integrity.py::test_a_same_size_overwrite_is_a_load_error_never_loaded, "
               "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key"),
     Key("integrity_secret_file", "path", None, "connector",
@@ -652,13 +655,15 @@ class EngineFigures(Protocol):
     def load_enabled(self) -> bool: ...
     @property
     def kv_load_failure_policy(self) -> str: ...
+    @property
+    def num_groups(self) -> int: ...
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
-                   max_inflight_jobs: int) -> int:
+                   max_inflight_jobs: int, num_kv_groups: int = 1) -> int:
     """The default ``max_pinned_blocks``: ``max(L, min(P // 2, J * L))`` with L the most blocks one store
-    job pins (`scheduler_steps.max_job_blocks`: the longest request's table), P the GPU block pool,
-    J = max_inflight_jobs.
+    job pins (`scheduler_steps.max_job_blocks`: the longest request's table, times the KV cache groups of
+    a hybrid model, whose tables share the pool), P the GPU block pool, J = max_inflight_jobs.
 
     Why: a store job pins the blocks it reads until every rank reported. While its request runs they are
     the request's own blocks; after the request finishes or is preempted they stay out of the free pool.
@@ -673,7 +678,7 @@ def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int |
                                        or num_gpu_blocks < 1):
         raise ConfigError("num_gpu_blocks", num_gpu_blocks, "must be an int >= 1 to derive max_pinned_blocks",
                           "engine")
-    longest = max_job_blocks(max_model_len, block_size)
+    longest = num_kv_groups * max_job_blocks(max_model_len, block_size)
     upper = max_inflight_jobs * longest
     if num_gpu_blocks is not None:
         upper = min(upper, num_gpu_blocks // 2)
@@ -719,6 +724,8 @@ class ConnectorConfig:
     max_pinned_blocks: int = DERIVED
     integrity: str = "checksum"
     integrity_secret_file: str | None = None
+    # KV cache groups (a hybrid model under vLLM's hybrid KV cache manager: a job pins a block per group)
+    num_kv_groups: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -739,6 +746,16 @@ class ConnectorConfig:
             raise ConfigError("integrity_secret_file", self.integrity_secret_file,
                               f"required by integrity 'mac' and used only by it (integrity={self.integrity!r})",
                               "connector")
+        if self.num_kv_groups.__class__ is not int or self.num_kv_groups < 1:
+            raise ConfigError("num_kv_groups", self.num_kv_groups, "must be an int >= 1", "vllm kv_cache_config")
+        if self.num_kv_groups > 1:  # what a hybrid model cannot have yet, named
+            if self.integrity != "off":
+                raise ConfigError("integrity", self.integrity, f"the model has {self.num_kv_groups} KV cache groups "
+                                  f"(a hybrid model): integrity tags cover one group's views so far; set "
+                                  f"integrity 'off' for it", "connector")
+            if self.save_partial_tail:
+                raise ConfigError("save_partial_tail", True, f"the model has {self.num_kv_groups} KV cache groups "
+                                  f"(a hybrid model): partial tails are not served for it; set false", "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:
             raise ConfigError("master_server_address", None,
@@ -752,11 +769,12 @@ class ConnectorConfig:
             if self.max_model_len is None:
                 return BY_NAME["max_pinned_blocks"].bounds[1]
             return derive_pin_cap(max_model_len=self.max_model_len, block_size=self.block_size,
-                                  num_gpu_blocks=self.num_gpu_blocks, max_inflight_jobs=self.max_inflight_jobs)
+                                  num_gpu_blocks=self.num_gpu_blocks, max_inflight_jobs=self.max_inflight_jobs,
+                                  num_kv_groups=self.num_kv_groups)
         # a store job pins every block it may read (SchedulerLedger.open_job): one larger than the cap could
         # never be admitted, so a cap below the longest request's table would silently never save long prompts
         if self.save_enabled and self.max_model_len is not None:
-            longest = max_job_blocks(self.max_model_len, self.block_size)
+            longest = self.num_kv_groups * max_job_blocks(self.max_model_len, self.block_size)
             if cap < longest:
                 raise ConfigError("max_pinned_blocks", cap,
                                   f"smaller than the {longest} blocks of the longest request (max_model_len="
@@ -772,7 +790,8 @@ class ConnectorConfig:
             cfg = cls(store=settings.store(), block_size=engine.block_size, world_size=engine.world_size,
                       nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
                       save_enabled=engine.save_enabled, load_enabled=engine.load_enabled,
-                      kv_load_failure_policy=engine.kv_load_failure_policy, **given)
+                      kv_load_failure_policy=engine.kv_load_failure_policy,
+                      num_kv_groups=getattr(engine, "num_groups", 1), **given)
         except ConfigError as e:
             raise settings.sourced(e) from None
         # a cap set below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)

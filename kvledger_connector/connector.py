@@ -29,7 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -72,8 +74,13 @@ __all__ = ["KVLedgerConnector", "key_layout", "kv_cache_spec", "resolved_layout"
 
 logger = logging.getLogger(__name__)
 
-class KVLedgerConnector(KVConnectorBase_V1):
-    """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger."""
+class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
+    """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger.
+
+    A `SupportsHMA` connector: vLLM keeps its hybrid KV cache manager on with it. A hybrid model's KV cache
+    groups of full attention and sliding window are served (engine_facts.kv_cache_groups): a key per group
+    and block, every group's blocks of a hit loaded (a sliding window's below the window are vLLM's null
+    block), a lookup hit only where every group's key exists, loads asynchronous and failed per request."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:
@@ -132,17 +139,21 @@ class KVLedgerConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=TimedLookups(bounded, self.stats),  # lookup histogram
                                                 weights_version=facts.weights_version)
-            if facts.kv_events:  # BlockStored/BlockRemoved for routers
+            if facts.kv_events and facts.groups:
+                logger.warning("KV cache events are not published for a model with %d KV cache groups (a hybrid "
+                               "model): routers hear nothing from this connector", len(facts.groups))
+            elif facts.kv_events:  # BlockStored/BlockRemoved for routers
                 self.scheduler_side.events = StoreEvents(key_builders=builders, store=bounded,
                                                          block_size=cfg.block_size, max_pending=cfg.max_kv_events,
                                                          stats=self.stats)
         else:
             self.store = store if store is not None else self._connect(sc)
+            builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for()]
             self.worker_side = WorkerSide(
-                cfg, store=self.store, keys=KeyBuilder(facts.layout, sc.max_key_bytes, sc.namespace),
+                cfg, store=self.store, keys=builders[0] if len(builders) == 1 else builders,
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
-                rekey=lambda v: KeyBuilder(facts.layout_for(v), sc.max_key_bytes, sc.namespace))
+                rekey=lambda v: [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for(v)])
 
     @property
     def store_config(self) -> StoreConfig:
@@ -198,6 +209,12 @@ class KVLedgerConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook under its hybrid KV cache manager: the same, never delaying the free (every store
+        job pinned its own blocks of every group)."""
+        return self._sched().request_finished(request)
+
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
 
@@ -233,7 +250,7 @@ class KVLedgerConnector(KVConnectorBase_V1):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(self.engine.copy_plan(kv_caches), kv_caches)
+        self._worker().register_kv_caches(self.engine.copy_plans(kv_caches), kv_caches)
 
     def _meta(self) -> KVLedgerConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -257,8 +274,19 @@ class KVLedgerConnector(KVConnectorBase_V1):
         done = self._worker().take_finished_loads()
         return None, (done or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished async loads; with several KV cache groups also the failed ones, per request (vLLM takes
+        no block-level load error then: a failed load's request recomputes or fails whole)."""
+        worker = self._worker()
+        done = worker.take_finished_loads()
+        failed: set[str] = set()
+        if worker.num_groups > 1:
+            failed = worker.take_failed_loads(done)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker().take_load_errors()
+        worker = self._worker()
+        return set() if worker.num_groups > 1 else worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker().build_worker_meta()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,6 +31,66 @@ if TYPE_CHECKING:
 _EXTRA = "kv_connector_extra_config"
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group of a hybrid model (vLLM's hybrid KV cache manager): its layers share a block
+    table; a block id is owned by one group at a time, and the groups' views share their allocations."""
+
+    index: int  # in kv_cache_config.kv_cache_groups
+    spec: Any  # FullAttentionSpec or SlidingWindowSpec
+    layer_names: tuple[str, ...]
+    window: int | None  # a sliding-window group's window (tokens); None: full attention
+
+
+def _group_spec(layer_names: Sequence[str], spec: Any) -> Any:
+    """The one spec of a group's layers, or the error naming them."""
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    if specs is not None:
+        kinds = set(specs.values())
+        if len(kinds) != 1:
+            raise KVLayoutError(f"layers {sorted(specs)[:4]}...: {len(kinds)} different KV cache specs in "
+                                f"one group; the connector serves one spec for all layers")
+        spec = kinds.pop()
+    if not (hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and spec.has_layer_views):
+        raise KVLayoutError(f"layers {list(layer_names)[:4]}: {type(spec).__name__} has no per-layer "
+                            f"[B, H, N, C] pages; the connector serves attention KV caches only")
+    return spec
+
+
+def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
+    """The KV cache groups this connector serves: one of any attention spec (`kv_cache_spec`), or several
+    (a hybrid model) of full attention and sliding window only, with equal block sizes and layer counts.
+    Anything else is refused at start-up, naming the group, its spec and why."""
+    if kv_cache_config is None:
+        kv_cache_spec(kv_cache_config)  # raises, naming it
+    groups = cast("KVCacheConfig", kv_cache_config).kv_cache_groups
+    if len(groups) == 1:
+        return [KVGroup(0, kv_cache_spec(kv_cache_config), tuple(groups[0].layer_names), None)]
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    out = []
+    for i, g in enumerate(groups):
+        try:
+            spec = _group_spec(g.layer_names, g.kv_cache_spec)
+        except KVLayoutError as e:
+            raise KVLayoutError(f"KV cache group {i} of {len(groups)}: {e}") from None
+        what = f"KV cache group {i} ({type(spec).__name__}: {list(g.layer_names)[:2]}...)"
+        if type(spec) is SlidingWindowSpec:
+            window = int(spec.sliding_window)
+        elif type(spec) is FullAttentionSpec:
+            window = None
+        else:
+            raise KVLayoutError(f"{what}: a hybrid model's groups are served when they are full attention or "
+                                f"sliding window; {type(spec).__name__} is not yet")
+        out.append(KVGroup(i, spec, tuple(g.layer_names), window))
+    sizes = {(k.spec.block_size, len(k.layer_names)) for k in out}
+    if len(sizes) != 1:
+        raise KVLayoutError("KV cache groups of different block sizes or layer counts ("
+                            + ", ".join(f"group {k.index}: block {k.spec.block_size}, {len(k.layer_names)} "
+                                        f"layers" for k in out)
+                            + "): every group's stored block must have the same size")
+    return out
+
+
 def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
     """The one attention spec this connector serves; anything else is refused at start-up (several KV
     cache groups would need block ids per group; Mamba state has no per-block pages)."""
@@ -42,18 +102,7 @@ def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
         raise KVLayoutError(f"{len(groups)} KV cache groups ("
                             + "; ".join(f"{type(g.kv_cache_spec).__name__}: {g.layer_names[:2]}..." for g in groups)
                             + "): the connector serves models with one KV cache group (no hybrid models)")
-    spec = groups[0].kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
-    if specs is not None:
-        kinds = set(specs.values())
-        if len(kinds) != 1:
-            raise KVLayoutError(f"layers {sorted(specs)[:4]}...: {len(kinds)} different KV cache specs in "
-                                f"one group; the connector serves one spec for all layers")
-        spec = kinds.pop()
-    if not (hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and spec.has_layer_views):
-        raise KVLayoutError(f"layers {groups[0].layer_names[:4]}: {type(spec).__name__} has no per-layer "
-                            f"[B, H, N, C] pages; the connector serves attention KV caches only")
-    return spec
+    return _group_spec(groups[0].layer_names, groups[0].kv_cache_spec)
 
 
 def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
@@ -204,6 +253,8 @@ class EngineFacts:
     model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layout_for` a new weights version
     hash_algo: str = ""  # vLLM's prefix_caching_hash_algo
     weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
+    groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kv_cache_groups`); () for one group
+    group_layouts: tuple[KeyLayout, ...] = ()  # this rank's key layout per group (hybrid; `layout` is group 0's)
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
@@ -223,10 +274,17 @@ class EngineFacts:
         else:
             tp = _rank("tp_rank", tp_rank, pc.tensor_parallel_size, _vllm_tp_rank)
             pp = _rank("pp_rank", pp_rank, pc.pipeline_parallel_size, _vllm_pp_rank)
-        spec = kv_cache_spec(kv_cache_config)  # refuses a missing kv_cache_config too
+        groups = kv_cache_groups(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
-        layout = _layout_of(vllm_config, spec, resolved_layout(vllm_config, kv_cfg), tp, pp, weights_version,
-                            replicated_once, integrity_tag)
+        kv_layout = resolved_layout(vllm_config, kv_cfg)
+        layouts = [_layout_of(vllm_config, g.spec, kv_layout, tp, pp, weights_version, replicated_once,
+                              integrity_tag) for g in groups]
+        if len(groups) > 1:  # each group's keys name it: its layers, its window
+            layouts = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
+                ("group", str(g.index)), ("window", str(g.window or 0)),
+                ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16])))
+                for g, lay in zip(groups, layouts)]
+        spec, layout = groups[0].spec, layouts[0]
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,
@@ -237,7 +295,22 @@ class EngineFacts:
                    kv_events=kvev is not None and bool(kvev.enable_kv_cache_events), layout=layout, spec=spec,
                    num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks,
                    model_config_hash=vllm_config.model_config.compute_hash(),
-                   hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version)
+                   hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version,
+                   groups=tuple(groups) if len(groups) > 1 else (),
+                   group_layouts=tuple(layouts) if len(groups) > 1 else ())
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups) or 1
+
+    def layouts_for(self, weights_version: str | None = None) -> list[KeyLayout]:
+        """This rank's key layout per KV cache group (one for most models), under `weights_version`
+        (default: the one the facts were built under)."""
+        base = list(self.group_layouts) or [self.layout]
+        if weights_version is None:
+            return base
+        h = _identity(self.model_config_hash, self.hash_algo, weights_version)
+        return [dataclasses.replace(lay, model_hash=h) for lay in base]
 
     def layout_for(self, weights_version: str) -> KeyLayout:
         """This rank's key layout under another weights version (a runtime bump: only the model's identity
@@ -247,15 +320,33 @@ class EngineFacts:
 
     def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
-        sharing keys (`KeyLayout.kv_replicas`) are one shard. `weights_version`: under that version instead."""
-        base = self.layout if weights_version is None else self.layout_for(weights_version)
-        return [dataclasses.replace(base, tp_rank=t, pp_rank=p)
+        sharing keys (`KeyLayout.kv_replicas`) are one shard; a hybrid model's groups each have theirs.
+        `weights_version`: under that version instead."""
+        return [dataclasses.replace(base, tp_rank=t, pp_rank=p) for base in self.layouts_for(weights_version)
                 for p in range(self.pp_size) for t in range(0, self.tp_size, self.layout.kv_replicas)]
 
     def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:
         """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the keys
         promise, then read as a per-block copy plan (kvledger_connector/kvlayout.py)."""
-        lay, spec = self.layout, self.spec
+        if self.groups:
+            raise KVLayoutError(f"{len(self.groups)} KV cache groups: one copy plan per group (copy_plans)")
+        return self._plan_of(kv_caches, self.layout, self.spec, self.num_layers)
+
+    def copy_plans(self, kv_caches: Mapping[str, torch.Tensor]) -> list[BlockCopyPlan]:
+        """One copy plan per KV cache group, each over its own layers' views (the groups' views alias each
+        other's allocations: a block id belongs to one group at a time)."""
+        if not self.groups:
+            return [self.copy_plan(kv_caches)]
+        plans = []
+        for g, lay in zip(self.groups, self.group_layouts):
+            missing = [n for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise KVLayoutError(f"KV cache group {g.index}: no view for layers {missing[:4]}")
+            plans.append(self._plan_of({n: kv_caches[n] for n in g.layer_names}, lay, g.spec, len(g.layer_names)))
+        return plans
+
+    def _plan_of(self, kv_caches: Mapping[str, torch.Tensor], lay: KeyLayout, spec: Any,
+                 num_layers: int) -> BlockCopyPlan:
         for name, t in kv_caches.items():
             if isinstance(t, torch.Tensor) and t.dim() == 4 and (
                     t.shape[1] != spec.num_heads or t.shape[3] * t.element_size() != spec.state_content_size_bytes):
@@ -264,7 +355,7 @@ class EngineFacts:
                     f"spec promises {spec.num_heads} head slots of {spec.state_content_size_bytes} content bytes")
         plan = plan_block_copies(kv_caches, layout=lay.kv_layout, block_size=lay.block_size,
                                  num_blocks=self.num_blocks)
-        if len(plan.layers) != self.num_layers:
+        if len(plan.layers) != num_layers:
             raise KVLayoutError(f"{len(plan.layers)} distinct KV cache views ({list(plan.layers)[:4]}...), the KV "
-                                f"cache config has {self.num_layers} layers (layout {lay.kv_layout})")
+                                f"cache config has {num_layers} layers (layout {lay.kv_layout})")
         return plan

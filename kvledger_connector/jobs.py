@@ -117,17 +117,20 @@ class SaveJob:
     job_id: int
     end_block: int
     full_end_block: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # num_groups per block, block major (SaveSpec.num_groups)
     block_hashes: tuple[Any, ...]
+    num_groups: int = 1
 
 
 class SentBlocks:
     """One rank's copy of what the scheduler's SaveSpecs sent: per req_id, the ids and hashes of its current
     generation's full table blocks, in table order. A SaveSpec carries only the blocks no earlier job of
     the generation sent; a job may read any block before its end (the rank resumes from its own saved
-    offset), so the rank resolves them here. A generation's table blocks never change while it lives
-    (vLLM only appends to a running request's table), so a job keeps the ids it resolved even after its
-    generation's table is dropped or replaced.
+    offset), so the rank resolves them here. A full-attention group's table never changes while its
+    generation lives (vLLM only appends to it), so a job keeps the ids it resolved even after its
+    generation's table is dropped or replaced. A sliding-window group's table turns null below the window
+    (vLLM frees those blocks, which no job then pins): each spec says where (`SaveSpec.null_before`) and the
+    ids kept below it become 0, never read again.
 
     Bounded by ``max_requests`` tables (the oldest table is dropped to make room; a later spec continuing
     it is refused as input error, and its job reported at once: a cache miss, never a wrong block) and each
@@ -156,31 +159,41 @@ class SentBlocks:
         full_end = end - (tail > 0)
         if full_end < start:
             raise LedgerInputError(f"{where} start_block", start, f"past its last full block ({full_end})")
-        if len(spec.block_ids) != end - start or len(spec.block_hashes) != end - start:
+        g = spec.num_groups
+        if g.__class__ is not int or g < 1:
+            raise LedgerInputError(f"{where} num_groups", g, "must be an int >= 1")
+        if len(spec.block_ids) != (end - start) * g or len(spec.block_hashes) != end - start:
             raise LedgerInputError(f"{where} block_ids", len(spec.block_ids),
-                                   f"{end - start} blocks [{start}, {end}) with as many hashes "
-                                   f"({len(spec.block_hashes)} given)")
+                                   f"{g} per block of [{start}, {end}) and a hash per block "
+                                   f"({len(spec.block_hashes)} hashes given)")
+        if spec.null_before and (len(spec.null_before) != g
+                                 or any(n.__class__ is not int or n < 0 for n in spec.null_before)):
+            raise LedgerInputError(f"{where} null_before", spec.null_before, f"one int >= 0 per group ({g})")
         known = self._tables.get(spec.req_id)
         if start == 0:
             ids: list[int] = []
             hashes: list[Any] = []
-        elif known is None or known[0] != spec.generation or len(known[1]) < start:
-            have = "none" if known is None else f"generation {known[0]}, {len(known[1])} blocks"
+        elif known is None or known[0] != spec.generation or len(known[2]) < start:
+            have = "none" if known is None else f"generation {known[0]}, {len(known[2])} blocks"
             raise LedgerInputError(f"{where} start_block", start,
                                    f"continues generation {spec.generation}'s blocks, this rank holds {have}")
         else:
             ids, hashes = known[1], known[2]
-            del ids[start:], hashes[start:]  # a spec may resend blocks; they are the same blocks
+            del ids[start * g:], hashes[start:]  # a spec may resend blocks; they are the same blocks
         n_new = full_end - start
-        ids.extend(spec.block_ids[:n_new])
+        ids.extend(spec.block_ids[:n_new * g])
         hashes.extend(spec.block_hashes[:n_new])
+        for grp, below in enumerate(spec.null_before):  # freed by vLLM since they were sent: never read
+            for b in range(min(below, len(hashes))):
+                ids[b * g + grp] = 0
         if known is None or start == 0:
             self._tables.pop(spec.req_id, None)
             if len(self._tables) >= self.max_requests:
                 del self._tables[next(iter(self._tables))]  # the oldest: its next spec is refused
                 self.num_evicted += 1
         self._tables[spec.req_id] = (spec.generation, ids, hashes)
-        return (tuple(ids) + tuple(spec.block_ids[n_new:]), tuple(hashes) + tuple(spec.block_hashes[n_new:]))
+        return (tuple(ids) + tuple(spec.block_ids[n_new * g:]),
+                tuple(hashes) + tuple(spec.block_hashes[n_new:]))
 
     def drop(self, req_id: str, generation: int | None) -> None:
         """DropGeneration: forget ``req_id``'s table unless it is of a newer generation (a late notice)."""
@@ -200,10 +213,13 @@ class WorkerSteps:
     def __init__(self, *, store: Any, ledger: WorkerLedger, loads: LoadLedger, buffers: Buffers,
                  tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
-                 lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None) -> None:
+                 lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
+                 group_keys: Sequence[KeyBuilder] | None = None) -> None:
         """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
         ``stripe``: (this rank's replica index, replicas) among ranks that share keys
-        (`kvledger.put_positions`); default the key layout's, else (0, 1)."""
+        (`kvledger.put_positions`); default the key layout's, else (0, 1). ``group_keys``: one key builder
+        per KV cache group (a hybrid model), instead of ``keys``; ``buffers`` then also takes each
+        block's group."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
@@ -217,7 +233,10 @@ class WorkerSteps:
         self.block_size = block_size
         self.key_bytes = key_bytes  # set once the KV cache is registered (with the trailer, under a seal)
         self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/integrity.py); None: off
-        self.keys = keys
+        if group_keys is not None and keys is not None:
+            raise LedgerInputError("group_keys", len(group_keys), "given with keys: one or the other")
+        self.group_keys: list[KeyBuilder] = list(group_keys) if group_keys is not None else (
+            [keys] if keys is not None else [])
         if stripe is None:
             stripe = (keys.layout.replica, keys.layout.kv_replicas) if keys is not None else (0, 1)
         put_positions(0, 0, *stripe)  # checks it
@@ -231,7 +250,22 @@ class WorkerSteps:
         # sync loads (run inside the step, before the forward) finished and not yet reported, in order;
         # reported in the worker metadata's completed_loads, not through vLLM's finished_recving
         self.finished_sync_loads: list[str] = []
+        # async loads finished with a block not loaded, in order (several KV cache groups: reported per
+        # request in vLLM's failed_recving, with the load's finished_recving)
+        self.failed_loads: list[str] = []
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
+
+    @property
+    def keys(self) -> KeyBuilder | None:
+        """The key builder of KV cache group 0 (the only one, but for hybrid models)."""
+        return self.group_keys[0] if self.group_keys else None
+
+    @keys.setter
+    def keys(self, kb: KeyBuilder) -> None:
+        if len(self.group_keys) > 1:
+            raise LedgerInputError("keys", kb, f"this rank has {len(self.group_keys)} KV cache groups: set "
+                                   f"group_keys")
+        self.group_keys = [kb]
 
     def note_error(self, msg: str) -> None:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
@@ -276,7 +310,8 @@ class WorkerSteps:
             self.note_error(f"refused: {e}")
             self.reject_save(spec.store_job_id)
             return None
-        return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes)
+        return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes,
+                       spec.num_groups)
 
     def drop_generation(self, req_id: str, *, finished: bool, generation: int | None) -> None:
         """DropGeneration: the scheduler preempted or finished ``req_id`` (its generation's jobs go stale,
@@ -300,10 +335,11 @@ class WorkerSteps:
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
     def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None,
-            tail: int | None = None) -> list[int]:
+            tail: int | None = None, groups: Sequence[int] | None = None) -> list[int]:
         """Put: the keys not in the store yet are put from ``buffers(ids)`` (``before_read``: wait for the
         forward's writes first); ``tail``: the index of a partial tail block's key, whose later slots decode
-        may still write. Returns one code per key (0 for a key already present)."""
+        may still write; ``groups``: each block's KV cache group (hybrid models). Returns one code per key
+        (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
@@ -316,7 +352,7 @@ class WorkerSteps:
         if before_read is not None:
             before_read()
         put_keys, put_ids = [keys[j] for j in todo], [ids[j] for j in todo]
-        ptrs, sizes = self.buffers(put_ids)
+        ptrs, sizes = self._buffers(put_ids, None if groups is None else [groups[j] for j in todo])
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
@@ -336,6 +372,13 @@ class WorkerSteps:
             out[j] = c
         self.stats.add("put_bytes", self.key_bytes * sum(1 for c in res if c == codes.STORED))
         return out
+
+    def _buffers(self, ids: list[int], groups: list[int] | None) -> tuple[list[list[int]], list[list[int]]]:
+        if groups is None:
+            return self.buffers(ids)
+        if self.seal is not None:  # refused at start-up (integrity.py's seal covers one group's views)
+            raise LedgerInputError("groups", len(self.group_keys), "integrity tags of several KV cache groups")
+        return self.buffers(ids, groups)  # type: ignore[call-arg]
 
     def record_put(self, job_id: int, put_codes: Sequence[int], num_keys: int, saved_tokens: int
                    ) -> codes.PutOutcome:
@@ -377,7 +420,7 @@ class WorkerSteps:
 
     def save_steps(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                    block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                   full_end_block: int | None = None) -> SaveSteps:
+                   full_end_block: int | None = None, num_groups: int = 1) -> SaveSteps:
         """One store job as a generator, already started: it stands at START (nothing done). Each
         ``next()`` does the next model action and returns its `SaveStep`:
 
@@ -396,14 +439,17 @@ class WorkerSteps:
         It starts here so that a throw or close always finds the job's ``try``: those on an unstarted
         generator would run none of it, and the job would never be reported.
         ``full_end_block`` (default ``end_block``): where the saved offset moves on success — before a
-        partial tail block, which is stored under its own key and saved whole later if decode fills it."""
-        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block)
+        partial tail block, which is stored under its own key and saved whole later if decode fills it.
+        ``num_groups`` > 1 (a hybrid model): ``block_ids`` holds that many ids per block (`SaveSpec`), and a
+        block is saved only when every group's key of it is (a null id has nothing to put)."""
+        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block,
+                             num_groups)
         next(gen)  # START
         return gen
 
     def _save_job(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                   block_hashes: Sequence[Any], before_read: Callable[[], None] | None,
-                  full_end_block: int | None) -> SaveSteps:
+                  full_end_block: int | None, num_groups: int = 1) -> SaveSteps:
         nxt = JobAction.DMA_READ  # the action under way or next: the one a failure ends
         verdict: Verdict | None = None
         try:
@@ -415,10 +461,17 @@ class WorkerSteps:
                 yield SaveStep(JobAction.DMA_READ, job_id, verdict, plan)
                 if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
                     pos = put_positions(plan.start, plan.end, *self.stripe)
-                    keys = self._key_list([block_hashes[i] for i in pos])
                     partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
-                    tail = pos.index(end_block - 1) if partial and end_block - 1 in pos else None
-                    res = self.put(keys, [block_ids[i] for i in pos], before_read, tail)
+                    if num_groups == 1:
+                        keys = self._key_list([block_hashes[i] for i in pos])
+                        tail = pos.index(end_block - 1) if partial and end_block - 1 in pos else None
+                        res = self.put(keys, [block_ids[i] for i in pos], before_read, tail)
+                    else:
+                        if partial:
+                            raise LedgerInputError("tail_tokens", end_block - full_end_block,  # type: ignore[operator]
+                                                   "a partial tail of a hybrid model (several KV cache groups)")
+                        keys, ids, groups = self._group_entries(pos, block_ids, block_hashes, num_groups)
+                        res = self.put(keys, ids, before_read, None, groups)
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
@@ -447,15 +500,33 @@ class WorkerSteps:
 
     def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                  block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                 full_end_block: int | None = None) -> None:
+                 full_end_block: int | None = None, num_groups: int = 1) -> None:
         """One store job, as the store thread runs it: `save_steps` drained."""
-        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block):
+        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block,
+                                 num_groups):
             pass
 
-    def _key_list(self, hashes: Sequence[Any]) -> list[str]:
-        if self.keys is None:
+    def _key_list(self, hashes: Sequence[Any], group: int = 0) -> list[str]:
+        if not self.group_keys:
             raise LedgerInputError("keys", None, "a KeyBuilder is needed to turn block hashes into keys")
-        return self.keys.keys(hashes)
+        if not 0 <= group < len(self.group_keys):
+            raise LedgerInputError("group", group, f"not a KV cache group of this rank (0..{len(self.group_keys) - 1})")
+        return self.group_keys[group].keys(hashes)
+
+    def _group_entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any],
+                       num_groups: int) -> tuple[list[str], list[int], list[int]]:
+        """(keys, block ids, groups) of blocks ``pos``: one entry per group whose block is not null."""
+        if num_groups != len(self.group_keys):
+            raise LedgerInputError("num_groups", num_groups, f"this rank has {len(self.group_keys)} KV cache groups")
+        keys: list[str] = []
+        ids: list[int] = []
+        groups: list[int] = []
+        for g in range(num_groups):
+            at = [i for i in pos if block_ids[i * num_groups + g] != 0]
+            keys += self._key_list([block_hashes[i] for i in at], g)
+            ids += [block_ids[i * num_groups + g] for i in at]
+            groups += [g] * len(at)
+        return keys, ids, groups
 
     # ------------------------------------------------------------------ loads
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
@@ -464,12 +535,14 @@ class WorkerSteps:
         self.stats.add("loads")
         return load_id
 
-    def load_batch(self, load_id: int, keys: Sequence[str], block_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key), classified by
-        :mod:`kvledger.codes`. Returns (block id, code) of each block not loaded (already reported)."""
+    def load_batch(self, load_id: int, keys: Sequence[str], block_ids: Sequence[int],
+                   groups: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key; ``groups``: their KV
+        cache groups, hybrid models), classified by :mod:`kvledger.codes`. Returns (block id, code) of each
+        block not loaded (already reported)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
-        ptrs, sizes = self.buffers(list(block_ids))
+        ptrs, sizes = self._buffers(list(block_ids), None if groups is None else list(groups))
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_get", len(keys), list(keys), ptrs, sizes)
@@ -524,6 +597,8 @@ class WorkerSteps:
             self.loads.fail_pending(load_id, reason)
             result = self.loads.finish_load(load_id)
             (self.finished_sync_loads if sync else self.finished_loads).append(result.req_id)
+            if result.failed and not sync and len(self.group_keys) > 1:  # taken each step with finished ones
+                self.failed_loads.append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))
         return result
@@ -534,7 +609,7 @@ class WorkerSteps:
         return self.finish_load(self.begin_load(req_id, block_ids), reason, sync)
 
     def load_steps(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
-                   sync: bool = False) -> LoadSteps:
+                   sync: bool = False, groups: Sequence[int] = ()) -> LoadSteps:
         """One load as a generator (not started: nothing is owed before the first ``next()``). Each
         ``next()`` does the next model action and returns its `LoadStep`:
 
@@ -548,14 +623,16 @@ class WorkerSteps:
         An exception raised in a sub-batch, or thrown in before the load finished, stops it: every block not
         loaded is reported failed and the load finished (the step returned, or ``throw``'s, has ``result``).
         ``close()`` (or the generator's collection) before the load finished does the same inside
-        ``close()`` (S8). ``sync``: the load is reported as a sync one (`finish_load`)."""
+        ``close()`` (S8). ``sync``: the load is reported as a sync one (`finish_load`). ``groups``: each
+        block's KV cache group (`LoadSpec.groups`)."""
         load_id = self.begin_load(req_id, block_ids)
+        group_of = dict(zip(block_ids, groups)) if groups else None
         reason = "not attempted"
         result: LoadResult | None = None
         try:
             subs: list[list[tuple[str, int]]] = []
             try:
-                subs = self._sub_batches(load_id, req_id, block_ids, block_hashes)
+                subs = self._sub_batches(load_id, req_id, block_ids, block_hashes, groups)
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}"
                 self.note_error(f"load {req_id}: {reason}")
@@ -565,7 +642,8 @@ class WorkerSteps:
             for i, sub in enumerate(subs):
                 bad: list[tuple[int, int]] = []
                 try:
-                    bad = self.load_batch(load_id, [k for k, _ in sub], [b for _, b in sub])
+                    bad = self.load_batch(load_id, [k for k, _ in sub], [b for _, b in sub],
+                                          None if group_of is None else [group_of[b] for _, b in sub])
                 except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
                     reason = str(e)  # its blocks stay pending: reported when the load finishes
                     self.note_error(f"load {req_id}: {e}")
@@ -586,15 +664,21 @@ class WorkerSteps:
                     self.note_error(f"finish load {load_id} of {req_id!r}: {e}")
 
     def _sub_batches(self, load_id: int, req_id: str, block_ids: Sequence[int],
-                     block_hashes: Sequence[Any]) -> list[list[tuple[str, int]]]:
+                     block_hashes: Sequence[Any], groups: Sequence[int] = ()) -> list[list[tuple[str, int]]]:
         """The (key, block id) sub-batches of a load in this rank's order; oversized keys reported here."""
         n = len(block_ids)
         if n != len(block_hashes):
             raise LedgerInputError("LoadSpec.block_hashes", len(block_hashes), f"{n} block ids for {req_id!r}")
+        if groups and (len(groups) != n or len(set(block_ids)) != n):
+            raise LedgerInputError("LoadSpec.groups", len(groups), f"one per block id, ids unique ({n} ids)")
         if not n:
             return []
+        if groups:
+            keys = [self._key_list([h], g)[0] for h, g in zip(block_hashes, groups)]
+        else:
+            keys = self._key_list(block_hashes)
         # rotated by tp_rank: the ranks start on different keys of the store
-        pairs = load_pairs(self._key_list(block_hashes), block_ids, self.tp_rank)
+        pairs = load_pairs(keys, block_ids, self.tp_rank)
         kb: KeyBuilder = self.keys  # type: ignore[assignment]  (_key_list checked it)
         fits, too_long = kb.split_by_length([k for k, _ in pairs])
         if too_long:
@@ -606,10 +690,10 @@ class WorkerSteps:
         return [pairs[lo:lo + self.sub_batch] for lo in range(0, len(pairs), self.sub_batch)]
 
     def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
-                 sync: bool = False) -> LoadResult:
+                 sync: bool = False, groups: Sequence[int] = ()) -> LoadResult:
         """One load, as a load thread (or, ``sync``, the model runner thread) runs it: `load_steps` drained."""
         result: LoadResult | None = None
-        for step in self.load_steps(req_id, block_ids, block_hashes, sync):
+        for step in self.load_steps(req_id, block_ids, block_hashes, sync, groups):
             result = step.result or result
         if result is None:  # load_steps ends only after its finishing step
             raise LedgerInvariantError.of("S8", f"rank {self.tp_rank}: load of {req_id!r} ended unfinished")
@@ -647,6 +731,18 @@ class WorkerSteps:
     def take_load_errors(self) -> set[int]:
         with self.lock:
             return self.loads.take_errors()  # HandleLoadErrors
+
+    def take_failed_loads(self, finished: set[str]) -> set[str]:
+        """Of the req_ids just reported finished (`take_finished_loads`), those whose load failed a block,
+        each once; the block-level errors are taken with them (HandleLoadErrors: vLLM is told per request)."""
+        with self.lock:
+            self.loads.take_errors()
+            out: set[str] = set()
+            keep: list[str] = []
+            for req_id in self.failed_loads:
+                (out.add if req_id in finished and req_id not in out else keep.append)(req_id)
+            self.failed_loads = keep
+        return out
 
 
 def load_pairs(keys: Sequence[str], block_ids: Sequence[int], tp_rank: int) -> list[tuple[str, int]]:

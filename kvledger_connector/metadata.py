@@ -50,6 +50,13 @@ class SaveSpec:
     # > 0: block end_block - 1 is the prompt's partial tail holding this many tokens (its hash is the tail
     # key's, `keys.partial_tail_hash`); a rank's saved offset then stops before it, at a block boundary
     tail_tokens: int = 0
+    # several KV cache groups (a hybrid model): `block_ids` holds one id per group for each block, block
+    # major (block b, group g at (b - start_block) * num_groups + g), 0 where the group's table holds vLLM's
+    # null block (a sliding-window group's blocks below its window: nothing to put)
+    num_groups: int = 1
+    # per group: its table holds null blocks below this block now. A sliding-window group frees the blocks
+    # that leave its window; a rank resuming from an older offset must not read the ids an earlier spec sent
+    null_before: tuple[int, ...] = ()
 
     @property
     def full_end_block(self) -> int:
@@ -82,6 +89,9 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     sync: bool = False
+    # several KV cache groups: the group of each block (its key and its KV cache views); () = all group 0.
+    # A block id is owned by one group at a time (one block pool), so ids stay unique within a load
+    groups: tuple[int, ...] = ()
 
 
 @dataclass

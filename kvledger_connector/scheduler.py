@@ -46,7 +46,7 @@ class SchedulerSide(SchedulerSteps):
                          max_lookup_cache=config.max_lookup_cache,
                          sync_load_max_tokens=config.sync_load_max_tokens,
                          kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace,
-                         weights_version=weights_version)
+                         weights_version=weights_version, num_groups=config.num_kv_groups)
         self.config = config
         self.max_inflight_jobs = config.max_inflight_jobs
         self._kv_cache_manager: Any = None
@@ -68,7 +68,8 @@ class SchedulerSide(SchedulerSteps):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self.emit_load(request, blocks.get_block_ids()[0], num_external_tokens)
+            ids = blocks.get_block_ids()  # one list per KV cache group
+            self.emit_load(request, ids[0] if self.num_groups == 1 else ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         self._step += 1
@@ -79,18 +80,24 @@ class SchedulerSide(SchedulerSteps):
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         manager = self._kv_cache_manager
 
-        def table_of(req_id: str) -> Sequence[int] | None:
+        one = self.num_groups == 1
+
+        def table_of(req_id: str) -> Any:  # the table, or one per KV cache group
             if block_state is not None:
                 ids = block_state.get_block_ids(req_id)
                 if ids:
-                    return ids[0]
-            return manager.get_block_ids(req_id)[0] if manager is not None else None
+                    return ids[0] if one else ids
+            if manager is None:
+                return None
+            ids = manager.get_block_ids(req_id)
+            return ids[0] if one else ids
 
         meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.note_load_errors(connector_output.invalid_block_ids)  # while the loads still hold their pins
+        self.note_failed_loads(getattr(connector_output, "failed_recving", None))  # several KV cache groups
         self.collect_loads(connector_output.finished_recving)
         meta = connector_output.kv_connector_worker_meta
         if meta is None:

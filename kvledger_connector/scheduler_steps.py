@@ -106,6 +106,15 @@ class RequestLike(Protocol):
     prompt_token_ids: Sequence[int] | None
 
 
+def _leading_nulls(table: Sequence[int], end: int) -> int:
+    """How many of a table's first ``end`` blocks are vLLM's null block (0) before its first real one: a
+    sliding-window group's blocks below its window, freed by vLLM."""
+    for i in range(min(end, len(table))):
+        if table[i] != 0:
+            return i
+    return min(end, len(table))
+
+
 def generation_of(request: RequestLike) -> int:
     """The request's generation as the connector counts it: admissions that were preempted so far."""
     return int(request.num_preemptions)
@@ -305,7 +314,7 @@ class SchedulerSteps:
                  save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
                  sync_load_max_tokens: int = 0, kv_load_failure_policy: str = "fail",
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
-                 weights_version: str = "") -> None:
+                 weights_version: str = "", num_groups: int = 1) -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
@@ -321,6 +330,12 @@ class SchedulerSteps:
         self.world_size = world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
         self.weights_version = weights_version  # the key builders' (in every step's metadata for the workers)
+        if num_groups.__class__ is not int or num_groups < 1:
+            raise LedgerInputError("num_groups", num_groups, "must be an int >= 1")
+        # KV cache groups of a hybrid model: block tables come one per group (vLLM's tuple of lists), a
+        # block's keys one per group (key_builders holds every shard's and group's), and every load is
+        # asynchronous (vLLM takes a failed load of several groups per request, not per block)
+        self.num_groups = num_groups
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
@@ -439,6 +454,7 @@ class SchedulerSteps:
         req_id still has a load pinned (its reports would race), or while most recent loads failed. See the
         module's notes for each."""
         return (num_external_tokens > self.sync_load_max_tokens or self.kv_load_failure_policy != "fail"
+                or self.num_groups > 1
                 or (self.ledger is not None and self.ledger.has_pinned_load(req_id))
                 or self.loads_mostly_fail())
 
@@ -447,11 +463,13 @@ class SchedulerSteps:
         return 2 * sum(self._load_outcomes) > len(self._load_outcomes)
 
     # ------------------------------------------------------------------ EmitLoad
-    def emit_load(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
-                  ) -> LoadSpec | None:
+    def emit_load(self, request: RequestLike, block_ids: Sequence[int] | Sequence[Sequence[int]],
+                  num_external_tokens: int) -> LoadSpec | None:
         """EmitLoad: the destination blocks of the lookup's external hit (``block_ids``: the request's table,
-        as allocated for it), pinned in the ledger before any worker can be told (S9 LoadsPinned); the
-        LoadSpec waits in the outbox for the step's metadata. None when there is nothing to load."""
+        as allocated for it; one per KV cache group with several), pinned in the ledger before any worker
+        can be told (S9 LoadsPinned); the LoadSpec waits in the outbox for the step's metadata. None when
+        there is nothing to load. With several groups every non-null block of the hit's positions loads
+        (a sliding-window group's blocks below its window are vLLM's null block: nothing to load)."""
         if num_external_tokens <= 0:
             return None
         req_id = request.request_id
@@ -467,10 +485,18 @@ class SchedulerSteps:
         tail = hit.tail_hash is not None and last == len(request.block_hashes) + 1
         if tail:
             hashes.append(hit.tail_hash)  # the partial last block loads from the tail's key
-        if last > len(block_ids) or len(hashes) != last - first:
+        tables = self._tables(block_ids)
+        if last > min(len(t) for t in tables) or len(hashes) != last - first:
             raise LedgerInputError("num_external_tokens", num_external_tokens,
-                                   f"{req_id!r} has {len(block_ids)} blocks, {len(request.block_hashes)} hashes")
-        dest = tuple(block_ids[first:last])
+                                   f"{req_id!r} has {len(tables[0])} blocks, {len(request.block_hashes)} hashes")
+        groups: tuple[int, ...] = ()
+        if self.num_groups == 1:
+            dest = tuple(tables[0][first:last])
+        else:
+            at = [(g, p) for g in range(self.num_groups) for p in range(first, last) if tables[g][p] != 0]
+            dest = tuple(tables[g][p] for g, p in at)
+            hashes = [hashes[p - first] for _, p in at]
+            groups = tuple(g for g, _ in at)
         self._reqs.current(st)
         # the answer `get_num_new_matched_tokens` gave in this schedule() (nothing is collected in between),
         # taken before this load's own pin
@@ -479,7 +505,7 @@ class SchedulerSteps:
                                           and self.loads_mostly_fail())
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
         st.load_dest, st.load_first = dest, first
-        spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync)
+        spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync, groups=groups)
         self._loads_out.append(spec)
         self.num_sync_loads += sync
         if first == 0:  # blocks before `first` are local prefix-cache hits, not known to be stored
@@ -487,6 +513,14 @@ class SchedulerSteps:
         self.num_loads += 1
         self.stats.add("loaded_tokens", num_external_tokens)
         return spec
+
+    def _tables(self, block_ids: Any) -> list[Sequence[int]]:
+        """The request's block table per KV cache group: vLLM hands several groups' as a tuple of lists."""
+        if self.num_groups == 1:
+            return [block_ids]
+        if len(block_ids) != self.num_groups:
+            raise LedgerInputError("block_ids", len(block_ids), f"one table per KV cache group ({self.num_groups})")
+        return list(block_ids)
 
     def take_loads(self) -> list[LoadSpec]:
         """The loads pinned since the last step, for this step's metadata."""
@@ -591,18 +625,31 @@ class SchedulerSteps:
             self._note_prompt_saved(st)
             return
         rng = StoreRange(saved, end, tail, request.num_prompt_tokens % bs if tail is not None else 0)
-        table = table_of(req_id)
-        if table is None or len(table) < rng.reach:
+        found = table_of(req_id)
+        if found is None:
             return
-        block_ids = list(table[:rng.end])
-        tail_ids = list(table[rng.end:rng.reach])
+        tables = self._tables(found)
+        if min(len(t) for t in tables) < rng.reach:
+            return
+        g = self.num_groups
+        if g == 1:
+            table = tables[0]
+            block_ids = list(table[:rng.end])
+            tail_ids = list(table[rng.end:rng.reach])
+            sent_ids = block_ids[st.sent_blocks:] + tail_ids
+            null_before: tuple[int, ...] = ()
+        else:  # every group's blocks of [0, end) pinned; null ids (below a window) are nothing to pin
+            block_ids = [b for t in tables for b in t[:rng.end] if b != 0]
+            table, tail_ids = block_ids, []
+            sent_ids = [tables[k][p] for p in range(st.sent_blocks, rng.end) for k in range(g)]
+            null_before = tuple(_leading_nulls(t, rng.end) for t in tables)
         ledger = self._ledger()
-        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach]):
+        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach] if g == 1 else block_ids):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._reqs.set_deferred(st, True)
             return
-        if rng.reach > self.max_pinned_blocks:  # could never be admitted: a cache miss, not an error
+        if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
             self.num_saves_dropped += 1
             st.saved_blocks, st.tail_done = rng.end, True
             self._note_prompt_saved(st)
@@ -617,8 +664,8 @@ class SchedulerSteps:
         self._reqs.set_deferred(st, False)
         sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
         hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
-        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(block_ids[sent:] + tail_ids), hashes,
-                              tail_tokens=rng.tail_tokens))
+        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,
+                              tail_tokens=rng.tail_tokens, num_groups=g, null_before=null_before))
         st.sent_blocks = rng.end
         if self.events is not None and rng.end > rng.start:  # routers hear of full blocks only
             self.events.job_opened(job_id, request, rng.start, rng.end)
@@ -650,6 +697,21 @@ class SchedulerSteps:
             inflight = set(ledger.inflight_jobs())
             self.events.jobs_collected(completed_saves, inflight.__contains__)
         return released
+
+    def note_failed_loads(self, failed_recving: Iterable[str] | None) -> None:
+        """Loads vLLM is told failed as a whole (several KV cache groups: no block-level report). Each one's
+        request answers its later lookups short of its load's first block, as `note_load_errors` does."""
+        ledger = self.ledger
+        if not failed_recving or ledger is None:
+            return
+        for req_id in failed_recving:
+            if not ledger.has_pinned_load(req_id):
+                continue  # not a load of ours
+            self._failed_loads.add(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None and st.load_dest:
+                at = st.load_first
+                st.load_failed_at = at if st.load_failed_at is None else min(st.load_failed_at, at)
 
     def note_load_errors(self, invalid_block_ids: Iterable[int] | None) -> None:
         """The blocks vLLM is told failed to load this step (before the loads' pins are collected): each

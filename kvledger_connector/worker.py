@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,13 +57,16 @@ _STOP = object()
 
 
 class WorkerSide:
-    def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder, tp_rank: int,
+    def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder | Sequence[KeyBuilder],
+                 tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], KeyBuilder] | None = None) -> None:
-        """``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None: no trailer.
-        ``weights_version``: the one ``keys`` builds under; ``rekey``: the key builder of another version, for
-        when a step's metadata names one (a reset_cache switched it, see kvledger_connector/reset.py)."""
+                 rekey: Callable[[str], list[KeyBuilder]] | None = None) -> None:
+        """``keys``: the key builder, or one per KV cache group (a hybrid model, in the KV cache config's
+        group order). ``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None:
+        no trailer. ``weights_version``: the one ``keys`` builds under; ``rekey``: the key builders of
+        another version, for when a step's metadata names one (a reset_cache switched it, see
+        kvledger_connector/reset.py)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -79,7 +82,8 @@ class WorkerSide:
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
-        self._plan: BlockCopyPlan | None = None
+        self._plans: list[BlockCopyPlan] = []  # one per KV cache group
+        self.num_groups = 1 if isinstance(keys, KeyBuilder) else len(keys)
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
@@ -91,7 +95,9 @@ class WorkerSide:
         # the per-job work, its counting and the ledgers (kvledger_connector/jobs.py); loads in flight:
         # queued + one per load thread (+1: a rejected load is begun and finished at once)
         self.steps = WorkerSteps(
-            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size, keys=keys,
+            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size,
+            keys=keys if isinstance(keys, KeyBuilder) else None,
+            group_keys=None if isinstance(keys, KeyBuilder) else keys,
             ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
@@ -99,12 +105,26 @@ class WorkerSide:
             load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock)
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, plan: BlockCopyPlan, kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
-        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py): a key's object is the plan's
-        segments of one block, then its integrity trailer (read from ``kv_caches``, the views the plan was
-        made of). Each backing allocation, and the trailer slots, is registered with the store once."""
-        if self._plan is not None:
+    def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
+                           kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py), or one per KV cache group
+        (a hybrid model: the groups' views share their allocations, a block id being owned by one group at a
+        time): a key's object is the plan's segments of one block, then its integrity trailer (read from
+        ``kv_caches``, the views the plan was made of). Each backing allocation, and the trailer slots, is
+        registered with the store once."""
+        if self._plans:
             raise KVLayoutError("register_kv_caches called twice on one worker")
+        plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)
+        if len(plans) != self.num_groups:
+            raise KVLayoutError(f"{len(plans)} copy plans for {self.num_groups} KV cache groups")
+        if len({(p.block_bytes, p.num_blocks) for p in plans}) != 1:
+            raise KVLayoutError("KV cache groups whose blocks differ in size ("
+                                + ", ".join(f"{p.block_bytes} B x {p.num_blocks}" for p in plans)
+                                + "): every group's block must have the same bytes (equal layer counts)")
+        if len(plans) > 1 and self.integrity is not None:
+            raise KVLayoutError(f"integrity {self.integrity.mode!r} with {len(plans)} KV cache groups: not "
+                                f"supported yet (set integrity 'off' for hybrid models)")
+        plan = plans[0]
         seal = None
         if self.integrity is not None:
             if kv_caches is None:
@@ -112,13 +132,13 @@ class WorkerSide:
             # a put or a get at once per thread that stores: the store thread, the load threads, a sync load
             seal = BlockSeal(self.integrity, plan, kv_caches, slots=self._num_load_threads + 2,
                              max_keys=plan.num_blocks)
-        for ptr, nbytes in plan.storages:
+        for ptr, nbytes in sorted({s for p in plans for s in p.storages}):  # groups share allocations
             self.steps.store.register_buffer(ptr, nbytes)
         if seal is not None:
             for ptr, nbytes in seal.regions:
                 self.steps.store.register_buffer(ptr, nbytes)
             self.steps.seal = seal
-        self._plan = plan
+        self._plans = plans
         self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
         self._num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
@@ -135,13 +155,29 @@ class WorkerSide:
         for t in self._threads:
             t.start()
 
-    def _block_buffers(self, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """(ptrs, sizes) per block, for one store batch call; block 0 is vLLM's null block."""
+    def _block_buffers(self, block_ids: list[int], groups: list[int] | None = None
+                       ) -> tuple[list[list[int]], list[list[int]]]:
+        """(ptrs, sizes) per block, for one store batch call; block 0 is vLLM's null block. ``groups``: each
+        block's KV cache group (hybrid models; default group 0)."""
         for b in block_ids:
-            if self._plan is None or not 0 < b < self._num_blocks:
+            if not self._plans or not 0 < b < self._num_blocks:
                 raise LedgerInputError("block_id", b, f"not in 1..{self._num_blocks - 1} (or no KV cache "
                                        f"registered)")
-        return self._plan.batch_buffers(block_ids)  # type: ignore[union-attr]
+        if groups is None or len(self._plans) == 1:
+            if groups is not None and any(groups):
+                raise LedgerInputError("groups", sorted(set(groups)), "this rank has one KV cache group")
+            return self._plans[0].batch_buffers(block_ids)
+        if len(groups) != len(block_ids) or not all(0 <= g < len(self._plans) for g in groups):
+            raise LedgerInputError("groups", groups, f"one of 0..{len(self._plans) - 1} per block id")
+        ptrs: list[list[int]] = [[] for _ in block_ids]
+        sizes: list[list[int]] = [[] for _ in block_ids]
+        for g, plan in enumerate(self._plans):
+            at = [i for i, gi in enumerate(groups) if gi == g]
+            if at:
+                p, s = plan.batch_buffers([block_ids[i] for i in at])
+                for i, pi, si in zip(at, p, s):
+                    ptrs[i], sizes[i] = pi, si
+        return ptrs, sizes
 
     # ------------------------------------------------------------------ per step (model runner thread)
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
@@ -170,7 +206,7 @@ class WorkerSide:
         if self._rekey is None:
             raise LedgerInputError("weights_version", version, f"this worker builds keys under "
                                    f"{self.weights_version!r} only (no rekey given)")
-        self.steps.keys = self._rekey(version)
+        self.steps.group_keys = self._rekey(version)
         self.weights_version = version
         self.steps.stats.add("weights_version_switches")
 
@@ -179,7 +215,7 @@ class WorkerSide:
             self.steps.reject_load(spec.req_id, spec.block_ids, "worker shut down", sync=True)
             return
         try:  # run_load reports every block not loaded; an error past that must not fail the step
-            self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, sync=True)
+            self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, sync=True, groups=spec.groups)
         except Exception as e:
             self.steps.note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
 
@@ -221,6 +257,9 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         return self.steps.take_load_errors()  # HandleLoadErrors
 
+    def take_failed_loads(self, finished: set[str]) -> set[str]:
+        return self.steps.take_failed_loads(finished)
+
     def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
         done = self.steps.take_reports()
         loads = self.steps.take_finished_sync_loads()
@@ -242,7 +281,8 @@ class WorkerSide:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
         forward's CUDA event before it reads the blocks."""
         self.steps.run_save(job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
-                            event.synchronize if event is not None else None, job.full_end_block)
+                            event.synchronize if event is not None else None, job.full_end_block,
+                            job.num_groups)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:
@@ -257,7 +297,7 @@ class WorkerSide:
 
     def _handle_load(self, spec: LoadSpec) -> None:
         """Load: every sub-batch is tried; a block not loaded is reported (`WorkerSteps.load_steps`)."""
-        self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes)
+        self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, groups=spec.groups)
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:

@@ -37,14 +37,22 @@ This is the harness the conformance suite reuses: `Harness(...)`, `add_request`,
 the same forward and KV checks, no store) or "upstream" (vLLM's own MooncakeStoreConnector on the same
 master, testbed/upstream.py: `store_config` gives it the master's addresses and sizes, `extra` its
 extra config; `check_store` is ours only). bench.scheduler runs the three on the same workloads.
+
+`sliding_window=W` (connector "none" or "ours"): a gpt-oss-like hybrid stand-in, even layers attend to
+the last W tokens, odd layers to all. vLLM plans two KV cache groups and its hybrid KV cache manager runs
+(the in-process platform is told it supports it: a labelled test double, `_hybrid_kv_platform`). Every
+layer reads and writes through its own group's block table; a sliding-window layer is checked only over
+the positions its attention reads (vLLM frees and reuses the blocks of older ones).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -92,10 +101,42 @@ class RunStats:
     load_error_blocks: int = 0
     push_work_steps: int = 0  # steps taken only because store jobs still held pins (has_pending_push_work)
     recovered_requests: set[str] = field(default_factory=set)
+    # req_id -> tokens vLLM's own prefix cache gave its first scheduling (PrefillStats; latest generation)
+    local_hit_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class HarnessStallError(TimeoutError):
     """The engine made no progress for `stall_timeout_s`; the message says what it was waiting for."""
+
+
+class HarnessSetupError(RuntimeError):
+    """vLLM planned something other than what the harness asked for (e.g. the hybrid manager turned off)."""
+
+
+@contextlib.contextmanager
+def _hybrid_kv_platform() -> Iterator[None]:
+    """TEST DOUBLE: the platform declares hybrid KV cache support while the block runs.
+
+    An in-process Scheduler gets vLLM's `UnspecifiedPlatform` (no VLLM_TARGET_DEVICE), whose
+    `support_hybrid_kv_cache()` is False, so `VllmConfig.__post_init__` would turn the hybrid KV cache
+    manager off and merge sliding-window layers into full attention. The CPU platform the real engine runs
+    on (VLLM_TARGET_DEVICE=cpu) says True, as do CUDA, ROCm and XPU. `VllmConfig.__post_init__` is the only
+    reader in vLLM 0.32 and 0.33, so the declaration is undone as soon as the config is built. A platform
+    that already says True is left alone."""
+    from vllm.platforms import current_platform  # resolved here, as VllmConfig would: not at import
+    cls = type(current_platform)
+    if cls.support_hybrid_kv_cache():
+        yield
+        return
+    own = cls.__dict__.get("support_hybrid_kv_cache")  # None: inherited from Platform
+    cls.support_hybrid_kv_cache = classmethod(lambda _cls: True)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls.support_hybrid_kv_cache
+        else:
+            cls.support_hybrid_kv_cache = own  # type: ignore[method-assign]
 
 
 class Harness:
@@ -112,7 +153,7 @@ class Harness:
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
                  kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0,
-                 kv_kind: str = "per_rank") -> None:
+                 kv_kind: str = "per_rank", sliding_window: int | None = None) -> None:
         if kv_kind not in ("per_rank", "replicated", "mla"):
             raise ValueError(f"Harness kv_kind={kv_kind!r}: must be 'per_rank', 'replicated' or 'mla'")
         # per_rank: each rank its own KV heads; replicated: one KV head that vLLM replicates on every TP
@@ -124,6 +165,20 @@ class Harness:
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
+        # sliding_window: a gpt-oss-like hybrid stand-in, even layers sliding window (this many tokens), odd
+        # layers full attention, with vLLM's hybrid KV cache manager on (two KV cache groups)
+        if sliding_window is not None:
+            if connector == "upstream":
+                raise ValueError(f"Harness sliding_window={sliding_window!r}: not with connector='upstream' "
+                                 f"(its hybrid support is not driven here)")
+            if kv_kind == "mla":
+                raise ValueError(f"Harness sliding_window={sliding_window!r}: not with kv_kind='mla'")
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+                raise ValueError(f"Harness sliding_window={sliding_window!r}: must be a token count >= 1")
+            if num_layers < 2:
+                raise ValueError(f"Harness sliding_window={sliding_window!r}: needs num_layers >= 2 "
+                                 f"(got {num_layers}): one sliding-window and one full-attention layer")
+        self.sliding_window = sliding_window
         self._upstream: Any = None
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
@@ -165,25 +220,42 @@ class Harness:
         self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
-        self.vllm_config = VllmConfig(
-            model_config=mc,
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=max_model_len, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-            kv_transfer_config=kv_transfer_config,
-            device_config=DeviceConfig("cpu"),
-            kv_events_config=kv_events)  # a vllm.config.KVEventsConfig: the Scheduler's publisher
+        with _hybrid_kv_platform() if sliding_window is not None else contextlib.nullcontext():
+            self.vllm_config = VllmConfig(
+                model_config=mc,
+                scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                 max_num_batched_tokens=max_num_batched_tokens,
+                                                 max_model_len=max_model_len, enable_chunked_prefill=True,
+                                                 is_encoder_decoder=False),
+                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+                kv_transfer_config=kv_transfer_config,
+                device_config=DeviceConfig("cpu"),
+                kv_events_config=kv_events)  # a vllm.config.KVEventsConfig: the Scheduler's publisher
+        if sliding_window is not None and self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+            raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM turned the hybrid KV cache "
+                                    "manager off (scheduler_config.disable_hybrid_kv_cache_manager is True)")
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.layer_names = layer_names(num_layers)
         self.kv_layout = kv_layout
         self.kernel_block_sizes = [kernel_block_size] if kernel_block_size else None
         self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                                      head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla")
+                                      head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla",
+                                      sliding_window=sliding_window)
         # the engine's KVCacheConfig (layout recorded on cache_config first, as EngineCore does)
         self.kv_cache_config = build_kv_cache_config(self.vllm_config, self._specs, num_blocks, kv_layout)
+        groups = self.kv_cache_config.kv_cache_groups
+        # per layer, the index of its KV cache group (its block table) and per group the window (None: full)
+        self.group_of_layer: dict[str, int] = {n: g for g, grp in enumerate(groups) for n in grp.layer_names}
+        self.window_of_group: list[int | None] = [
+            grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec) else None
+            for grp in groups]
+        if sliding_window is not None and sorted(w is None for w in self.window_of_group) != [False, True]:
+            kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+            raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM planned {len(groups)} KV cache "
+                                    f"groups {kinds}, expected a sliding-window group and a full-attention group")
+        if sliding_window is None and len(groups) != 1:
+            raise HarnessSetupError(f"Harness: vLLM planned {len(groups)} KV cache groups, expected 1")
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
         self.content = KVContent(num_kv_heads, head_size, device)
@@ -222,6 +294,7 @@ class Harness:
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
         self._scratch_plan: Any = None
+        self._scratch_plans: list[Any] = []
         self._scratch_seal: BlockSeal | None = None
         emb = self.workers[0]._embedded if store_config.embedded and connector == "ours" else None
         # embedded default: the connectors started a private master; the checker joins it
@@ -376,6 +449,9 @@ class Harness:
         for outs in eco.values():
             for o in outs.outputs:
                 self.stats.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                ps = getattr(o, "prefill_stats", None)
+                if ps is not None:
+                    self.stats.local_hit_tokens[o.request_id] = ps.num_local_cached_tokens
                 if o.finish_reason is not None:
                     self.stats.finished[o.request_id] = str(o.finish_reason)
         self._check_progress(bool(req_ids))
@@ -447,14 +523,14 @@ class Harness:
             start = end - n
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, end, self._hash_cache[rid])
-            table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            discarded = bool(failed_blocks) and not failed_blocks.isdisjoint(table)
+            tables = self.scheduler.kv_cache_manager.get_block_ids(rid)  # one block table per KV cache group
+            discarded = bool(failed_blocks) and any(not failed_blocks.isdisjoint(t) for t in tables)
             for r in range(self.tp_size):
                 lo = self._verified.get(rid, 0)
                 wrong = discarded  # its attention read what the failed load left
                 if lo < start and not discarded:
-                    wrong = not self._check_range(rid, r, table, hashes, lo, start)
-                self._write_range(r, table, hashes, start, end, wrong=wrong)
+                    wrong = not self._check_range(rid, r, tables, hashes, lo, start)
+                self._write_range(r, tables, hashes, start, end, wrong=wrong)
             self._verified[rid] = 0 if discarded else end
             sampled.append([KVContent.token_after(hashes[end - 1])] if end >= req.num_tokens else [])
         del bs
@@ -496,13 +572,18 @@ class Harness:
         """Whose KV a rank holds: its own, or (replicated, MLA) the one copy every rank holds."""
         return rank if self.kv_kind == "per_rank" else 0
 
-    def _write_range(self, rank: int, table: list[int], hashes: list[int], lo: int, hi: int,
+    def _write_range(self, rank: int, tables: Sequence[list[int]], hashes: list[int], lo: int, hi: int,
                      wrong: bool = False) -> None:
-        """Write positions lo..hi: their KV, or (``wrong``: computed on wrong KV) a value off by one."""
+        """Write positions lo..hi of every layer through its group's table: their KV, or (``wrong``:
+        computed on wrong KV) a value off by one."""
         caches = self.kv_caches[rank]
         for li, name in enumerate(self.layer_names):
             t = caches[name]
+            table = tables[self.group_of_layer[name]]
             for block, off, p, n in self._ranges(table, lo, hi):
+                if block == 0:  # vLLM allocates every computed position (a window's old ones only are null)
+                    raise HarnessSetupError(f"layer {li}: positions {p}..{p + n} being computed sit in the "
+                                            f"null block (table {table})")
                 for kv in self._kv_parts:
                     want = self.content.slots(hashes[p:p + n], li, kv, self._shard(rank))  # (n, H, D)
                     if wrong:
@@ -510,12 +591,22 @@ class Harness:
                     for kb, a, b, i in self._token_slices(t, block, off, n):
                         self._kv_of(t, kv)[kb, :, a:b] = want[i:i + b - a].transpose(0, 1)
 
-    def _check_range(self, rid: str, rank: int, table: list[int], hashes: list[int], lo: int, hi: int) -> bool:
-        """Whether positions lo..hi hold their KV; the first wrong one is recorded in `garbage` (S7)."""
+    def _check_range(self, rid: str, rank: int, tables: Sequence[list[int]], hashes: list[int], lo: int,
+                     hi: int) -> bool:
+        """Whether positions lo..hi hold their KV, for the chunk starting at ``hi``; the first wrong one is
+        recorded in `garbage` (S7). A sliding-window layer (window W) is checked over what its attention
+        reads, [max(lo, hi - W + 1), hi): vLLM nulls and reuses the blocks of older positions."""
         caches = self.kv_caches[rank]
         for li, name in enumerate(self.layer_names):
             t = caches[name]
-            for block, off, p, n in self._ranges(table, lo, hi):
+            g = self.group_of_layer[name]
+            table, window = tables[g], self.window_of_group[g]
+            first = lo if window is None else max(lo, hi - window + 1)
+            for block, off, p, n in self._ranges(table, first, hi):
+                if block == 0:  # attention would read the null block
+                    self.garbage.append(f"{rid} rank {rank} positions {p}..{p + n} layer {li}: in the null "
+                                        f"block, read by attention (S7)")
+                    return False
                 for kv in self._kv_parts:
                     want = self.content.slots(hashes[p:p + n], li, kv, self._shard(rank))
                     for kb, a, b, i in self._token_slices(t, block, off, n):
@@ -524,6 +615,19 @@ class Harness:
                                                 f"layer {li} {'KV'[kv]}: wrong KV before compute (S7)")
                             return False
         return True
+
+    def corrupt_kv(self, req_id: str, layer: int, position: int, rank: int = 0) -> int:
+        """FAULT INJECTION (tests only): add 1 to the K of ``position`` of a running request in ``layer``,
+        in the block its group's table maps it to now, as a stray write would. Returns that block id."""
+        name = self.layer_names[layer]
+        table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[self.group_of_layer[name]]
+        block, off = table[position // self.block_size], position % self.block_size
+        if block == 0:
+            raise ValueError(f"corrupt_kv: position {position} of {req_id} is in the null block in layer {layer}")
+        t = self.kv_caches[rank][name]
+        for kb, a, b, _ in self._token_slices(t, block, off, 1):
+            self._kv_of(t, 0)[kb, :, a:b] += 1
+        return block
 
     # ------------------------------------------------------------------ runs
     def run(self, max_steps: int = 20000, timeout_s: float = 240.0) -> RunStats:
@@ -598,31 +702,36 @@ class Harness:
             vc.cache_config = copy.copy(vc.cache_config)
             cfg = build_kv_cache_config(vc, self._specs, 2, self.kv_layout)
             self._scratch = allocate(cfg, self.kv_layout, kernel_block_sizes=self.kernel_block_sizes)
-            self._scratch_plan = plan_block_copies(self._scratch, layout=self.kv_layout,
-                                                   block_size=self.block_size, num_blocks=2)
-            for ptr, nbytes in self._scratch_plan.storages:
+            # one plan per KV cache group, over its layers (a hybrid model's groups alias one allocation)
+            self._scratch_plans = [plan_block_copies({n: self._scratch[n] for n in names}, layout=self.kv_layout,
+                                                     block_size=self.block_size, num_blocks=2)
+                                   for names in self._group_layers()]
+            self._scratch_plan = self._scratch_plans[0]
+            for ptr, nbytes in sorted({s for p in self._scratch_plans for s in p.storages}):
                 store.register_buffer(ptr, nbytes)
             seal = self.workers[0].worker_side.steps.seal if self.workers else None  # type: ignore[union-attr]
             if seal is not None:  # the objects' trailers, read and checked with the workers' integrity key
                 self._scratch_seal = BlockSeal(seal.ikey, self._scratch_plan, self._scratch, slots=1, max_keys=1)
                 for ptr, nbytes in self._scratch_seal.regions:
                     store.register_buffer(ptr, nbytes)
-        scratch, plan = self._scratch, self._scratch_plan
-        ptrs, sizes = self._scratch_buffers()
+        scratch = self._scratch
         bs = self.block_size
         checked = polluted = 0
-        seen: set[tuple[int, bytes]] = set()
+        seen: set[tuple[int, int, bytes]] = set()
+        groups = self._group_layers()
+        builders = [list(w.worker_side.steps.group_keys) for w in self.workers]  # type: ignore[union-attr]
         for rid, req in self.requests.items():
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
             for bi, bh in enumerate(req.block_hashes):
-                for r, kb in enumerate(self.key_builders):
-                    if (r, bytes(bh)) in seen:
+                for r, g, kb in [(r, g, kb) for r, per_group in enumerate(builders) for g, kb in enumerate(per_group)]:
+                    if (r, g, bytes(bh)) in seen:
                         continue
-                    seen.add((r, bytes(bh)))
+                    seen.add((r, g, bytes(bh)))
                     key = kb.key(bh)
                     if store.batch_is_exist([key])[0] != 1:
                         continue
+                    ptrs, sizes = self._scratch_buffers(g)
                     got = store.batch_get([key], [ptrs], [sizes])[0]
                     if got <= 0:
                         continue  # evicted between the two calls
@@ -630,6 +739,8 @@ class Harness:
                     pos = hashes[bi * bs:(bi + 1) * bs]
                     ok = self._trailer_ok(key)
                     for li, name in enumerate(self.layer_names):
+                        if name not in groups[g]:
+                            continue  # another group's layer: not in this object
                         t = scratch[name]
                         for kv in self._kv_parts:
                             want = self.content.slots(pos, li, kv, self._shard(r)).cpu()
@@ -640,9 +751,15 @@ class Harness:
             checked, polluted = self._check_tail(store, req, hashes, seen, checked, polluted)
         return checked, polluted
 
-    def _scratch_buffers(self) -> tuple[list[int], list[int]]:
-        """Block 1 of the scratch cache, then the trailer slot when the workers tag their objects."""
-        ptrs, sizes = self._scratch_plan.buffers(1)
+    def _group_layers(self) -> list[list[str]]:
+        """The layer names of each KV cache group, in group order (one group: every layer)."""
+        n = max(self.group_of_layer.values(), default=0) + 1
+        return [[name for name in self.layer_names if self.group_of_layer.get(name, 0) == g] for g in range(n)]
+
+    def _scratch_buffers(self, group: int = 0) -> tuple[list[int], list[int]]:
+        """Block 1 of the scratch cache (of a KV cache group's layers), then the trailer slot when the
+        workers tag their objects."""
+        ptrs, sizes = self._scratch_plans[group].buffers(1)
         if self._scratch_seal is not None:
             ptrs, sizes = ptrs + self._scratch_seal.trailer_ptrs(0, 1), sizes + [self._scratch_seal.trailer_bytes]
         return ptrs, sizes
@@ -651,7 +768,7 @@ class Harness:
         """The object just read into the scratch block matches its trailer's tag (True without integrity)."""
         return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1]) == [True]
 
-    def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, bytes]],
+    def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, int, bytes]],
                     checked: int, polluted: int) -> tuple[int, int]:
         """The prompt's partial tail key (save_partial_tail), if stored: its first r token slots."""
         bs = self.block_size
@@ -661,9 +778,9 @@ class Harness:
         th = partial_tail_hash(req.block_hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r])
         ptrs, sizes = self._scratch_buffers()
         for rank, kb in enumerate(self.key_builders):
-            if (rank, th) in seen:
+            if (rank, 0, th) in seen:
                 continue
-            seen.add((rank, th))
+            seen.add((rank, 0, th))
             key = kb.key(th)
             if store.batch_is_exist([key])[0] != 1 or store.batch_get([key], [ptrs], [sizes])[0] <= 0:
                 continue

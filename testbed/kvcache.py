@@ -23,7 +23,8 @@ try:  # vLLM >= 0.33: the engine plans through the platform's KVCacheConfigBuild
 except ImportError:  # vLLM 0.32: module-level functions in kv_cache_utils
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     _PLANNING_BUILDER = False
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -39,15 +40,27 @@ def layer_names(num_layers: int) -> list[str]:
 
 def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype = torch.float32, mla: bool = False,
-                    cache_dtype_str: str | None = None) -> dict[str, KVCacheSpec]:
-    """The per-layer specs a model's attention layers report (`get_kv_cache_spec`)."""
+                    cache_dtype_str: str | None = None,
+                    sliding_window: int | None = None) -> dict[str, KVCacheSpec]:
+    """The per-layer specs a model's attention layers report (`get_kv_cache_spec`). ``sliding_window``:
+    a gpt-oss-like hybrid, even layers attend to the last ``sliding_window`` tokens (`SlidingWindowSpec`),
+    odd layers to all of them."""
     if mla:
+        if sliding_window is not None:
+            raise ValueError("attention_specs: sliding_window is not supported with mla")
         spec: KVCacheSpec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
                                              dtype=dtype, cache_dtype_str=cache_dtype_str)
     else:
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                                  dtype=dtype)
-    return {n: spec for n in layer_names(num_layers)}
+    if sliding_window is None:
+        return {n: spec for n in layer_names(num_layers)}
+    if sliding_window < 1 or num_layers < 2:
+        raise ValueError(f"attention_specs sliding_window={sliding_window!r}, num_layers={num_layers!r}: "
+                         "need a window >= 1 and at least 2 layers (one sliding, one full)")
+    sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                           sliding_window=sliding_window)
+    return {n: sw if i % 2 == 0 else spec for i, n in enumerate(layer_names(num_layers))}
 
 
 def build_kv_cache_config(vllm_config: Any, specs: Mapping[str, KVCacheSpec], num_blocks: int,

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.connector import KVLedgerConnector, key_layout, kv_cache_spec, resolved_layout
+from kvledger_connector.engine_facts import kv_cache_groups
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
 from testbed.kvcache import (
@@ -229,7 +230,7 @@ def test_unknown_layout_name_is_refused() -> None:
         resolved_layout(vc, cfg)
 
 
-def test_two_kv_cache_groups_are_refused() -> None:
+def test_a_hybrid_models_groups_are_served_per_group_and_other_kinds_refused() -> None:
     vc = _cpu_config(16)
     # vLLM disables the hybrid manager on CPU; a GPU engine with a connector that supports it keeps it
     vc.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -240,7 +241,13 @@ def test_two_kv_cache_groups_are_refused() -> None:
     assert len(cfg.kv_cache_groups) == 2  # vLLM's own grouping, not a hand-built config
     with pytest.raises(KVLayoutError, match=r"2 KV cache groups \(FullAttentionSpec: \['model.layers.0.attn'\]"
                                             r".*SlidingWindowSpec: \['model.layers.1.attn'\]"):
-        kv_cache_spec(cfg)
+        kv_cache_spec(cfg)  # the one spec of a single-group model
+    groups = kv_cache_groups(cfg)
+    assert {(g.layer_names, g.window) for g in groups} == {(("model.layers.0.attn",), None),
+                                                           (("model.layers.1.attn",), 32)}
+    specs["model.layers.2.mixer"] = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(KVLayoutError, match=r"KV cache group \d of 3: .*MambaSpec has no per-layer"):
+        kv_cache_groups(build_kv_cache_config(vc, specs, 4, "LBNHC"))
 
 
 def test_aliased_views_are_stored_once() -> None:
@@ -282,7 +289,7 @@ def test_worker_registers_aliased_views_and_refuses_a_spec_mismatch(store_config
             w.register_kv_caches(wrong)
         caches = allocate(cfg, "LBNHC")
         w.register_kv_caches({**caches, "model.layers.2.self_attn.attn": caches[b]})
-        assert w.worker_side._plan.layers == (a, b)  # type: ignore[union-attr]
+        assert w.worker_side._plans[0].layers == (a, b)
     finally:
         w.shutdown()
 

@@ -1,0 +1,120 @@
+"""A hybrid model through the connector: vLLM 0.32's real Scheduler with its hybrid KV cache manager on, the
+harness's gpt-oss-like stand-in (even layers a 128-token sliding window, odd layers full attention: two KV
+cache groups, `Harness(sliding_window=...)`), a real Mooncake master.
+
+Each group's blocks are stored under their own keys; a lookup hits only where every group's key exists; a
+load fills every group's blocks of the hit (a sliding-window group's blocks below its window are vLLM's null
+block and load nothing); loads are asynchronous and a failed one is reported per request. The stand-in checks
+every position each layer's attention reads, so a wrong byte loaded into either group is garbage (S7), and
+`check_store` reads every stored key of both groups back against the model's KV (S1).
+
+Prompts of 300 tokens with `max_num_batched_tokens` 128: prefill runs in chunks, so a sliding-window table
+turns null below the window while its request's later chunks are still being saved (`SaveSpec.null_before`).
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.jobs import SentBlocks
+from kvledger_connector.metadata import SaveSpec
+from kvledger_connector.store import StoreCode
+from testbed.faults import FaultPlan, FaultRule, FaultyStore
+from testbed.harness import Harness, shared_prefix_prompts
+
+W = 128
+BS = 16
+PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=256, suffix_len=44, seed=5)
+OFF = {"integrity": "off"}  # tags cover one group's views so far: refused with several groups (tested below)
+
+
+def _hybrid(store_config: StoreConfig, **kw) -> Harness:
+    kw.setdefault("num_blocks", 160)
+    kw.setdefault("extra", OFF)
+    return Harness(store_config, sliding_window=W, num_layers=4, block_size=BS, **kw)
+
+
+def _group_keys_present(h: Harness, prompt: list[int]) -> list[list[int]]:
+    """Per group of rank 0: which of the prompt's full blocks have a key in the store."""
+    hashes = h.block_hashes_of(prompt)
+    store = h.checker()
+    return [store.batch_is_exist(kb.keys(hashes)) for kb in h.workers[0].worker_side.steps.group_keys]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_hybrid_model_keeps_the_hybrid_manager_and_loads_every_group_from_the_store(
+        store_config: StoreConfig, tp_size: int):
+    with _hybrid(store_config, tp_size=tp_size) as h:
+        assert h.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA
+        assert len(h.kv_cache_config.kv_cache_groups) == 2
+        h.run_pass(PROMPTS, 4, tag="a")  # outputs, S7 and rest checked by the harness
+        present = _group_keys_present(h, PROMPTS[0])
+        assert all(c == 1 for c in present[0]) and all(c == 1 for c in present[1])  # both groups, every block
+        keys = [kb.keys(h.block_hashes_of(PROMPTS[0])[:1]) for kb in h.workers[0].worker_side.steps.group_keys]
+        assert keys[0] != keys[1]  # each group under its own key
+
+        h.scheduler.reset_prefix_cache()  # pass 2's hits come from the store
+        ss = h.scheduler_connector.scheduler_side
+        loads = ss.num_loads
+        h.run_pass(PROMPTS, 4, tag="b")
+        assert ss.num_loads > loads and ss.num_sync_loads == 0  # loaded, and asynchronously
+        assert h.scheduler_connector.stats.total("loaded_tokens") >= 256
+        checked, polluted = h.check_store()
+        assert checked >= 2 * tp_size * 17 and polluted == 0  # both groups' keys of every rank, read back
+        assert all(not w.worker_side.steps.errors for w in h.workers)
+
+
+def test_a_missing_sliding_window_key_shortens_the_hit_and_a_failed_load_recomputes(store_config: StoreConfig):
+    """A lookup needs every group's key of a block: with one sliding-window key removed the hit stops
+    before that block. A get that fails is reported per request (vLLM refuses block-level errors with
+    several groups): the request recomputes and its output is the model's."""
+    with _hybrid(store_config) as h:
+        h.run_pass(PROMPTS[:3], 4, tag="a")
+        hashes = h.block_hashes_of(PROMPTS[0])
+        sw = h.workers[0].worker_side.steps.group_keys[h.window_of_group.index(W)]
+        h.checker().remove(sw.key(hashes[5]), True)
+        h.scheduler.reset_prefix_cache()
+        before = h.scheduler_connector.stats.total("loaded_tokens")
+        h.run_pass(PROMPTS[:1], 4, tag="b")
+        assert h.scheduler_connector.stats.total("loaded_tokens") - before == 5 * BS  # blocks 0..4 only
+
+        h.scheduler.reset_prefix_cache()
+        faulty = FaultyStore(h.workers[0].worker_side.steps.store,
+                             FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL), max_fires=1)]))
+        h.workers[0].worker_side.steps.store = faulty
+        h.run_pass(PROMPTS[1:3], 4, tag="c")  # outputs checked: the failed load's request recomputed
+        assert len(faulty.injected) == 1
+        assert h.workers[0].stats.total("load_errors_reported") > 0
+        assert h.garbage == [] and h.check_at_rest() == []
+
+
+def test_preemption_with_saves_and_loads_of_two_groups_gives_the_models_outputs(store_config: StoreConfig):
+    prompts = shared_prefix_prompts(8, num_prefixes=2, prefix_len=192, suffix_len=60, seed=9)
+    with _hybrid(store_config, num_blocks=72) as h:
+        h.run_pass(prompts, 40, tag="a")
+        h.scheduler.reset_prefix_cache()
+        h.run_pass(prompts, 40, tag="b")
+        assert h.stats.preemptions > 0
+        assert h.scheduler_connector.scheduler_side.num_loads > 0
+        assert h.check_store()[1] == 0
+
+
+def test_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed():
+    """SentBlocks: a sliding-window group's ids below `null_before` become null, so a rank whose earlier put
+    failed (its offset lags) puts only the full group's blocks there, never a freed and reused one."""
+    sent = SentBlocks(4)
+    first = SaveSpec("r", 1, 0, 0, 2, (11, 21, 12, 22), (b"h0", b"h1"), num_groups=2)
+    assert sent.resolve(first) == ((11, 21, 12, 22), (b"h0", b"h1"))
+    later = SaveSpec("r", 2, 0, 2, 3, (13, 23), (b"h2",), num_groups=2, null_before=(0, 2))
+    ids, hashes = sent.resolve(later)
+    assert ids == (11, 0, 12, 0, 13, 23) and hashes == (b"h0", b"h1", b"h2")
+    with pytest.raises(ValueError, match="null_before"):
+        sent.resolve(SaveSpec("r", 3, 0, 3, 3, (), (), num_groups=2, null_before=(1,)))
+
+
+@pytest.mark.parametrize("extra, field", [({}, "integrity"), ({"integrity": "off", "save_partial_tail": True},
+                                                                 "save_partial_tail")])
+def test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name(store_config: StoreConfig, extra: dict,
+                                                                field: str):
+    with pytest.raises(ConfigError, match=field):
+        _hybrid(store_config, extra=extra)
