@@ -4,7 +4,7 @@ import importlib
 import sys
 
 SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
-          "bench.scheduler", "bench.outage", "bench.replicas")
+          "bench.scheduler", "bench.outage", "bench.replicas", "bench.hybrid")
 
 
 def main() -> int:

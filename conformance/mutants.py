@@ -267,13 +267,13 @@ def _report_skips_failed_by_exception(orig):
 
 
 def _load_unfinished_on_exception(orig):  # a load whose key building raises is dropped, never finished
-    def run_load(self, req_id, block_ids, block_hashes, sync=False):
+    def run_load(self, req_id, block_ids, block_hashes, sync=False, groups=()):
         try:
             self._key_list(block_hashes)
         except Exception as e:
             self.note_error(f"load {req_id}: {e}")
             return None
-        return orig(self, req_id, block_ids, block_hashes, sync)
+        return orig(self, req_id, block_ids, block_hashes, sync, groups)
     return run_load
 
 
@@ -380,8 +380,8 @@ def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if e
 
 
 def _mismatch_loaded(orig):  # the tag is computed and compared, and a mismatching block loaded all the same
-    def _verified(self, slot, keys, block_ids, res):
-        orig(self, slot, keys, block_ids, res)
+    def _verified(self, slot, keys, block_ids, res, groups=None):
+        orig(self, slot, keys, block_ids, res, groups)
         return res
     return _verified
 

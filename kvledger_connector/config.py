@@ -381,8 +381,7 @@ KEYS: tuple[Key, ...] = (
         "cache lives and checked before a load reports the block loaded (a mismatch is a load error). "
         "\"checksum\": anyone can compute it (catches corruption, a block under another key, a careless "
         "overwrite); \"mac\": keyed by `integrity_secret_file`, so a store client without the secret cannot "
-        "make a value that loads; \"off\": no trailer. In every key's layout digest. A hybrid model (several "
-        "KV cache groups) needs \"off\" so far",
+        "make a value that loads; \"off\": no trailer. In every key's layout digest",
         tests="test_integrity.py::test_a_same_size_overwrite_is_a_load_error_never_loaded, "
               "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key"),
     Key("integrity_secret_file", "path", None, "connector",
@@ -749,10 +748,6 @@ class ConnectorConfig:
         if self.num_kv_groups.__class__ is not int or self.num_kv_groups < 1:
             raise ConfigError("num_kv_groups", self.num_kv_groups, "must be an int >= 1", "vllm kv_cache_config")
         if self.num_kv_groups > 1:  # what a hybrid model cannot have yet, named
-            if self.integrity != "off":
-                raise ConfigError("integrity", self.integrity, f"the model has {self.num_kv_groups} KV cache groups "
-                                  f"(a hybrid model): integrity tags cover one group's views so far; set "
-                                  f"integrity 'off' for it", "connector")
             if self.save_partial_tail:
                 raise ConfigError("save_partial_tail", True, f"the model has {self.num_kv_groups} KV cache groups "
                                   f"(a hybrid model): partial tails are not served for it; set false", "connector")

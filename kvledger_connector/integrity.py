@@ -194,17 +194,24 @@ class BlockSeal:
     """Tags of a rank's blocks, computed where its KV cache lives, and the trailer slots the store calls use.
 
     ``slots`` trailer slots of ``max_keys`` rows each, one per thread that may be inside a put or a get at
-    once (the store thread, the load threads, the step's sync load): `slot` takes one for a call."""
+    once (the store thread, the load threads, the step's sync load): `slot` takes one for a call.
 
-    def __init__(self, ikey: IntegrityKey, plan: BlockCopyPlan, kv_caches: Mapping[str, Any], *, slots: int,
-                 max_keys: int) -> None:
+    A hybrid model's KV cache groups: one copy plan per group (equal block bytes), and the calls name each
+    block's group (``kv_groups``), whose views its tag is computed from."""
+
+    def __init__(self, ikey: IntegrityKey, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
+                 kv_caches: Mapping[str, Any], *, slots: int, max_keys: int) -> None:
         if not ikey.enabled:
             raise LedgerInputError("integrity", ikey.mode, "a BlockSeal needs 'checksum' or 'mac'")
         for name, v in (("slots", slots), ("max_keys", max_keys)):
             if v.__class__ is not int or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
         self.ikey = ikey
-        self.block_bytes = plan.block_bytes
+        plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)
+        if not plans or len({p.block_bytes for p in plans}) != 1:
+            raise KVLayoutError(f"integrity: {len(plans)} copy plans of block bytes "
+                                f"{sorted({p.block_bytes for p in plans})}: one size for every group")
+        self.block_bytes = plans[0].block_bytes
         self.max_keys = max_keys
         flats: dict[int, torch.Tensor] = {}
         device = None
@@ -216,7 +223,7 @@ class BlockSeal:
         if device is None:
             raise KVLayoutError("integrity: no KV cache tensors to read blocks from")
         self.device = device
-        self._groups = self._group(plan, flats)
+        self._segs = [self._group(p, flats) for p in plans]  # per KV cache group
         self.num_chunks = -(-self.block_bytes // CHUNK)
         a, u = ikey.material(self.num_chunks)
         self._a = torch.from_numpy(a.copy()).to(device)
@@ -265,7 +272,7 @@ class BlockSeal:
         return out
 
     # ------------------------------------------------------------------ tags
-    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _gather(self, block_ids: Sequence[int], kv_group: int = 0) -> torch.Tensor:
         """The blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK].
 
         One strided copy per block and group: a gather (index_select) of these views runs at a fraction of
@@ -275,7 +282,7 @@ class BlockSeal:
         buf[:, self.block_bytes:].zero_()
         for i, b in enumerate(block_ids):
             row = buf[i]
-            for g in self._groups:
+            for g in self._segs[kv_group]:
                 row[g.offset:g.offset + g.nbytes].view(g.view.shape[1], g.view.shape[2]).copy_(g.view[b])
         return buf
 
@@ -285,18 +292,32 @@ class BlockSeal:
         t = (h.to(torch.int64) * self._u).sum(dim=1)  # int64 arithmetic wraps: mod 2**64
         return _host(t).view(np.uint64)
 
-    def digests(self, block_ids: Sequence[int]) -> np.ndarray:
+    def digests(self, block_ids: Sequence[int], kv_groups: Sequence[int] | None = None) -> np.ndarray:
         """T of each block (uint64 [n, LANES]), from the KV cache as it is now.
 
         Every torch call releases the GIL and takes it back, and in an engine whose main thread is busy in
         Python each take can wait out the interpreter's switch interval: a load's latency then grows with
         its count of torch calls, not its bytes (`bench.engine` measured it). Up to FEW_BLOCKS blocks, one
-        TorchScript call does it all; a larger batch amortises its calls and takes the faster copies."""
+        TorchScript call does it all; a larger batch amortises its calls and takes the faster copies.
+        ``kv_groups``: each block's KV cache group (several groups; default group 0)."""
+        if kv_groups is not None and len(self._segs) > 1:
+            if len(kv_groups) != len(block_ids):
+                raise LedgerInputError("kv_groups", len(kv_groups), f"one per block ({len(block_ids)})")
+            out = np.empty((len(block_ids), LANES), dtype=np.uint64)
+            for g in sorted(set(kv_groups)):
+                at = [i for i, k in enumerate(kv_groups) if k == g]
+                out[at] = self._digests_of([block_ids[i] for i in at], g)
+            return out
+        return self._digests_of(block_ids, 0)
+
+    def _digests_of(self, block_ids: Sequence[int], kv_group: int) -> np.ndarray:
+        if not 0 <= kv_group < len(self._segs):
+            raise LedgerInputError("kv_group", kv_group, f"not one of this seal's {len(self._segs)} groups")
         if len(block_ids) <= FEW_BLOCKS:
-            t = _digests_few([g.view for g in self._groups], [int(b) for b in block_ids], self._a, self._u,
-                             self.num_chunks * CHUNK - self.block_bytes)
+            t = _digests_few([g.view for g in self._segs[kv_group]], [int(b) for b in block_ids], self._a,
+                             self._u, self.num_chunks * CHUNK - self.block_bytes)
             return _host(t).view(np.uint64)
-        return self._digests(self._gather(block_ids))
+        return self._digests(self._gather(block_ids, kv_group))
 
     # ------------------------------------------------------------------ trailer slots
     @contextmanager
@@ -321,8 +342,8 @@ class BlockSeal:
         """(ptr, nbytes) of the trailer slots and the staging rows, to register with the store once."""
         return [(self._arena.data_ptr(), self._arena.numel()), (self._staging.data_ptr(), self._staging.numel())]
 
-    def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stage: int | None = None
-             ) -> tuple[list[int], int | None]:
+    def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stage: int | None = None,
+             kv_groups: Sequence[int] | None = None) -> tuple[list[int], int | None]:
         """Write the trailers of ``keys`` (block ``block_ids``) into ``slot``: their pointers, in key order,
         and with ``stage`` (an index into ``keys``) the pointer of a copy of that block's object, made from
         the very bytes its tag was computed over. A partial tail block is put from that copy: decode may
@@ -330,9 +351,11 @@ class BlockSeal:
         the tagged ones (the slots the key promises never change; the others need not match)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
+        if stage is not None and kv_groups is not None and len(self._segs) > 1:
+            raise LedgerInputError("stage", stage, "a staged tail of a model with several KV cache groups")
         buf = self._gather(block_ids) if stage is not None else None
         rows = bytearray()
-        for key, d in zip(keys, self._digests(buf) if buf is not None else self.digests(block_ids)):
+        for key, d in zip(keys, self._digests(buf) if buf is not None else self.digests(block_ids, kv_groups)):
             rows += trailer(self.ikey, key, d, os.urandom(NONCE_BYTES))
         n = len(keys)
         if self._arena_np is not None:  # host memory: written without a torch call
@@ -345,13 +368,15 @@ class BlockSeal:
             staged = self._staging[slot].data_ptr()
         return self.trailer_ptrs(slot, n), staged
 
-    def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        """Whether each block read into ``block_ids`` with its trailer in ``slot`` matches its tag."""
+    def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int],
+               kv_groups: Sequence[int] | None = None) -> list[bool]:
+        """Whether each block read into ``block_ids`` (of KV cache groups ``kv_groups``) with its trailer in
+        ``slot`` matches its tag."""
         n = len(keys)
         if not n:
             return []
         rows = self._arena_np[slot, :n] if self._arena_np is not None else self._arena[slot, :n].cpu().numpy()
-        digests = self.digests(block_ids)
+        digests = self.digests(block_ids, kv_groups)
         out = []
         for key, row, d in zip(keys, rows, digests):
             raw = row.tobytes()

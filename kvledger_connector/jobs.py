@@ -352,14 +352,15 @@ class WorkerSteps:
         if before_read is not None:
             before_read()
         put_keys, put_ids = [keys[j] for j in todo], [ids[j] for j in todo]
-        ptrs, sizes = self._buffers(put_ids, None if groups is None else [groups[j] for j in todo])
+        put_groups = None if groups is None else [groups[j] for j in todo]
+        ptrs, sizes = self._buffers(put_ids, put_groups)
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
         else:  # each object ends in its trailer (kvledger_connector/integrity.py), tagged from the blocks read
             with self.seal.slot(len(todo)) as slot:
                 stage = todo.index(tail) if tail in todo else None
-                tails, staged = self.seal.seal(slot, put_keys, put_ids, stage)
+                tails, staged = self.seal.seal(slot, put_keys, put_ids, stage, put_groups)
                 if stage is not None:  # the tail is sent from the copy its tag was computed over
                     ptrs[stage], sizes[stage] = [staged], [self.seal.block_bytes]
                 res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, tails)],
@@ -376,8 +377,6 @@ class WorkerSteps:
     def _buffers(self, ids: list[int], groups: list[int] | None) -> tuple[list[list[int]], list[list[int]]]:
         if groups is None:
             return self.buffers(ids)
-        if self.seal is not None:  # refused at start-up (integrity.py's seal covers one group's views)
-            raise LedgerInputError("groups", len(self.group_keys), "integrity tags of several KV cache groups")
         return self.buffers(ids, groups)  # type: ignore[call-arg]
 
     def record_put(self, job_id: int, put_codes: Sequence[int], num_keys: int, saved_tokens: int
@@ -551,7 +550,7 @@ class WorkerSteps:
                 tails = self.seal.trailer_ptrs(slot, len(keys))
                 res = self.store_call("batch_get", len(keys), list(keys), [p + [t] for p, t in zip(ptrs, tails)],
                                       [s + [self.seal.trailer_bytes] for s in sizes])
-                res = self._verified(slot, keys, block_ids, res)
+                res = self._verified(slot, keys, block_ids, res, groups)
         self.stats.add("get_s", time.perf_counter() - t0)
         self.stats.add("gets")
         self.stats.add("get_keys", len(keys))
@@ -562,7 +561,8 @@ class WorkerSteps:
         self.stats.add("get_bytes", self.key_bytes * (len(keys) - len(bad)))
         return bad
 
-    def _verified(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], res: list[int]) -> list[int]:
+    def _verified(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], res: list[int],
+                  groups: Sequence[int] | None = None) -> list[int]:
         """The get's codes with every object read whole but failing its tag turned into INTEGRITY_MISMATCH
         (a load error: vLLM's policy acts, the bytes are never used). Such an object is removed from the
         store: it would fail every later load of its key, and while it exists no save replaces it."""
@@ -571,7 +571,8 @@ class WorkerSteps:
         whole = [i for i, c in enumerate(res) if codes.is_loaded(c, self.key_bytes)]
         if not whole:
             return res
-        ok = self.seal.verify(slot, [keys[i] for i in whole], [block_ids[i] for i in whole])
+        ok = self.seal.verify(slot, [keys[i] for i in whole], [block_ids[i] for i in whole],
+                              None if groups is None else [groups[i] for i in whole])
         out = list(res)
         for i, good in zip(whole, ok):
             if not good:

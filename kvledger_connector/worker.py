@@ -121,16 +121,13 @@ class WorkerSide:
             raise KVLayoutError("KV cache groups whose blocks differ in size ("
                                 + ", ".join(f"{p.block_bytes} B x {p.num_blocks}" for p in plans)
                                 + "): every group's block must have the same bytes (equal layer counts)")
-        if len(plans) > 1 and self.integrity is not None:
-            raise KVLayoutError(f"integrity {self.integrity.mode!r} with {len(plans)} KV cache groups: not "
-                                f"supported yet (set integrity 'off' for hybrid models)")
         plan = plans[0]
         seal = None
         if self.integrity is not None:
             if kv_caches is None:
                 raise KVLayoutError(f"integrity {self.integrity.mode!r} needs the KV cache views")
             # a put or a get at once per thread that stores: the store thread, the load threads, a sync load
-            seal = BlockSeal(self.integrity, plan, kv_caches, slots=self._num_load_threads + 2,
+            seal = BlockSeal(self.integrity, plans, kv_caches, slots=self._num_load_threads + 2,
                              max_keys=plan.num_blocks)
         for ptr, nbytes in sorted({s for p in plans for s in p.storages}):  # groups share allocations
             self.steps.store.register_buffer(ptr, nbytes)

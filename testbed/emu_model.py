@@ -17,14 +17,20 @@ import torch
 EOS = 2
 VOCAB = 1024
 _MOD = (1 << 61) - 1
+#: `layer_types` spellings of Hugging Face configs (gpt-oss, Gemma 2/3)
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int,
-                    num_attention_heads: int | None = None, mla: bool = False) -> str:
+                    num_attention_heads: int | None = None, mla: bool = False,
+                    sliding_window: int | None = None) -> str:
     """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig. With
     ``num_attention_heads`` above ``num_kv_heads``: grouped-query attention (vLLM replicates KV heads on
     TP ranks beyond them). ``mla``: a tiny DeepSeek-V2 config instead (``model_config.use_mla``; one latent
-    of ``head_size`` = kv_lora_rank + qk_rope_head_dim per token, the same on every TP rank)."""
+    of ``head_size`` = kv_lora_rank + qk_rope_head_dim per token, the same on every TP rank).
+    ``sliding_window``: a gpt-oss-like hybrid, declared as gpt-oss does (`sliding_window` + `layer_types`):
+    even layers attend to the last ``sliding_window`` tokens, odd layers to all of them (the stand-in worker
+    reads both; `testbed.kvcache.attention_specs` gives the same pattern)."""
     os.makedirs(path, exist_ok=True)
     heads = num_attention_heads or num_kv_heads
     cfg = {
@@ -44,6 +50,14 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
                     "v_head_dim": 8, "q_lora_rank": None, "first_k_dense_replace": num_layers,
                     "moe_layer_freq": 1})
         del cfg["head_dim"]
+    if sliding_window is not None:
+        if mla or sliding_window < 1 or num_layers < 2:
+            raise ValueError(f"write_model_dir sliding_window={sliding_window!r}: needs a window >= 1, at least "
+                             f"2 layers and no MLA (num_layers={num_layers}, mla={mla})")
+        # `layer_types` keeps vLLM's EngineArgs from copying the window into CacheConfig.sliding_window, which
+        # it does only for models without per-layer types (all layers sliding)
+        cfg.update({"sliding_window": sliding_window,
+                    "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

@@ -15,10 +15,18 @@ for every scheduled position p, the KV that `KVContent` defines for (prefix of p
 request's blocks through vLLM's [B, H, N, C] views (K in C[:D], V in C[D:]); the sampled token is a
 function of the prefix. Before writing, each layer CHECKS every earlier position of the request that this
 worker did not write itself in the request's current lifetime (local prefix-cache hits, blocks loaded by
-the connector, blocks kept across a preemption): a mismatch is KV the model would have computed on
-(`wrong_kv`) — unless the step's own connector output reports one of the request's blocks as a failed
-load (a sync load that failed inside this step: vLLM discards that request's step and recomputes from the
-failure, so the read is counted in `discarded_wrong_reads` instead and the request checked from 0 again). Outputs are checkable with `emu_model.expected_output`.
+the connector, blocks kept across a preemption) and that its attention reads: a mismatch is KV the model
+would have computed on (`wrong_kv`) — unless the step's own connector output reports one of the request's
+blocks as a failed load (a sync load that failed inside this step: vLLM discards that request's step and
+recomputes from the failure, so the read is counted in `discarded_wrong_reads` instead and the request
+checked from 0 again). Outputs are checkable with `emu_model.expected_output`.
+
+A model whose config declares `sliding_window` and `layer_types` (`emu_model.write_model_dir(sliding_window=W)`)
+is a gpt-oss-like hybrid: even layers report a `SlidingWindowSpec`, odd layers a `FullAttentionSpec`, and with
+vLLM's hybrid KV cache manager on there are two KV cache groups, each with its own block table (vLLM's
+`block_ids` carry one list per group). Each layer writes and reads through its group's table; a
+sliding-window layer reads only the last W positions, [start - W + 1, start), since vLLM puts its null block
+(block 0) below the window and frees and reuses the blocks it replaces.
 
 Per-request state follows `GPUModelRunner._update_states`: new requests, cached/resumed requests (block
 ids appended, or replaced on resumption), `num_computed_tokens`, output tokens trimmed to the scheduler's
@@ -54,15 +62,16 @@ from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfe
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from testbed.emu_model import KVContent
-from testbed.kvcache import layer_names
+from testbed.emu_model import FULL, SLIDING, KVContent
+from testbed.kvcache import attention_specs, layer_names
 
 # under vLLM's logger namespace: vLLM configures handlers and level for "vllm" only
 logger = init_logger(f"vllm.{__name__}")
@@ -73,7 +82,30 @@ DEFAULT_KV_CACHE_BYTES = 32 << 20
 #: wrong-KV messages kept per rank (the counter counts them all)
 MAX_MESSAGES = 10
 
+#: vLLM's null block: what a sliding-window table holds below the window
+NULL_BLOCK_ID = 0
+
 _R = TypeVar("_R")
+
+
+class EmuWorkerError(RuntimeError):
+    """The engine handed the stand-in something it cannot emulate (or a block table that breaks vLLM's own
+    invariants, e.g. a position being computed in the null block)."""
+
+
+def hybrid_window(model_config: Any, num_layers: int) -> int | None:
+    """The sliding window of a gpt-oss-like hybrid config (`sliding_window` + `layer_types`, even layers
+    sliding, odd layers full), or None for a model whose layers all attend to everything. Another pattern is
+    refused: the stand-in's specs (`testbed.kvcache.attention_specs`) would not match the config."""
+    window = model_config.get_sliding_window()
+    if window is None:
+        return None
+    types = getattr(model_config.hf_text_config, "layer_types", None)
+    want = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+    if types is None or list(types) != want:
+        raise EmuWorkerError(f"EmuWorker: sliding_window={window} with layer_types={types}; the stand-in "
+                             f"emulates only {want} (even layers sliding)")
+    return int(window)
 
 
 def _rpc(fn: Callable[..., _R]) -> Callable[..., _R]:
@@ -113,7 +145,7 @@ class _ReqState:
     """This worker's view of one request lifetime (GPUModelRunner's `CachedRequestState`, reduced)."""
     tokens: list[int]  # prompt + sampled tokens, as the model runner keeps them
     num_prompt_tokens: int
-    block_ids: list[int]  # KV cache group 0
+    tables: list[list[int]]  # one block table per KV cache group (a sliding-window one starts with nulls)
     num_computed_tokens: int
     hashes: list[int] = field(default_factory=list)  # KVContent prefix hashes, a cache over `tokens`
     # positions [0, valid_upto) of the current block table were written or checked in this lifetime
@@ -142,6 +174,10 @@ class EmuWorker(WorkerBase):
         self.head_size = mc.get_head_size()
         self.kv_dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, mc)
         self.layer_names = layer_names(self.num_layers)
+        # a gpt-oss-like hybrid (even layers sliding window); None: every layer full attention
+        self.sliding_window = hybrid_window(mc, self.num_layers)
+        if self.sliding_window is not None and mc.use_mla:
+            raise EmuWorkerError("EmuWorker: a sliding-window hybrid with MLA is not emulated")
         self.content = KVContent(self.num_kv_heads, self.head_size)
         # MLA: one latent of head_size per token (no K/V halves), the same on every TP rank
         self.mla = bool(mc.use_mla)
@@ -153,6 +189,11 @@ class EmuWorker(WorkerBase):
         self._plan: _StepPlan | None = None
         self._pending: ModelRunnerOutput | None = None  # execute_model's output until sample_tokens
         self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
+        # per layer, its KV cache group (block table); per group, the window its attention reads (None: all).
+        # Set from the KVCacheConfig vLLM planned (initialize_from_config)
+        self.group_of_layer: dict[str, int] = {}
+        self.window_of_group: list[int | None] = []
+        self.group_specs: list[str] = []
         self.counts: Counter[str] = Counter()
         self.messages: list[str] = []
         self._wrong_reads: dict[str, list[tuple[int, str]]] = {}  # this step's, judged after its connector output
@@ -191,6 +232,10 @@ class EmuWorker(WorkerBase):
 
     @_rpc
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        if self.sliding_window is not None:
+            return attention_specs(self.num_layers, block_size=self.cache_config.block_size,
+                                   num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.kv_dtype,
+                                   sliding_window=self.sliding_window)
         spec: KVCacheSpec
         if self.mla:
             spec = MLAAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=1,
@@ -236,6 +281,16 @@ class EmuWorker(WorkerBase):
             record_kv_cache_layout(self.cache_config, kv_cache_config.kv_cache_layout)
         self.cache_config.hash_block_size = kv_cache_config.hash_block_size
         self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
+        groups = kv_cache_config.kv_cache_groups
+        self.group_of_layer = {n: g for g, grp in enumerate(groups) for n in grp.layer_names}
+        # with the hybrid manager off vLLM merges sliding-window layers into full attention (one group): the
+        # stand-in then checks every earlier position, which the merged table still holds
+        self.window_of_group = [grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec)
+                                else None for grp in groups]
+        self.group_specs = [type(grp.kv_cache_spec).__name__ for grp in groups]
+        ungrouped = [n for n in self.layer_names if n not in self.group_of_layer]
+        if ungrouped:
+            raise EmuWorkerError(f"EmuWorker: vLLM's KVCacheConfig puts layers {ungrouped} in no KV cache group")
         ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
         if has_kv_transfer_group():
             self._connector_created(get_kv_transfer_group())
@@ -364,6 +419,9 @@ class EmuWorker(WorkerBase):
             "wrong_kv": self.counts["wrong_kv"], "messages": list(self.messages),
             "counts": dict(self.counts), "rpc_calls": dict(self.rpc_calls),
             "live_requests": len(self.requests), "kv_layout": self.kv_layout,
+            "kv_cache_groups": [{"spec": spec, "sliding_window": w,
+                                 "layers": [self._layer_index[n] for n, g in self.group_of_layer.items() if g == i]}
+                                for i, (spec, w) in enumerate(zip(self.group_specs, self.window_of_group))],
             "kv_view": None if first is None else {"shape": list(first.shape), "stride": list(first.stride()),
                                                    "dtype": str(first.dtype)},
             "connector": None,
@@ -405,7 +463,7 @@ class EmuWorker(WorkerBase):
                 raise RuntimeError(f"EmuWorker: request {nr.req_id} has no prompt token ids (embeddings?)")
             self.requests[nr.req_id] = _ReqState(tokens=list(nr.prompt_token_ids),
                                                  num_prompt_tokens=len(nr.prompt_token_ids),
-                                                 block_ids=list(nr.block_ids[0]),
+                                                 tables=self._tables(nr.req_id, nr.block_ids),
                                                  num_computed_tokens=nr.num_computed_tokens)
             self.counts["new_requests"] += 1
         cr = so.scheduled_cached_reqs
@@ -418,12 +476,23 @@ class EmuWorker(WorkerBase):
                 del st.tokens[st.num_prompt_tokens + num_out:]
                 del st.hashes[len(st.tokens):]
             new_ids = cr.new_block_ids[i]
-            if rid in cr.resumed_req_ids:
+            if rid in cr.resumed_req_ids:  # a resumed request's tables are replaced, not appended to
                 self.counts["resumptions"] += 1
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.tables = self._tables(rid, new_ids)
                 st.valid_upto = 0
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                for table, ids in zip(st.tables, self._tables(rid, new_ids)):
+                    table.extend(ids)
+
+    def _tables(self, rid: str, block_ids: tuple[list[int], ...] | None) -> list[list[int]]:
+        """A scheduler output's block ids (one list per KV cache group, or None: no new block) as tables."""
+        n = len(self.window_of_group)
+        if block_ids is None:
+            return [[] for _ in range(n)]
+        if len(block_ids) != n:
+            raise EmuWorkerError(f"EmuWorker: {rid} got block ids for {len(block_ids)} KV cache groups, the "
+                                 f"KVCacheConfig has {n}")
+        return [list(ids) for ids in block_ids]
 
     def _plan_step(self, so: SchedulerOutput) -> _StepPlan:
         req_ids = list(so.num_scheduled_tokens)
@@ -437,9 +506,10 @@ class EmuWorker(WorkerBase):
             if end > len(st.tokens):
                 raise RuntimeError(f"EmuWorker: {rid} scheduled up to position {end}, it has {len(st.tokens)} "
                                    f"tokens")
-            if end > len(st.block_ids) * bs:
-                raise RuntimeError(f"EmuWorker: {rid} scheduled up to position {end}, its block table covers "
-                                   f"{len(st.block_ids) * bs}")
+            for g, table in enumerate(st.tables):
+                if end > len(table) * bs:
+                    raise RuntimeError(f"EmuWorker: {rid} scheduled up to position {end}, its block table of "
+                                       f"group {g} covers {len(table) * bs}")
             KVContent.prefix_hashes(st.tokens, end, st.hashes)
             write[rid] = (start, end)
             if st.valid_upto < start:
@@ -456,31 +526,49 @@ class EmuWorker(WorkerBase):
         if plan is None:
             raise RuntimeError("EmuWorker: attention outside a step")
         li = self._layer_index[layer_name]
+        g = self.group_of_layer[layer_name]
+        window = self.window_of_group[g]
         view = self.kv_caches[layer_name]
         for rid in plan.req_ids:
             lo, hi = plan.write[rid]
             st = self.requests[rid]
-            kb, off = self._slots(view, st.block_ids, lo, hi)
+            kb, off = self._slots(view, st.tables[g], lo, hi)
+            if bool((kb < 0).any()):  # vLLM allocates every position it schedules: only old ones are null
+                raise EmuWorkerError(f"EmuWorker: {rid} layer {li} computes positions {lo}..{hi} into the null "
+                                     f"block (group {g} table {st.tables[g]})")
             for kv in ((0,) if self.mla else (0, 1)):
                 want = self.content.slots(st.hashes[lo:hi], li, kv, self.shard).to(view.dtype)
                 view[kb, :, off, self._kv_part(kv)] = want
         for rid, (lo, hi) in plan.check.items():
-            self._check(rid, view, li, lo, hi)
+            # a sliding-window layer's attention at `hi` reads [hi - W + 1, hi): older positions may be null
+            first = lo if window is None else max(lo, hi - window + 1)
+            if first < hi:
+                self._check(rid, view, li, g, first, hi)
 
-    def _slots(self, view: torch.Tensor, block_ids: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, view: torch.Tensor, table: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Index tensors (kernel block, token in kernel block) of positions lo..hi in a [B, H, N, C] view
-        whose B may count kernel blocks (B = num_blocks * block_size / N)."""
+        whose B may count kernel blocks (B = num_blocks * block_size / N). A position in vLLM's null block
+        gets kernel block -1."""
         bs = self.cache_config.block_size
         nk = view.shape[2]
         pos = torch.arange(lo, hi)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        kb = table[pos // bs] * (bs // nk) + (pos % bs) // nk
-        return kb, pos % nk
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
+        kb = blocks * (bs // nk) + (pos % bs) // nk
+        return torch.where(blocks == NULL_BLOCK_ID, -1, kb), pos % nk
 
-    def _check(self, rid: str, view: torch.Tensor, li: int, lo: int, hi: int) -> None:
+    def _check(self, rid: str, view: torch.Tensor, li: int, g: int, lo: int, hi: int) -> None:
         st = self.requests[rid]
-        kb, off = self._slots(view, st.block_ids, lo, hi)
+        table = st.tables[g]
+        kb, off = self._slots(view, table, lo, hi)
         self.counts["tokens_checked"] += hi - lo if li == 0 else 0
+        null = kb < 0
+        if bool(null.any()):  # attention would read the null block: whatever it holds is wrong KV
+            n_null = int(null.sum())
+            first = lo + int(null.nonzero()[0, 0])
+            self._wrong_reads.setdefault(rid, []).append((n_null, (
+                f"{rid} rank {self.tp_rank} layer {li}: {n_null} of positions {lo}..{hi} read are in the null "
+                f"block (first {first}, group {g})")))
+            return
         for kv in ((0,) if self.mla else (0, 1)):
             want = self.content.slots(st.hashes[lo:hi], li, kv, self.shard).to(view.dtype)
             got = view[kb, :, off, self._kv_part(kv)]  # (n, H, D)
@@ -490,7 +578,7 @@ class EmuWorker(WorkerBase):
                 first = lo + int(bad.nonzero()[0, 0])
                 self._wrong_reads.setdefault(rid, []).append((n_bad, (
                     f"{rid} rank {self.tp_rank} layer {li} {'KV'[kv]}: {n_bad} of positions {lo}..{hi} hold "
-                    f"wrong KV (first {first}, block {st.block_ids[first // self.cache_config.block_size]})")))
+                    f"wrong KV (first {first}, block {table[first // self.cache_config.block_size]}, group {g})")))
 
     def _judge_wrong_reads(self, kvo: KVConnectorOutput | None) -> None:
         """This step's wrong reads: wrong KV, unless the request holds a block this step's output reports as
@@ -499,7 +587,7 @@ class EmuWorker(WorkerBase):
         failed = set(kvo.invalid_block_ids or ()) if kvo is not None else set()
         for rid, found in reads.items():
             st = self.requests.get(rid)
-            if failed and st is not None and failed.intersection(st.block_ids):
+            if failed and st is not None and any(failed.intersection(t) for t in st.tables):
                 self.counts["discarded_wrong_reads"] += sum(n for n, _ in found)
                 st.valid_upto = 0  # rolled back: what is kept is checked again
                 continue

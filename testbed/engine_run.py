@@ -16,6 +16,9 @@ The spec (all keys but `workdir` and `prompts` optional):
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
     kv_kind        "per_rank" (default: the Llama model above), "replicated" (one KV head, which vLLM replicates
                    on every TP rank) or "mla" (a DeepSeek-V2 model: one latent of head_size per token)
+    sliding_window a gpt-oss-like hybrid (not with "mla"): the config declares this window for even layers and
+                   full attention for odd ones, the worker reports SlidingWindowSpec / FullAttentionSpec, and with
+                   vLLM's hybrid KV cache manager on there are two KV cache groups (default: none)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
@@ -42,7 +45,8 @@ The spec (all keys but `workdir` and `prompts` optional):
                    (e.g. restarts the Mooncake master)
 
 Result (last stdout line, prefixed `ENGINE_RUN_RESULT `): outputs, finish reasons and num_cached_tokens per
-pass (and vLLM's counters after it), every rank's `emu_stats`, vLLM's prefix-cache counters, whether
+pass (and vLLM's counters after it), every rank's `emu_stats` (with the KV cache groups vLLM planned),
+`disable_hybrid_kv_cache_manager` as vLLM resolved it, vLLM's prefix-cache counters, whether
 reset_prefix_cache() succeeded after the run (vLLM's own "every block is free" test: no leaked block), with
 mp=0 the scheduler's block pool and connector pins (also after shutdown: `engine_after_shutdown`), the
 Mooncake server processes the engine's own processes started (`engine_mooncake`, sampled after start-up and
@@ -230,11 +234,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kind = spec.get("kv_kind", "per_rank")
     if kind not in ("per_rank", "replicated", "mla"):
         raise ValueError(f"engine spec kv_kind={kind!r}: must be 'per_rank', 'replicated' or 'mla'")
+    window = spec.get("sliding_window")
     model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
                                 num_layers=int(spec.get("num_layers", 2)),
                                 num_kv_heads=int(spec.get("num_kv_heads", 2)) if kind == "per_rank" else 1,
                                 num_attention_heads=None if kind == "per_rank" else 2 * tp,
-                                head_size=int(spec.get("head_size", 8)), mla=kind == "mla")
+                                head_size=int(spec.get("head_size", 8)), mla=kind == "mla",
+                                sliding_window=None if window is None else int(window))
     kvt = None
     conn = spec.get("connector")
     if conn is not None:
@@ -257,6 +263,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                               "rendezvous": {"startup": _rendezvous_files()}}
     # vLLM's CPU platform turns async scheduling off (platforms/cpu.py); recorded, not chosen
     result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    # resolved in VllmConfig.__post_init__ (platform, connector's SupportsHMA); EngineCore gets this config
+    result["disable_hybrid_kv_cache_manager"] = bool(
+        llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
     prompts: list[list[int]] = [list(map(int, p)) for p in spec["prompts"]]
     max_tokens = int(spec.get("max_tokens", 8))
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)

@@ -711,7 +711,7 @@ class Harness:
                 store.register_buffer(ptr, nbytes)
             seal = self.workers[0].worker_side.steps.seal if self.workers else None  # type: ignore[union-attr]
             if seal is not None:  # the objects' trailers, read and checked with the workers' integrity key
-                self._scratch_seal = BlockSeal(seal.ikey, self._scratch_plan, self._scratch, slots=1, max_keys=1)
+                self._scratch_seal = BlockSeal(seal.ikey, self._scratch_plans, self._scratch, slots=1, max_keys=1)
                 for ptr, nbytes in self._scratch_seal.regions:
                     store.register_buffer(ptr, nbytes)
         scratch = self._scratch
@@ -737,7 +737,7 @@ class Harness:
                         continue  # evicted between the two calls
                     checked += 1
                     pos = hashes[bi * bs:(bi + 1) * bs]
-                    ok = self._trailer_ok(key)
+                    ok = self._trailer_ok(key, g)
                     for li, name in enumerate(self.layer_names):
                         if name not in groups[g]:
                             continue  # another group's layer: not in this object
@@ -764,9 +764,10 @@ class Harness:
             ptrs, sizes = ptrs + self._scratch_seal.trailer_ptrs(0, 1), sizes + [self._scratch_seal.trailer_bytes]
         return ptrs, sizes
 
-    def _trailer_ok(self, key: str) -> bool:
-        """The object just read into the scratch block matches its trailer's tag (True without integrity)."""
-        return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1]) == [True]
+    def _trailer_ok(self, key: str, group: int = 0) -> bool:
+        """The object just read into the scratch block (of KV cache group ``group``) matches its trailer's
+        tag (True without integrity)."""
+        return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1], [group]) == [True]
 
     def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, int, bytes]],
                     checked: int, polluted: int) -> tuple[int, int]:

@@ -22,7 +22,9 @@ own process, on a configured master (also with an MLA model: one copy in the sto
 connector starts a private master, the other processes attach through a rendezvous file); TP=1 with a pool
 small enough that vLLM preempts and the same request ids added again after they finished; TP=1 with load
 faults injected (`FaultyEmuWorker`: a FAULT-INJECTION TEST DOUBLE around the real store) under both
-`kv_load_failure_policy` values; TP=1 with the Mooncake master killed and restarted between passes.
+`kv_load_failure_policy` values; TP=1 with the Mooncake master killed and restarted between passes; a
+gpt-oss-like hybrid model (sliding-window and full-attention KV cache groups, vLLM's hybrid KV cache manager
+on) at TP=1 in-process (with preemptions and reused request ids) and at TP=2 with worker processes.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from conformance import runlog
 from conformance.engine import tracecheck
 from kvledger.trace import validate_events
 from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
-from testbed.emu_model import VOCAB, expected_output
+from testbed.emu_model import VOCAB, expected_output, shared_prefix_prompts
 from testbed.procs import alive, processes_matching
 
 pytestmark = pytest.mark.slow
@@ -69,11 +71,11 @@ def _spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any] | None, 
             "reset_between_passes": True, "settle_timeout_s": 60, **over}
 
 
-def _connector(mc: EmbeddedMooncake, trace: Path) -> dict[str, Any]:
+def _connector(mc: EmbeddedMooncake, trace: Path, **extra: Any) -> dict[str, Any]:
     return {"policy": "recompute", "extra": {
         "master_server_address": mc.master_address, "metadata_server": mc.metadata_server,
         "global_segment_size": "32MB", "local_buffer_size": "4MB", "max_inflight_jobs": PIN_CAP,
-        "max_pinned_blocks": 64, "trace_path": str(trace)}}
+        "max_pinned_blocks": 64, "trace_path": str(trace), **extra}}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +90,9 @@ def baseline(run_engine: Callable[..., dict[str, Any]], tmp_path_factory: pytest
     return outputs
 
 
-def _check_outputs(res: dict[str, Any], baseline: list[list[int]] | None, max_tokens: int = MAX_TOKENS) -> None:
-    want = [expected_output(p, max_tokens) for p in PROMPTS]
+def _check_outputs(res: dict[str, Any], baseline: list[list[int]] | None, max_tokens: int = MAX_TOKENS,
+                   prompts: list[list[int]] | None = None) -> None:
+    want = [expected_output(p, max_tokens) for p in (PROMPTS if prompts is None else prompts)]
     if baseline is not None:
         assert baseline == want, "the engine without a connector does not produce the emulated model's outputs"
     for n, ps in enumerate(res["passes"]):
@@ -108,9 +111,16 @@ def _master_timeouts(res: dict[str, Any]) -> int:
     return sum(text.count(m) for m in MASTER_TIMEOUT_MARKS)
 
 
-def _check_workers(res: dict[str, Any], *, tp: int, load_faults: bool = False) -> None:
+#: what vLLM logs when it recomputes blocks a connector reported as failed loads (block-level reports only)
+RECOVERED_MARK = "Recovered from KV load failure"
+
+
+def _check_workers(res: dict[str, Any], *, tp: int, load_faults: bool = False,
+                   recovery_mark: str | None = RECOVERED_MARK) -> None:
     """Every rank: no wrong KV, checked some KV it did not write, loaded (and finished every load), saved,
     no handler errors, no pending work. `load_faults`: failed load blocks are injected (and required).
+    `recovery_mark`: what the log must show when load blocks failed (None: vLLM logs nothing, as for a hybrid
+    model's per-request reports; no wrong KV and the model's outputs then show the recompute).
 
     Without injected faults a load block may fail only when the master did not answer in time: on this
     2-core machine the main threads of vLLM's workers and EngineCore busy-poll their shared-memory queues
@@ -132,8 +142,9 @@ def _check_workers(res: dict[str, Any], *, tp: int, load_faults: bool = False) -
         if not load_faults and c["num_load_blocks_failed"]:
             timeouts = _master_timeouts(res)
             assert timeouts > 0, f"{who} failed load blocks with no master RPC timeout in the log: {c}"
-            assert "Recovered from KV load failure" in Path(res["log"]).read_text(errors="replace"), \
-                f"{who}: failed load blocks that vLLM did not recompute: {c}"
+            if recovery_mark is not None:
+                assert recovery_mark in Path(res["log"]).read_text(errors="replace"), \
+                    f"{who}: failed load blocks that vLLM did not recompute: {c}"
             print(f"NOTE {who}: {c['num_load_blocks_failed']} load blocks failed after {timeouts} master RPC "
                   f"timeouts (a starved master: see _check_workers); all recomputed")
         assert c["num_saves_run"] > 0, f"{who} saved nothing: {c}"
@@ -465,3 +476,97 @@ def test_tp1_master_killed_and_restarted_between_passes(
     _check_nothing_left(res)
     assert cached[3] > cached[0] and c["num_loads"] > 0, \
         f"pass 4 loaded nothing from the restarted master: cached tokens per pass {cached}"
+
+
+# ---------------------------------------------------------------------------------------------- hybrid model
+#: a gpt-oss-like hybrid: even layers attend to the last WINDOW tokens (SlidingWindowSpec), odd ones to all
+WINDOW = 128
+PREFIX_LEN = 256
+#: 300-token prompts on two 256-token shared prefixes: longer than the window, so vLLM puts its null block
+#: below the window in the sliding-window group's tables (prefill runs in 128-token chunks)
+HYBRID_PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=PREFIX_LEN, suffix_len=44, seed=5)
+HMA_OFF_MARK = "Turning off hybrid kv cache manager"
+#: tokens generated per request in the TP=1 hybrid test: decodes that outgrow its small pool (preemptions)
+HYBRID_PREEMPT_TOKENS = 40
+
+
+def _hybrid_spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any], **over: Any) -> dict[str, Any]:
+    return _spec(workdir, tp=tp, mp=mp, connector=connector, **{
+        "prompts": HYBRID_PROMPTS, "sliding_window": WINDOW, "num_layers": 4, "num_blocks": 160,
+        "max_model_len": 384, **over})
+
+
+def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: int = MAX_TOKENS
+                      ) -> list[dict[str, Any]]:
+    """`_check_run` for the hybrid model, plus: vLLM kept its hybrid KV cache manager on (our connector is
+    `SupportsHMA`) and every rank got two KV cache groups, the sliding-window layers (0, 2) and the
+    full-attention ones (1, 3).
+
+    Pass 2 must start every prompt from at least its shared prefix (the store's, after reset_prefix_cache),
+    unless a rank's load failed after a master RPC timeout (`_check_workers`: a starved master on this
+    2-core machine). With several groups the connector reports a failed load per request and vLLM
+    recomputes the whole request without logging it; the connector then skips store calls for its
+    unhealthy backoff (1 s, longer than pass 2), so that rank's other loads fail too. Outputs and wrong KV
+    are checked either way."""
+    _check_outputs(res, None, max_tokens, HYBRID_PROMPTS)
+    _check_workers(res, tp=tp, recovery_mark=None)
+    assert res["metrics"].get("external_prefix_cache_hits", 0) >= 2 * PREFIX_LEN, res["metrics"]
+    cached = [ps["num_cached_tokens"] for ps in res["passes"]]
+    failed = [w["connector"]["num_load_blocks_failed"] for w in res["workers"]]
+    if any(failed):
+        print(f"NOTE: load blocks failed per rank {failed} after master RPC timeouts; cached tokens {cached}")
+    else:
+        assert all(n >= PREFIX_LEN for n in cached[1]) and sum(cached[1]) > sum(cached[0]), cached
+    _check_at_rest(res)
+    events = _check_trace(trace)
+    _check_nothing_left(res)
+
+    assert res["disable_hybrid_kv_cache_manager"] is False, "vLLM turned the hybrid KV cache manager off"
+    assert HMA_OFF_MARK not in Path(res["log"]).read_text(errors="replace"), f"{HMA_OFF_MARK!r} in {res['log']}"
+    want = [{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layers": [0, 2]},
+            {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
+    for w in res["workers"]:
+        assert sorted(w["kv_cache_groups"], key=lambda g: g["layers"]) == want, w["kv_cache_groups"]
+    return events
+
+
+def test_tp1_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+    """A gpt-oss-like hybrid (two KV cache groups: sliding window and full attention) in the real engine,
+    TP=1 in-process: the stand-in writes and checks each layer through its own group's block table, a
+    sliding-window layer only over the positions its attention reads. Pass 2 loads both groups' blocks
+    from the store (asynchronously: vLLM refuses block-level load errors with several groups), and every
+    output is the model's.
+
+    A 64-block pool (a request holds about 30: 19 to 22 full-attention blocks, up to 9 in the window) and
+    40 generated tokens make vLLM preempt (resumed requests get new tables for both groups), and each pass
+    adds "req-0".."req-5" itself, so pass 2 reuses pass 1's ids after they finished (as in the preemption
+    test). Integrity off here: with the tag's CPU cost the saves hold their pins longer and vLLM waits for
+    blocks instead of preempting (the scenario needs the preemption); the TP=2 test runs the default tag."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_hybrid_spec(tmp_path, tp=1, mp=0, connector=_connector(mooncake, trace, integrity="off"), num_blocks=64,
+                                  max_tokens=HYBRID_PREEMPT_TOKENS, request_ids="fixed"),
+                     timeout_s=180, name="tp1-hybrid")
+    w = res["workers"][0]
+    print(f"tp1 hybrid: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
+          f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
+          f"counts {w['counts']}, connector {w['connector']}")
+    events = _check_hybrid_run(res, tp=1, trace=trace, max_tokens=HYBRID_PREEMPT_TOKENS)
+    assert res["metrics"].get("num_preemptions", 0) > 0 and w["counts"].get("resumptions", 0) > 0, \
+        "no preemption happened: that part of the scenario is void"
+    ids = [f"req-{i}" for i in range(len(HYBRID_PROMPTS))]
+    assert [ps["request_ids"] for ps in res["passes"]] == [ids, ids]
+    assert Counter(e["req_id"] for e in events if e["action"] == "Finish")["req-0"] == 2
+
+
+def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+    """The same hybrid model at TP=2 with worker processes and EngineCore in its own process: each rank
+    stores and loads both groups of its own KV heads, and checks what it loaded."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace),
+                                  shutdown_timeout_s=30), timeout_s=300, name="tp2-hybrid")
+    print(f"tp2 hybrid: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
+          f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
+          f"connectors {[w['connector'] for w in res['workers']]}")
+    _check_hybrid_run(res, tp=2, trace=trace)

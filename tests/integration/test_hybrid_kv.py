@@ -14,6 +14,7 @@ turns null below the window while its request's later chunks are still being sav
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.jobs import SentBlocks
@@ -25,12 +26,10 @@ from testbed.harness import Harness, shared_prefix_prompts
 W = 128
 BS = 16
 PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=256, suffix_len=44, seed=5)
-OFF = {"integrity": "off"}  # tags cover one group's views so far: refused with several groups (tested below)
 
 
 def _hybrid(store_config: StoreConfig, **kw) -> Harness:
     kw.setdefault("num_blocks", 160)
-    kw.setdefault("extra", OFF)
     return Harness(store_config, sliding_window=W, num_layers=4, block_size=BS, **kw)
 
 
@@ -112,9 +111,30 @@ def test_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed():
         sent.resolve(SaveSpec("r", 3, 0, 3, 3, (), (), num_groups=2, null_before=(1,)))
 
 
-@pytest.mark.parametrize("extra, field", [({}, "integrity"), ({"integrity": "off", "save_partial_tail": True},
-                                                                 "save_partial_tail")])
-def test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name(store_config: StoreConfig, extra: dict,
-                                                                field: str):
-    with pytest.raises(ConfigError, match=field):
-        _hybrid(store_config, extra=extra)
+def test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name(store_config: StoreConfig):
+    with pytest.raises(ConfigError, match="save_partial_tail"):
+        _hybrid(store_config, extra={"save_partial_tail": True})
+
+
+@pytest.mark.parametrize("group", ["sliding", "full"])
+def test_a_same_size_overwrite_of_either_groups_key_is_never_loaded(store_config: StoreConfig, group: str):
+    """Integrity (`checksum`, the default) with two groups: each object's tag is computed over its own
+    group's views. Another client's same-size bytes under one group's key fail the tag: a load error, the
+    request recomputes, the object is removed (and saved again by the recompute); never loaded."""
+    with _hybrid(store_config) as h:
+        h.run_pass(PROMPTS[:3], 4, tag="a")
+        g = h.window_of_group.index(W if group == "sliding" else None)
+        key = h.workers[0].worker_side.steps.group_keys[g].key(h.block_hashes_of(PROMPTS[0])[15])
+        store = h.checker()
+        size = h.workers[0].worker_side.steps.key_bytes
+        buf = torch.randint(0, 256, (size,), dtype=torch.uint8)  # the forger's bytes, as long as the object
+        store.register_buffer(buf.data_ptr(), size)
+        h._attack_buf = buf  # registered with the store: kept alive with the harness
+        assert store.remove(key, True) == 0
+        assert store.batch_put([key], [[buf.data_ptr()]], [[size]]) == [0]
+        h.scheduler.reset_prefix_cache()
+        h.run_pass(PROMPTS[:1], 4, tag="b")  # outputs and S7 checked: the forged block never loaded
+        assert sum(w.stats.total("integrity_mismatches") for w in h.workers) == 1
+        assert h.workers[0].stats.total("load_errors_reported") > 0
+        checked, polluted = h.check_store()  # the forged object removed, the recompute's own saved again
+        assert checked > 0 and polluted == 0
