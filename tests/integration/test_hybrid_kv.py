@@ -138,3 +138,12 @@ def test_a_same_size_overwrite_of_either_groups_key_is_never_loaded(store_config
         assert h.workers[0].stats.total("load_errors_reported") > 0
         checked, polluted = h.check_store()  # the forged object removed, the recompute's own saved again
         assert checked > 0 and polluted == 0
+
+
+def test_reset_cache_removes_every_groups_keys(store_config: StoreConfig):
+    """reset_cache's one pattern covers each group's key prefix (a group's layout digest differs)."""
+    with _hybrid(store_config) as h:
+        h.run_pass(PROMPTS[:2], 4, tag="a")
+        assert all(all(c == 1 for c in g) for g in _group_keys_present(h, PROMPTS[0]))
+        h.reset_prefix_cache_when_idle(reset_connector=True)
+        assert all(not any(g) for g in _group_keys_present(h, PROMPTS[0]))
