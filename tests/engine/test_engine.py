@@ -487,7 +487,7 @@ PREFIX_LEN = 256
 HYBRID_PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=PREFIX_LEN, suffix_len=44, seed=5)
 HMA_OFF_MARK = "Turning off hybrid kv cache manager"
 #: tokens generated per request in the TP=1 hybrid test: decodes that outgrow its small pool (preemptions)
-HYBRID_PREEMPT_TOKENS = 40
+HYBRID_PREEMPT_TOKENS = 80
 
 
 def _hybrid_spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any], **over: Any) -> dict[str, Any]:
@@ -539,8 +539,9 @@ def test_tp1_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
     output is the model's.
 
     A 64-block pool (a request holds about 30: 19 to 22 full-attention blocks, up to 9 in the window) and
-    40 generated tokens make vLLM preempt (resumed requests get new tables for both groups), and each pass
-    adds "req-0".."req-5" itself, so pass 2 reuses pass 1's ids after they finished (as in the preemption
+    80 generated tokens make vLLM preempt (5 to 9 times in runs here; 40 tokens gave one, which is too
+    close to none), resumed requests getting new tables for both groups; each pass adds
+    "req-0".."req-5" itself, so pass 2 reuses pass 1's ids after they finished (as in the preemption
     test). Integrity off here: with the tag's CPU cost the saves hold their pins longer and vLLM waits for
     blocks instead of preempting (the scenario needs the preemption); the TP=2 test runs the default tag."""
     trace = tmp_path / "trace.ndjson"
