@@ -80,7 +80,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
     A `SupportsHMA` connector: vLLM keeps its hybrid KV cache manager on with it. A hybrid model's KV cache
     groups of full attention and sliding window are served (engine_facts.kv_cache_groups): a key per group
     and block, every group's blocks of a hit loaded (a sliding window's below the window are vLLM's null
-    block), a lookup hit only where every group's key exists, loads asynchronous and failed per request."""
+    block), a hit by vLLM's rule (a sliding group's keys needed only within its window), loads
+    asynchronous and failed per request."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:

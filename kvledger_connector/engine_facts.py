@@ -39,7 +39,9 @@ class KVGroup:
     index: int  # in kv_cache_config.kv_cache_groups
     spec: Any  # FullAttentionSpec or SlidingWindowSpec
     layer_names: tuple[str, ...]
-    window: int | None  # a sliding-window group's window (tokens); None: full attention
+    # a sliding-window group's span of tokens vLLM keeps behind a position (its window plus any extra
+    # retained tokens), in the key's layout; None: full attention
+    window: int | None
 
 
 def _group_spec(layer_names: Sequence[str], spec: Any) -> Any:
@@ -75,7 +77,7 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
             raise KVLayoutError(f"KV cache group {i} of {len(groups)}: {e}") from None
         what = f"KV cache group {i} ({type(spec).__name__}: {list(g.layer_names)[:2]}...)"
         if type(spec) is SlidingWindowSpec:
-            window = int(spec.sliding_window)
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         elif type(spec) is FullAttentionSpec:
             window = None
         else:

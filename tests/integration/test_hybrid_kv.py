@@ -2,9 +2,9 @@
 harness's gpt-oss-like stand-in (even layers a 128-token sliding window, odd layers full attention: two KV
 cache groups, `Harness(sliding_window=...)`), a real Mooncake master.
 
-Each group's blocks are stored under their own keys; a lookup hits only where every group's key exists; a
-load fills every group's blocks of the hit (a sliding-window group's blocks below its window are vLLM's null
-block and load nothing); loads are asynchronous and a failed one is reported per request. The stand-in checks
+Each group's blocks are stored under their own keys; a lookup hits by vLLM's rule (every full-attention key,
+a sliding group's keys only within its window behind the hit's end); a load fills every group's blocks of
+the hit (a sliding-window group's blocks below its window are vLLM's null block and load nothing); loads are asynchronous and a failed one is reported per request. The stand-in checks
 every position each layer's attention reads, so a wrong byte loaded into either group is garbage (S7), and
 `check_store` reads every stored key of both groups back against the model's KV (S1).
 
@@ -63,25 +63,37 @@ def test_a_hybrid_model_keeps_the_hybrid_manager_and_loads_every_group_from_the_
         assert all(not w.worker_side.steps.errors for w in h.workers)
 
 
-def test_a_missing_sliding_window_key_shortens_the_hit_and_a_failed_load_recomputes(store_config: StoreConfig):
-    """A lookup needs every group's key of a block: with one sliding-window key removed the hit stops
-    before that block. A get that fails is reported per request (vLLM refuses block-level errors with
-    several groups): the request recomputes and its output is the model's."""
+def test_a_missing_sliding_window_key_shortens_the_hit_only_inside_the_window_and_a_failed_load_recomputes(
+        store_config: StoreConfig):
+    """vLLM's rule for a hit of H tokens: every full-attention block, and of a sliding-window group only the
+    blocks holding positions from H - W + 1 on (the rest it allocates as its null block). A sliding key
+    missing below that window does not shorten the hit; one inside it does. A get that fails is reported
+    per request (vLLM refuses block-level errors with several groups): the request recomputes and its
+    output is the model's."""
     with _hybrid(store_config) as h:
         h.run_pass(PROMPTS[:3], 4, tag="a")
         hashes = h.block_hashes_of(PROMPTS[0])
         sw = h.workers[0].worker_side.steps.group_keys[h.window_of_group.index(W)]
+        loaded = h.scheduler_connector.stats
+        # the whole prompt's hit is 18 blocks (288 tokens): its window holds blocks (288 - 127) // 16 = 10 on
         h.checker().remove(sw.key(hashes[5]), True)
         h.scheduler.reset_prefix_cache()
-        before = h.scheduler_connector.stats.total("loaded_tokens")
+        before = loaded.total("loaded_tokens")
         h.run_pass(PROMPTS[:1], 4, tag="b")
-        assert h.scheduler_connector.stats.total("loaded_tokens") - before == 5 * BS  # blocks 0..4 only
+        assert loaded.total("loaded_tokens") - before == 18 * BS
+        # block 12 too, inside that window: a hit ending at block h needs the sliding keys of blocks
+        # (16h - 127) // 16 .. h - 1, so the longest holding neither 5 nor 12 ends at block 5
+        h.checker().remove(sw.key(hashes[12]), True)
+        h.scheduler.reset_prefix_cache()
+        before = loaded.total("loaded_tokens")
+        h.run_pass(PROMPTS[:1], 4, tag="c")
+        assert loaded.total("loaded_tokens") - before == 5 * BS
 
         h.scheduler.reset_prefix_cache()
         faulty = FaultyStore(h.workers[0].worker_side.steps.store,
                              FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL), max_fires=1)]))
         h.workers[0].worker_side.steps.store = faulty
-        h.run_pass(PROMPTS[1:3], 4, tag="c")  # outputs checked: the failed load's request recomputed
+        h.run_pass(PROMPTS[1:3], 4, tag="d")  # outputs checked: the failed load's request recomputed
         assert len(faulty.injected) == 1
         assert h.workers[0].stats.total("load_errors_reported") > 0
         assert h.garbage == [] and h.check_at_rest() == []
