@@ -122,8 +122,8 @@ def _check_workers(res: dict[str, Any], *, tp: int, load_faults: bool = False,
     `recovery_mark`: what the log must show when load blocks failed (None: vLLM logs nothing, as for a hybrid
     model's per-request reports; no wrong KV and the model's outputs then show the recompute).
 
-    Without injected faults a load block may fail only when the master did not answer in time: on this
-    2-core machine the main threads of vLLM's workers and EngineCore busy-poll their shared-memory queues
+    Without injected faults a load block may fail only when the master did not answer in time: with fewer
+    cores than busy processes the main threads of vLLM's workers and EngineCore busy-poll their shared-memory queues
     (sched_yield loops) during a pass, and the other processes, the Mooncake master and kernel threads
     included, were measured waiting on the run queue for seconds (/proc/<pid>/schedstat: an external
     master 1.8 s, an embedded one up to 12 s; 2 s RPC timeouts in about a third of the embedded TP=2 runs,
@@ -503,8 +503,8 @@ def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: 
     full-attention ones (1, 3).
 
     Pass 2 must start every prompt from at least its shared prefix (the store's, after reset_prefix_cache),
-    unless a rank's load failed after a master RPC timeout (`_check_workers`: a starved master on this
-    2-core machine). With several groups the connector reports a failed load per request and vLLM
+    unless a rank's load failed after a master RPC timeout (`_check_workers`: a master starved of CPU
+    time). With several groups the connector reports a failed load per request and vLLM
     recomputes the whole request without logging it; the connector then skips store calls for its
     unhealthy backoff (1 s, longer than pass 2), so that rank's other loads fail too. Outputs and wrong KV
     are checked either way."""
