@@ -21,7 +21,6 @@ import argparse
 import copy
 import os
 import sys
-import urllib.request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -30,13 +29,9 @@ os.environ.setdefault("GLOG_minloglevel", "3")
 BS = 16
 
 
-def _stored_keys(metrics_port: int) -> set[str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/get_all_keys", timeout=30) as r:
-        return {line.strip() for line in r.read().decode().splitlines() if line.strip()}
-
-
 def stored_vs_needed(window: int, prompt_len: int
                      ) -> tuple[list[tuple[str, int, int]], int, int, dict[str, int]]:
+    from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
     from testbed.harness import Harness, shared_prefix_prompts
@@ -46,7 +41,7 @@ def stored_vs_needed(window: int, prompt_len: int
         cfg = StoreConfig(global_segment_size=64 << 20).with_addresses(mc.master_address, mc.metadata_server)
         with Harness(cfg, sliding_window=window, num_layers=4, block_size=BS, num_blocks=400) as h:
             h.run_pass(prompts, 4, tag="a")
-            stored = _stored_keys(mc.metrics_port)
+            stored = stored_keys(mc.metrics_port)
             rows = []
             for g, kb in enumerate(h.workers[0].worker_side.steps.group_keys):
                 w = h.window_of_group[g]

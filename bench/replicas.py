@@ -81,10 +81,10 @@ def _timed_upstream(worker: Any) -> list[_TimedStore]:
     return proxies
 
 
-def _stored_keys(metrics_port: int) -> int:
+def stored_keys(metrics_port: int) -> set[str]:
     """Every key on the master (this run's own): its HTTP `/get_all_keys`, one key per line."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/get_all_keys", timeout=30) as r:
-        return sum(1 for line in r.read().decode().splitlines() if line.strip())
+        return {line.strip() for line in r.read().decode().splitlines() if line.strip()}
 
 
 def run_once(kind: str, tp: int, way: str) -> Row:
@@ -114,7 +114,7 @@ def run_once(kind: str, tp: int, way: str) -> Row:
                 totals = [w.stats.totals.data for w in h.workers]
             put_bytes = sum(t.get("put_bytes", 0) for t in totals)
             rates = [t.get("put_bytes", 0) / t["put_s"] / 1e6 for t in totals if t.get("put_s")]
-            return Row(kind, tp, way, _stored_keys(mc.metrics_port),
+            return Row(kind, tp, way, len(stored_keys(mc.metrics_port)),
                        put_bytes / sum(len(p) for p in prompts), statistics.median(rates) if rates else 0.0,
                        int(sum(t.get("get_keys", 0) for t in totals)) // tp, len(h.garbage))
 

@@ -110,6 +110,12 @@ class KeyLayout:
                 raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
 
     @property
+    def window(self) -> int | None:
+        """A hybrid model's sliding-window group: the tokens vLLM keeps behind a position
+        (engine_facts.KVGroup.window, in `extra`); None for full attention."""
+        return int(dict(self.extra).get("window", "0")) or None
+
+    @property
     def replica(self) -> int:
         """This rank's index among the ranks sharing its keys (which of their keys it puts)."""
         return self.tp_rank % self.kv_replicas

@@ -106,12 +106,6 @@ class RequestLike(Protocol):
     prompt_token_ids: Sequence[int] | None
 
 
-def _window_of(kb: KeyBuilder) -> int | None:
-    """A key builder's sliding-window span (engine_facts.KVGroup.window, in its layout), or None."""
-    w = dict(kb.layout.extra).get("window", "0")
-    return int(w) or None
-
-
 def _leading_nulls(table: Sequence[int], end: int) -> int:
     """How many of a table's first ``end`` blocks are vLLM's null block (0) before its first real one: a
     sliding-window group's blocks below its window, freed by vLLM."""
@@ -335,7 +329,6 @@ class SchedulerSteps:
         self.block_size = block_size
         self.world_size = world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
-        self._windows = [_window_of(kb) for kb in self.key_builders]  # a hybrid model's sliding groups
         self.weights_version = weights_version  # the key builders' (in every step's metadata for the workers)
         if num_groups.__class__ is not int or num_groups < 1:
             raise LedgerInputError("num_groups", num_groups, "must be an int >= 1")
@@ -443,12 +436,7 @@ class SchedulerSteps:
             return miss
         n, m = len(hashes), len(asked)
         shards = range(len(self.key_builders))
-        run = 0
-        if any(self._windows):
-            run = self._windowed_run(res, start, n, m)
-        else:
-            while run < n and all(res[s * m + run] == 1 for s in shards):
-                run += 1
+        run = self._hit_run(res, start, n, m)
         if self.events is not None and n:  # an announced block found missing: BlockRemoved
             self.events.looked_up(hashes, [res[s * m + i] for s in shards for i in range(n)])
         if tail is not None and run == n and all(res[s * m + n] == 1 for s in shards):
@@ -458,18 +446,20 @@ class SchedulerSteps:
         self.stats.add("lookup_hit_tokens", run * bs)
         return _Lookup(gen, num_computed_tokens, (start + run) * bs)
 
-    def _windowed_run(self, res: Sequence[int], start: int, n: int, m: int) -> int:
-        """A hybrid model's hit, in blocks past ``start``, by vLLM's allocation rule: the longest h such that
-        every full-attention key of blocks [start, start + h) exists and, for each sliding-window group of
-        span W, every key of the blocks vLLM leaves non-null for a hit ending at H = (start + h) * bs: those
-        holding positions from H - W + 1 on. A sliding key below that (a save deferred until vLLM had freed
-        the block) never shortens the hit."""
+    def _hit_run(self, res: Sequence[int], start: int, n: int, m: int) -> int:
+        """The hit, in blocks past ``start``, from ``res`` (each builder's ``m`` answers in turn), by vLLM's
+        allocation rule: the longest h such that every full-attention key of blocks [start, start + h)
+        exists and, for each sliding-window group of span W (a hybrid model), every key of the blocks vLLM
+        leaves non-null for a hit ending at H = (start + h) * bs: those holding positions from H - W + 1 on.
+        A sliding key below that (a save deferred until vLLM had freed the block) never shortens the hit.
+        Without sliding groups: the longest run every builder holds."""
         bs = self.block_size
-        full = [s for s, w in enumerate(self._windows) if w is None]
+        windows = [kb.layout.window for kb in self.key_builders]
+        full = [s for s, w in enumerate(windows) if w is None]
         top = 0
         while top < n and all(res[s * m + top] == 1 for s in full):
             top += 1
-        sliding = [(s, w) for s, w in enumerate(self._windows) if w is not None]
+        sliding = [(s, w) for s, w in enumerate(windows) if w is not None]
         for h in range(top, 0, -1):
             end = start + h
             if all(res[s * m + i] == 1 for s, w in sliding
@@ -822,7 +812,6 @@ class SchedulerSteps:
         if len(key_builders) != len(self.key_builders):
             raise LedgerInputError("key_builders", len(key_builders), f"one per shard ({len(self.key_builders)})")
         self.key_builders = list(key_builders)
-        self._windows = [_window_of(kb) for kb in self.key_builders]
         self.weights_version = weights_version
         if self.events is not None:
             self.events.key_builders = list(key_builders)
