@@ -24,23 +24,27 @@ verify-deep: setup
 witness: setup
 	$(PY) -m conformance.witness
 
+# A failing suite's failed tests are repeated last (scripts/summarized.sh): what its processes print while
+# they exit would bury pytest's summary in a log's tail.
+SUMMARIZED = scripts/summarized.sh
+
 # The whole suite; the pure-core tests run a second time under python -O (safety checks must raise,
 # never assert); then the vLLM-facing suites again on vLLM 0.33.0 (test-vllm033).
 test: setup
-	$(PY) -m pytest -q tests
-	$(PY) -O -m pytest -q -p no:cacheprovider tests/unit
-	$(TEST033)
+	$(SUMMARIZED) $(PY) -m pytest -q -rfE tests
+	$(SUMMARIZED) $(PY) -O -m pytest -q -rfE -p no:cacheprovider tests/unit
+	$(SUMMARIZED) $(TEST033)
 
 # vLLM 0.33.0 (.venv033, layered on .venv by setup): the suites of vLLM's connector API, Scheduler/BlockPool,
 # KV cache planning and allocation, the harness and the real engine. The fault/bounds/replay suites run on 0.32 only.
-TEST033 = KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python -m pytest -q -p no:cacheprovider \
+TEST033 = env KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python -m pytest -q -rfE -p no:cacheprovider \
 	tests/integration/test_vllm_versions.py tests/unit/test_scheduler.py tests/unit/test_refcount_property.py \
 	tests/integration/test_connector_e2e.py tests/integration/test_sync_loads.py tests/integration/test_connector_worker.py \
 	tests/integration/test_kv_layouts.py tests/integration/test_keys.py tests/integration/test_connector_config.py \
 	tests/integration/test_replicated_kv.py tests/integration/test_hybrid_kv.py \
 	tests/engine
 test-vllm033: setup
-	$(TEST033)
+	$(SUMMARIZED) $(TEST033)
 
 gen: setup
 	$(PY) -m spec.gen

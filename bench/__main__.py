@@ -4,7 +4,8 @@ import importlib
 import sys
 
 SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
-          "bench.scheduler", "bench.outage", "bench.replicas", "bench.hybrid")
+          "bench.scheduler", "bench.outage", "bench.replicas", "bench.hybrid",
+          "bench.tpshared")
 
 
 def main() -> int:

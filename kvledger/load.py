@@ -2,7 +2,8 @@
 
 Per load, on a receive thread (the connector holds one lock around every call)::
 
-    begin_load(req_id, block_ids) -> load_id         attempted = block_ids (an empty list is fine)
+    begin_load(req_id, block_ids, keys_per_block) -> load_id   attempted = block_ids (an empty list is
+                                                       fine); a block is loaded once that many of its keys are
     load_order(len(keys), tp_rank)                    pure: the rotated key order (no division by 0)
     record_results(load_id, block_ids, codes, key_bytes)  Load(w, r): per key, loaded only if the key's
                                                        size was read (kvledger.codes), else failed
@@ -48,12 +49,14 @@ class LoadResult:
 
 
 class _Load:
-    __slots__ = ("load_id", "req_id", "attempted", "loaded", "failed", "reasons")
+    __slots__ = ("load_id", "req_id", "attempted", "loaded", "failed", "reasons", "keys_per_block", "keys_read")
 
-    def __init__(self, load_id: int, req_id: str, attempted: list[int]) -> None:
+    def __init__(self, load_id: int, req_id: str, attempted: list[int], keys_per_block: int = 1) -> None:
         self.load_id = load_id
         self.req_id = req_id
         self.attempted = attempted
+        self.keys_per_block = keys_per_block
+        self.keys_read: dict[int, int] = {}  # keys read so far per block not yet loaded (several per block)
         self.loaded: set[int] = set()
         self.failed: set[int] = set()
         self.reasons: list[str] = []
@@ -82,8 +85,11 @@ class LoadLedger:
         self.num_failed_blocks = 0
         self.num_loads_finished = 0
 
-    def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
-        """Start a load of ``block_ids`` (the blocks the keys load into) for ``req_id``."""
+    def begin_load(self, req_id: str, block_ids: Sequence[int], keys_per_block: int = 1) -> int:
+        """Start a load of ``block_ids`` (the blocks the keys load into) for ``req_id``; a block is stored
+        as ``keys_per_block`` keys (the TP-shared layout's head shards), and loaded only once every one of
+        them is read whole."""
+        check_positive_int("keys_per_block", keys_per_block)
         if len(self._loads) >= self._max_loads:
             raise LedgerInputError("max_inflight_loads", self._max_loads,
                                    f"rank {self.rank}: that many loads in flight; {req_id!r} refused")
@@ -92,7 +98,7 @@ class LoadLedger:
             raise LedgerInputError("block_ids", bad, f"not block ids (load of {req_id!r})")
         load_id = self._next_load_id
         self._next_load_id += 1
-        self._loads[load_id] = _Load(load_id, req_id, list(dict.fromkeys(block_ids)))
+        self._loads[load_id] = _Load(load_id, req_id, list(dict.fromkeys(block_ids)), keys_per_block)
         return load_id
 
     def _load(self, load_id: int) -> _Load:
@@ -110,10 +116,17 @@ class LoadLedger:
         return ids
 
     def record_ok(self, load_id: int, block_ids: Iterable[int]) -> None:
-        """These blocks were loaded (a block already reported failed stays failed)."""
+        """A key of each of these blocks was read whole (a block id once per key); a block is loaded when
+        all its keys are (a block already reported failed stays failed)."""
         ld = self._load(load_id)
         for b in self._check_attempted(ld, block_ids):
-            if b not in ld.failed:
+            if b in ld.failed or b in ld.loaded:
+                continue
+            n = ld.keys_read.get(b, 0) + 1
+            if n < ld.keys_per_block:
+                ld.keys_read[b] = n
+            else:
+                ld.keys_read.pop(b, None)
                 ld.loaded.add(b)
 
     def record_failed(self, load_id: int, block_ids: Iterable[int], reason: str) -> None:

@@ -419,6 +419,15 @@ KEYS: tuple[Key, ...] = (
         "one copy; false: every rank stores its own copy under its own keys (earlier versions' keys)",
         tests="test_replicated_kv.py::test_mla_at_tp2_stores_one_copy_and_every_rank_loads_it, "
               "::test_per_rank_copies_when_turned_off"),
+    Key("kv_heads_per_key", "int", 0, "engine",
+        "the TP-shared store layout (opt-in): each key holds this many of the model's KV heads of a block and names "
+        "them instead of a TP rank, so engines at different TP sizes share a prefix (a TP 2 engine's saves load "
+        "into TP 1 and TP 4 engines). It must divide the KV heads each rank holds (1 serves every TP size; with "
+        "MLA, or more TP ranks than KV heads, 1). Every engine sharing the keys sets the same value; a rank puts "
+        "heads/k keys per block. 0: a key per TP shard (the keys of earlier versions). Not with "
+        "`save_partial_tail`, nor with `store_replicated_kv_once` false", lo=0, hi=1 << 16,
+        tests="test_tp_shared_layout.py::test_a_tp2_engine_saves_and_tp1_and_tp4_ranks_load_it_byte_exact, "
+              "::test_kv_heads_per_key_that_does_not_divide_a_ranks_heads_is_refused"),
     Key("pp_rank", "int", None, "engine", "pipeline stage, only for in-process drivers (tests); vLLM's PP group "
         "wins", lo=0, hi=1 << 16, in_file=False, shown_default="vLLM's",
         tests="test_kv_layouts.py::test_worker_without_a_rank_refuses_to_guess"),
@@ -656,6 +665,8 @@ class EngineFigures(Protocol):
     def kv_load_failure_policy(self) -> str: ...
     @property
     def num_groups(self) -> int: ...
+    @property
+    def key_parts(self) -> int: ...
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
@@ -725,6 +736,8 @@ class ConnectorConfig:
     integrity_secret_file: str | None = None
     # KV cache groups (a hybrid model under vLLM's hybrid KV cache manager: a job pins a block per group)
     num_kv_groups: int = 1
+    # keys per block and KV cache group on a rank (the TP-shared layout's head shards, `kv_heads_per_key`)
+    key_parts: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -751,6 +764,11 @@ class ConnectorConfig:
             if self.save_partial_tail:
                 raise ConfigError("save_partial_tail", True, f"the model has {self.num_kv_groups} KV cache groups "
                                   f"(a hybrid model): partial tails are not served for it; set false", "connector")
+        if self.key_parts.__class__ is not int or self.key_parts < 1:
+            raise ConfigError("key_parts", self.key_parts, "must be an int >= 1", "engine")
+        if self.key_parts > 1 and self.save_partial_tail:
+            raise ConfigError("save_partial_tail", True, f"with kv_heads_per_key a rank's block is {self.key_parts} "
+                              f"keys: partial tails are not served for it; set false", "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:
             raise ConfigError("master_server_address", None,
@@ -786,7 +804,7 @@ class ConnectorConfig:
                       nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
                       save_enabled=engine.save_enabled, load_enabled=engine.load_enabled,
                       kv_load_failure_policy=engine.kv_load_failure_policy,
-                      num_kv_groups=getattr(engine, "num_groups", 1), **given)
+                      num_kv_groups=engine.num_groups, key_parts=engine.key_parts, **given)
         except ConfigError as e:
             raise settings.sourced(e) from None
         # a cap set below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)

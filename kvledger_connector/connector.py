@@ -95,7 +95,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                                              tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
                                              weights_version=self._first_weights_version(settings, is_scheduler),
                                              replicated_once=settings.get("store_replicated_kv_once") is not False,
-                                             integrity_tag=self.integrity.key_tag)
+                                             integrity_tag=self.integrity.key_tag,
+                                             kv_heads_per_key=settings.get("kv_heads_per_key") or 0)
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
@@ -152,6 +153,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for()]
             self.worker_side = WorkerSide(
                 cfg, store=self.store, keys=builders[0] if len(builders) == 1 else builders,
+                part_groups=facts.part_groups,
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
                 rekey=lambda v: [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for(v)])

@@ -168,6 +168,42 @@ def kv_replicas(vllm_config: VllmConfig) -> int:
     return tp // total if tp > total and tp % total == 0 else 1
 
 
+def kv_head_shard(vllm_config: VllmConfig, heads_per_rank: int, tp_rank: int, kv_heads_per_key: int
+                  ) -> tuple[int, int]:
+    """The TP-shared layout's facts of one rank: (the model's KV heads, this rank's first), checked against
+    `kv_heads_per_key` (it must divide the heads each rank holds, so every key is whole on one rank). MLA's
+    latent counts as one head on every rank; with more TP ranks than KV heads vLLM gives rank r head
+    ``r // (tp / heads)``. Refused under context parallelism, whose ranks split a block by token."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    tp, k = pc.tensor_parallel_size, kv_heads_per_key
+    if (getattr(pc, "decode_context_parallel_size", 1) or 1) > 1 or \
+            (getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
+        raise ConfigError("kv_heads_per_key", k, "context parallelism splits a block's tokens across ranks: the "
+                          "TP-shared layout is not served with it; set 0", _EXTRA)
+    if mc.use_mla:
+        total, first = 1, 0
+    else:
+        total = mc.get_total_num_kv_heads()
+        first = tp_rank * heads_per_rank if tp <= total else tp_rank * total // tp
+        if (tp <= total and heads_per_rank * tp != total) or (tp > total and heads_per_rank != 1):
+            raise ConfigError("kv_heads_per_key", k, f"the KV cache spec's {heads_per_rank} heads per rank do not "
+                              f"match the model's {total} KV heads at TP {tp}; set 0", _EXTRA)
+    if heads_per_rank % k:
+        raise ConfigError("kv_heads_per_key", k, f"must divide the {heads_per_rank} KV heads each rank holds "
+                          f"(the model's {total} at TP {tp}): a key's heads must lie on one rank; 1 serves every "
+                          f"TP size", _EXTRA)
+    return total, first
+
+
+def head_shard_views(kv_caches: Mapping[str, Any], kv_heads_per_key: int, part: int) -> dict[str, Any]:
+    """The views of one key of the TP-shared layout: heads ``part * k .. (part + 1) * k`` of a rank's
+    [B, H, N, C] views (k = `kv_heads_per_key`; 0: the views whole)."""
+    k = kv_heads_per_key
+    if not k:
+        return dict(kv_caches)
+    return {n: t[:, part * k:(part + 1) * k] for n, t in kv_caches.items()}
+
+
 def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int,
                weights_version: str = "", replicated_once: bool = True, integrity_tag: str = "") -> KeyLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
@@ -257,13 +293,18 @@ class EngineFacts:
     weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
     groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kv_cache_groups`); () for one group
     group_layouts: tuple[KeyLayout, ...] = ()  # this rank's key layout per group (hybrid; `layout` is group 0's)
+    # the TP-shared layout: KV heads per key (0: a key per TP shard), the model's KV heads, this rank's first
+    kv_heads_per_key: int = 0
+    total_kv_heads: int = 0
+    first_kv_head: int = 0
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
            tp_rank: int | None = None, pp_rank: int | None = None, weights_version: str = "",
-           replicated_once: bool = True, integrity_tag: str = "") -> EngineFacts:
+           replicated_once: bool = True, integrity_tag: str = "", kv_heads_per_key: int = 0) -> EngineFacts:
         """The facts, or the error naming what cannot be served. `tp_rank`/`pp_rank`: the extra config's
-        (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both."""
+        (`config.Settings`), for drivers without a process group; the scheduler role is rank 0 of both.
+        `kv_heads_per_key` > 0: the TP-shared layout (`kv_head_shard`)."""
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):  # 0.33 refuses it earlier, 0.32 never
             raise ConfigError("enable_sleep_mode", True, "KVLedgerConnector does not support sleep mode (the "
                               "store's buffer registrations would not follow the KV cache across sleep/wake); "
@@ -287,6 +328,14 @@ class EngineFacts:
                 ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16])))
                 for g, lay in zip(groups, layouts)]
         spec, layout = groups[0].spec, layouts[0]
+        total_heads = first_head = 0
+        if kv_heads_per_key:
+            if not replicated_once:
+                raise ConfigError("store_replicated_kv_once", False, "with kv_heads_per_key a key names KV heads, "
+                                  "never a rank: ranks holding the same heads share it; leave it true", _EXTRA)
+            total_heads, first_head = kv_head_shard(vllm_config, spec.num_heads, tp, kv_heads_per_key)
+            layouts = [dataclasses.replace(lay, heads=(first_head, total_heads)) for lay in layouts]
+            layout = layouts[0]
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,
@@ -299,20 +348,45 @@ class EngineFacts:
                    model_config_hash=vllm_config.model_config.compute_hash(),
                    hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version,
                    groups=tuple(groups) if len(groups) > 1 else (),
-                   group_layouts=tuple(layouts) if len(groups) > 1 else ())
+                   group_layouts=tuple(layouts) if len(groups) > 1 else (),
+                   kv_heads_per_key=kv_heads_per_key, total_kv_heads=total_heads, first_kv_head=first_head)
 
     @property
     def num_groups(self) -> int:
         return len(self.groups) or 1
 
-    def layouts_for(self, weights_version: str | None = None) -> list[KeyLayout]:
-        """This rank's key layout per KV cache group (one for most models), under `weights_version`
-        (default: the one the facts were built under)."""
+    @property
+    def key_parts(self) -> int:
+        """Keys per block and KV cache group on this rank: its heads / `kv_heads_per_key` in the TP-shared
+        layout, else 1."""
+        return self.layout.num_kv_heads // self.kv_heads_per_key if self.kv_heads_per_key else 1
+
+    def _parts(self, rank_layout: KeyLayout) -> list[KeyLayout]:
+        """A rank layout's key layouts: itself, or in the TP-shared layout one per shard of its heads."""
+        k = self.kv_heads_per_key
+        if not k:
+            return [rank_layout]
+        first, total = rank_layout.heads
+        return [dataclasses.replace(rank_layout, num_kv_heads=k, heads=(first + j * k, total))
+                for j in range(rank_layout.num_kv_heads // k)]
+
+    def _rank_layouts(self, weights_version: str | None) -> list[KeyLayout]:
         base = list(self.group_layouts) or [self.layout]
         if weights_version is None:
             return base
         h = _identity(self.model_config_hash, self.hash_algo, weights_version)
         return [dataclasses.replace(lay, model_hash=h) for lay in base]
+
+    def layouts_for(self, weights_version: str | None = None) -> list[KeyLayout]:
+        """This rank's key layouts, a block's parts in order: per KV cache group (one for most models) its
+        head shards (`key_parts`; one but in the TP-shared layout), under `weights_version` (default: the
+        one the facts were built under)."""
+        return [part for lay in self._rank_layouts(weights_version) for part in self._parts(lay)]
+
+    @property
+    def part_groups(self) -> list[int]:
+        """The KV cache group of each part of `layouts_for` (its block table in a SaveSpec or LoadSpec)."""
+        return [g for g in range(self.num_groups) for _ in range(self.key_parts)]
 
     def layout_for(self, weights_version: str) -> KeyLayout:
         """This rank's key layout under another weights version (a runtime bump: only the model's identity
@@ -322,39 +396,59 @@ class EngineFacts:
 
     def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
-        sharing keys (`KeyLayout.kv_replicas`) are one shard; a hybrid model's groups each have theirs.
+        sharing keys (`KeyLayout.kv_replicas`) are one shard; a hybrid model's groups each have theirs; in
+        the TP-shared layout a shard is `kv_heads_per_key` of the model's KV heads, whatever the TP size.
         `weights_version`: under that version instead."""
-        return [dataclasses.replace(base, tp_rank=t, pp_rank=p) for base in self.layouts_for(weights_version)
+        bases = self._rank_layouts(weights_version)
+        if self.kv_heads_per_key:
+            k, total = self.kv_heads_per_key, self.total_kv_heads
+            return [dataclasses.replace(base, tp_rank=0, pp_rank=p, num_kv_heads=k, heads=(h, total))
+                    for base in bases for p in range(self.pp_size) for h in range(0, total, k)]
+        return [dataclasses.replace(base, tp_rank=t, pp_rank=p) for base in bases
                 for p in range(self.pp_size) for t in range(0, self.tp_size, self.layout.kv_replicas)]
 
     def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:
         """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the keys
         promise, then read as a per-block copy plan (kvledger_connector/kvlayout.py)."""
-        if self.groups:
-            raise KVLayoutError(f"{len(self.groups)} KV cache groups: one copy plan per group (copy_plans)")
+        if self.groups or self.key_parts > 1:
+            raise KVLayoutError(f"{self.num_groups} KV cache groups of {self.key_parts} parts: one copy plan per "
+                                f"part (copy_plans)")
         return self._plan_of(kv_caches, self.layout, self.spec, self.num_layers)
 
     def copy_plans(self, kv_caches: Mapping[str, torch.Tensor]) -> list[BlockCopyPlan]:
-        """One copy plan per KV cache group, each over its own layers' views (the groups' views alias each
-        other's allocations: a block id belongs to one group at a time)."""
-        if not self.groups:
-            return [self.copy_plan(kv_caches)]
+        """One copy plan per part of a block (`layouts_for`'s order), each over its own layers' views (a
+        hybrid model's groups' views alias each other's allocations: a block id belongs to one group at a
+        time) and, in the TP-shared layout, over its own heads of them."""
+        groups = self.groups or (KVGroup(0, self.spec, tuple(kv_caches), None),)
         plans = []
-        for g, lay in zip(self.groups, self.group_layouts):
+        for g, lay in zip(groups, self._rank_layouts(None)):
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
                 raise KVLayoutError(f"KV cache group {g.index}: no view for layers {missing[:4]}")
-            plans.append(self._plan_of({n: kv_caches[n] for n in g.layer_names}, lay, g.spec, len(g.layer_names)))
+            views = {n: kv_caches[n] for n in g.layer_names}
+            num_layers = len(g.layer_names) if self.groups else self.num_layers
+            if not self.kv_heads_per_key:
+                plans.append(self._plan_of(views, lay, g.spec, num_layers))
+                continue
+            self._check_views(views, lay, g.spec)
+            for j in range(self.key_parts):
+                plans.append(self._plan_of(head_shard_views(views, self.kv_heads_per_key, j), lay, g.spec,
+                                           num_layers, heads=self.kv_heads_per_key))
         return plans
 
-    def _plan_of(self, kv_caches: Mapping[str, torch.Tensor], lay: KeyLayout, spec: Any,
-                 num_layers: int) -> BlockCopyPlan:
+    @staticmethod
+    def _check_views(kv_caches: Mapping[str, torch.Tensor], lay: KeyLayout, spec: Any) -> None:
         for name, t in kv_caches.items():
             if isinstance(t, torch.Tensor) and t.dim() == 4 and (
                     t.shape[1] != spec.num_heads or t.shape[3] * t.element_size() != spec.state_content_size_bytes):
                 raise KVLayoutError(
                     f"layer {name!r}: shape {tuple(t.shape)} of {t.dtype} (layout {lay.kv_layout}), the KV cache "
                     f"spec promises {spec.num_heads} head slots of {spec.state_content_size_bytes} content bytes")
+
+    def _plan_of(self, kv_caches: Mapping[str, torch.Tensor], lay: KeyLayout, spec: Any,
+                 num_layers: int, heads: int | None = None) -> BlockCopyPlan:
+        if heads is None:  # (a head shard's views were checked whole, before they were sliced)
+            self._check_views(kv_caches, lay, spec)
         plan = plan_block_copies(kv_caches, layout=lay.kv_layout, block_size=lay.block_size,
                                  num_blocks=self.num_blocks)
         if len(plan.layers) != num_layers:

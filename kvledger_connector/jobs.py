@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, TypeVar
 
 from kvledger import codes
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from kvledger_connector.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
 
@@ -214,12 +215,13 @@ class WorkerSteps:
                  tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
                  lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
-                 group_keys: Sequence[KeyBuilder] | None = None) -> None:
+                 group_keys: Sequence[KeyBuilder] | None = None, part_groups: Sequence[int] | None = None) -> None:
         """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
         ``stripe``: (this rank's replica index, replicas) among ranks that share keys
         (`kvledger.put_positions`); default the key layout's, else (0, 1). ``group_keys``: one key builder
-        per KV cache group (a hybrid model), instead of ``keys``; ``buffers`` then also takes each
-        block's group."""
+        per part of a block, instead of ``keys``: per KV cache group (a hybrid model) and, in the TP-shared
+        layout, per head shard; ``part_groups``: each part's KV cache group (default: part i is group i),
+        every group with as many parts. ``buffers`` then also takes each entry's part."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
@@ -237,8 +239,17 @@ class WorkerSteps:
             raise LedgerInputError("group_keys", len(group_keys), "given with keys: one or the other")
         self.group_keys: list[KeyBuilder] = list(group_keys) if group_keys is not None else (
             [keys] if keys is not None else [])
+        parts = list(range(max(1, len(self.group_keys)))) if part_groups is None else list(part_groups)
+        self.num_kv_groups = max(parts) + 1 if parts else 1
+        self.key_parts = len(parts) // self.num_kv_groups  # keys per block and KV cache group
+        if (parts != [g for g in range(self.num_kv_groups) for _ in range(self.key_parts)]
+                or (self.group_keys and len(parts) != len(self.group_keys))):
+            raise LedgerInputError("part_groups", parts, f"each KV cache group's parts together, as many per group, "
+                                   f"one per key builder ({len(self.group_keys)})")
+        self.part_groups = parts
         if stripe is None:
-            stripe = (keys.layout.replica, keys.layout.kv_replicas) if keys is not None else (0, 1)
+            kb0 = keys if keys is not None else (self.group_keys[0] if self.group_keys else None)
+            stripe = (kb0.layout.replica, kb0.layout.kv_replicas) if kb0 is not None else (0, 1)
         put_positions(0, 0, *stripe)  # checks it
         self.stripe = stripe
         self.sub_batch = load_sub_batch_keys
@@ -461,14 +472,15 @@ class WorkerSteps:
                 if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
                     pos = put_positions(plan.start, plan.end, *self.stripe)
                     partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
-                    if num_groups == 1:
+                    if len(self.group_keys) <= 1 and num_groups == 1:
                         keys = self._key_list([block_hashes[i] for i in pos])
                         tail = pos.index(end_block - 1) if partial and end_block - 1 in pos else None
                         res = self.put(keys, [block_ids[i] for i in pos], before_read, tail)
                     else:
                         if partial:
                             raise LedgerInputError("tail_tokens", end_block - full_end_block,  # type: ignore[operator]
-                                                   "a partial tail of a hybrid model (several KV cache groups)")
+                                                   "a partial tail of a block stored as several keys (KV cache "
+                                                   "groups, head shards)")
                         keys, ids, groups = self._group_entries(pos, block_ids, block_hashes, num_groups)
                         res = self.put(keys, ids, before_read, None, groups)
                     saved_to = end_block if full_end_block is None else full_end_block
@@ -505,32 +517,32 @@ class WorkerSteps:
                                  num_groups):
             pass
 
-    def _key_list(self, hashes: Sequence[Any], group: int = 0) -> list[str]:
+    def _key_list(self, hashes: Sequence[Any], part: int = 0) -> list[str]:
         if not self.group_keys:
             raise LedgerInputError("keys", None, "a KeyBuilder is needed to turn block hashes into keys")
-        if not 0 <= group < len(self.group_keys):
-            raise LedgerInputError("group", group, f"not a KV cache group of this rank (0..{len(self.group_keys) - 1})")
-        return self.group_keys[group].keys(hashes)
+        if not 0 <= part < len(self.group_keys):
+            raise LedgerInputError("part", part, f"not a part of this rank's blocks (0..{len(self.group_keys) - 1})")
+        return self.group_keys[part].keys(hashes)
 
     def _group_entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any],
                        num_groups: int) -> tuple[list[str], list[int], list[int]]:
-        """(keys, block ids, groups) of blocks ``pos``: one entry per group whose block is not null."""
-        if num_groups != len(self.group_keys):
-            raise LedgerInputError("num_groups", num_groups, f"this rank has {len(self.group_keys)} KV cache groups")
+        """(keys, block ids, parts) of blocks ``pos``: one entry per part whose group's block is not null."""
+        if num_groups != self.num_kv_groups:
+            raise LedgerInputError("num_groups", num_groups, f"this rank has {self.num_kv_groups} KV cache groups")
         keys: list[str] = []
         ids: list[int] = []
-        groups: list[int] = []
-        for g in range(num_groups):
+        parts: list[int] = []
+        for part, g in enumerate(self.part_groups):
             at = [i for i in pos if block_ids[i * num_groups + g] != 0]
-            keys += self._key_list([block_hashes[i] for i in at], g)
+            keys += self._key_list([block_hashes[i] for i in at], part)
             ids += [block_ids[i * num_groups + g] for i in at]
-            groups += [g] * len(at)
-        return keys, ids, groups
+            parts += [part] * len(at)
+        return keys, ids, parts
 
     # ------------------------------------------------------------------ loads
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
-        with self.lock:
-            load_id = self.loads.begin_load(req_id, block_ids)
+        with self.lock:  # a block is loaded once all its keys are (several in the TP-shared layout)
+            load_id = self.loads.begin_load(req_id, block_ids, keys_per_block=self.key_parts)
         self.stats.add("loads")
         return load_id
 
@@ -598,7 +610,7 @@ class WorkerSteps:
             self.loads.fail_pending(load_id, reason)
             result = self.loads.finish_load(load_id)
             (self.finished_sync_loads if sync else self.finished_loads).append(result.req_id)
-            if result.failed and not sync and len(self.group_keys) > 1:  # taken each step with finished ones
+            if result.failed and not sync and self.num_kv_groups > 1:  # taken each step with finished ones
                 self.failed_loads.append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))
@@ -627,11 +639,10 @@ class WorkerSteps:
         ``close()`` (S8). ``sync``: the load is reported as a sync one (`finish_load`). ``groups``: each
         block's KV cache group (`LoadSpec.groups`)."""
         load_id = self.begin_load(req_id, block_ids)
-        group_of = dict(zip(block_ids, groups)) if groups else None
         reason = "not attempted"
         result: LoadResult | None = None
         try:
-            subs: list[list[tuple[str, int]]] = []
+            subs: list[list[tuple[str, int, int]]] = []
             try:
                 subs = self._sub_batches(load_id, req_id, block_ids, block_hashes, groups)
             except Exception as e:
@@ -643,8 +654,8 @@ class WorkerSteps:
             for i, sub in enumerate(subs):
                 bad: list[tuple[int, int]] = []
                 try:
-                    bad = self.load_batch(load_id, [k for k, _ in sub], [b for _, b in sub],
-                                          None if group_of is None else [group_of[b] for _, b in sub])
+                    bad = self.load_batch(load_id, [k for k, _, _ in sub], [b for _, b, _ in sub],
+                                          None if len(self.group_keys) <= 1 else [p for _, _, p in sub])
                 except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
                     reason = str(e)  # its blocks stay pending: reported when the load finishes
                     self.note_error(f"load {req_id}: {e}")
@@ -665,30 +676,39 @@ class WorkerSteps:
                     self.note_error(f"finish load {load_id} of {req_id!r}: {e}")
 
     def _sub_batches(self, load_id: int, req_id: str, block_ids: Sequence[int],
-                     block_hashes: Sequence[Any], groups: Sequence[int] = ()) -> list[list[tuple[str, int]]]:
-        """The (key, block id) sub-batches of a load in this rank's order; oversized keys reported here."""
+                     block_hashes: Sequence[Any], groups: Sequence[int] = ()) -> list[list[tuple[str, int, int]]]:
+        """The (key, block id, part) sub-batches of a load in this rank's order, a key per part of each
+        block's KV cache group (`part_groups`); oversized keys reported here."""
         n = len(block_ids)
         if n != len(block_hashes):
             raise LedgerInputError("LoadSpec.block_hashes", len(block_hashes), f"{n} block ids for {req_id!r}")
         if groups and (len(groups) != n or len(set(block_ids)) != n):
             raise LedgerInputError("LoadSpec.groups", len(groups), f"one per block id, ids unique ({n} ids)")
+        if groups and not all(g.__class__ is int and 0 <= g < self.num_kv_groups for g in groups):
+            raise LedgerInputError("LoadSpec.groups", sorted(set(groups)),
+                                   f"KV cache groups of this rank are 0..{self.num_kv_groups - 1}")
         if not n:
             return []
-        if groups:
-            keys = [self._key_list([h], g)[0] for h, g in zip(block_hashes, groups)]
-        else:
+        if len(self.group_keys) <= 1 and not groups:
             keys = self._key_list(block_hashes)
+            targets = [(b, 0) for b in block_ids]
+        else:
+            kp = self.key_parts
+            parts = [(b, h, g * kp + j) for b, h, g in zip(block_ids, block_hashes, groups or [0] * n)
+                     for j in range(kp)]
+            keys = [self._key_list([h], p)[0] for _, h, p in parts]
+            targets = [(b, p) for b, _, p in parts]
         # rotated by tp_rank: the ranks start on different keys of the store
-        pairs = load_pairs(keys, block_ids, self.tp_rank)
+        order = [(k, b, p) for k, (b, p) in load_pairs(keys, targets, self.tp_rank)]
         kb: KeyBuilder = self.keys  # type: ignore[assignment]  (_key_list checked it)
-        fits, too_long = kb.split_by_length([k for k, _ in pairs])
+        fits, too_long = kb.split_by_length([k for k, _, _ in order])
         if too_long:
             self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
             with self.lock:
-                self.loads.record_failed(load_id, [pairs[j][1] for j in too_long],
+                self.loads.record_failed(load_id, [order[j][1] for j in too_long],
                                          f"key longer than max_key_bytes={kb.max_key_bytes}")
-        pairs = [pairs[j] for j in fits]
-        return [pairs[lo:lo + self.sub_batch] for lo in range(0, len(pairs), self.sub_batch)]
+        order = [order[j] for j in fits]
+        return [order[lo:lo + self.sub_batch] for lo in range(0, len(order), self.sub_batch)]
 
     def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
                  sync: bool = False, groups: Sequence[int] = ()) -> LoadResult:
@@ -746,9 +766,10 @@ class WorkerSteps:
         return out
 
 
-def load_pairs(keys: Sequence[str], block_ids: Sequence[int], tp_rank: int) -> list[tuple[str, int]]:
-    """(key, block id) in rank ``tp_rank``'s load order (kvledger.load.load_order): each block id travels
-    with its key, so a failure is reported on the block the key was loading into."""
+def load_pairs(keys: Sequence[str], block_ids: Sequence[_T], tp_rank: int) -> list[tuple[str, _T]]:
+    """(key, block id) in rank ``tp_rank``'s load order (kvledger.load.load_order): each block id (with its
+    part, where a block is several keys) travels with its key, so a failure is reported on the block the key
+    was loading into."""
     return [(keys[i], block_ids[i]) for i in load_order(len(keys), tp_rank)]
 
 

@@ -8,8 +8,10 @@ changes the bytes of a block on this rank, plus the block's content hash:
           |                 |                 |                    `-- vLLM's chained block hash
           |                 |                 `-- tensor-parallel shard (each rank stores its own heads;
           |                 |                     `tp<first>+<k>of<n>`: the k ranks from <first> hold
-          |                 |                     identical KV and share the key) and pipeline stage
-          |                 |                     (each stage its own layers)
+          |                 |                     identical KV and share the key; `kvh<first>+<k>of<h>` in
+          |                 |                     the TP-shared layout: k of the model's h KV heads, the same
+          |                 |                     key at every TP size) and pipeline stage (each stage its
+          |                 |                     own layers)
           |                 `-- sha256 over (model, model_hash, block_size, dtype, kv_layout,
           |                     num_layers, num_kv_heads, head_size, extra: the KV cache spec,
           |                     integrity: the object's trailer and secret's fingerprint):
@@ -32,6 +34,11 @@ Identical KV is stored once: with MLA every TP rank holds the same latent, and w
 the model's KV heads vLLM replicates each head on consecutive ranks. Those `kv_replicas` ranks share one
 key per block, and each key is put by exactly one of them (`kvledger.put_positions`); every one of them
 loads every key, and the scheduler's lookup asks each shared key once.
+
+The TP-shared layout (`kv_heads_per_key` = k, opt-in) keys a block by KV-head shard instead: a key holds k
+of the model's KV heads (the block's elements of those heads, in the layout's physical order), and names
+them, so engines at any TP size whose ranks hold whole shards (k divides the heads per rank) put and load
+the same keys; a rank holding h heads has h/k keys per block. The digest names k, not the rank's heads.
 
 A namespace (`StoreConfig.namespace`, upstream's ``cache_prefix``) lets tenants share one store: it is the
 first component, made of ``[A-Za-z0-9._-]`` (no ``/``), so a namespaced key has one more ``/`` than a key
@@ -82,6 +89,9 @@ class KeyLayout:
     model_hash: str = ""  # the model's identity beyond its name (engine_facts.model_identity)
     kv_replicas: int = 1  # consecutive TP ranks holding this rank's KV byte for byte (engine_facts.kv_replicas)
     integrity: str = ""  # the object's trailer (`IntegrityKey.key_tag`); "": none, the older object format
+    # the TP-shared layout (`kv_heads_per_key`): (the model's first KV head in this key, the model's KV heads);
+    # the key then names those heads, not a TP shard, and holds `num_kv_heads` of them. (): a key per TP shard
+    heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -101,6 +111,12 @@ class KeyLayout:
         kr = self.kv_replicas
         if isinstance(kr, bool) or not isinstance(kr, int) or kr < 1 or self.tp_size % kr:
             raise ValueError(f"KeyLayout.kv_replicas={kr!r}: must be an int >= 1 dividing tp_size={self.tp_size}")
+        if self.heads != ():
+            h = self.heads
+            if (not isinstance(h, tuple) or len(h) != 2 or any(x.__class__ is not int for x in h)
+                    or not 0 <= h[0] < h[1] or h[0] % self.num_kv_heads or h[0] + self.num_kv_heads > h[1]):
+                raise ValueError(f"KeyLayout.heads={h!r}: must be (first head, total heads) with first a multiple "
+                                 f"of num_kv_heads={self.num_kv_heads} and first + num_kv_heads <= total")
         if not isinstance(self.integrity, str):
             raise ValueError(f"KeyLayout.integrity={self.integrity!r}: must be a string")
         if not isinstance(self.model_hash, str):
@@ -122,7 +138,10 @@ class KeyLayout:
 
     @property
     def shard(self) -> str:
-        """The key's tensor-parallel component: this rank's, or its replica group's."""
+        """The key's tensor-parallel component: this rank's, or its replica group's; in the TP-shared
+        layout the KV heads it holds (``kvh<first>+<count>of<total>``), whatever the TP size."""
+        if self.heads:
+            return f"kvh{self.heads[0]}+{self.num_kv_heads}of{self.heads[1]}"
         if self.kv_replicas == 1:
             return f"tp{self.tp_rank}of{self.tp_size}"
         return f"tp{self.tp_rank - self.replica}+{self.kv_replicas}of{self.tp_size}"

@@ -66,10 +66,10 @@ class UpstreamKey:
 _T_FILE = "test_config.py::test_upstream_file_is_accepted_and_mapped"
 _T_REFUSED = "test_config.py::test_upstream_keys_we_cannot_honour_are_refused_with_what_to_do"
 _T_ACCEPTED = "test_config.py::test_upstream_keys_at_values_that_ask_for_nothing_we_lack_are_accepted"
-_TP_SHARING = ("upstream's cross-TP key layout; keys are per tensor-parallel shard here, so engines share keys only "
-               "at the same tensor_parallel_size: remove it")
-_TP_HERE = ("refused: keys are per tensor-parallel shard here; engines share keys only at the same "
-            "`tensor_parallel_size`")
+_TP_SHARING = ("upstream's cross-TP key layout (its keys are not this connector's): engines of different "
+               "tensor_parallel_size share a prefix here with kv_heads_per_key (a key per KV-head shard); remove it")
+_TP_HERE = ("refused (upstream's key scheme); engines of different `tensor_parallel_size` share a prefix here with "
+            "`kv_heads_per_key`, a key per KV-head shard")
 
 KEYS: tuple[UpstreamKey, ...] = (
     # -- the MOONCAKE_CONFIG_PATH file

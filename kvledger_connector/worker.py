@@ -61,9 +61,11 @@ class WorkerSide:
                  tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], list[KeyBuilder]] | None = None) -> None:
-        """``keys``: the key builder, or one per KV cache group (a hybrid model, in the KV cache config's
-        group order). ``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None:
+                 rekey: Callable[[str], list[KeyBuilder]] | None = None,
+                 part_groups: Sequence[int] | None = None) -> None:
+        """``keys``: the key builder, or one per part of a block (`EngineFacts.layouts_for`: per KV cache group
+        of a hybrid model, in the KV cache config's group order, and per head shard in the TP-shared layout);
+        ``part_groups``: each part's KV cache group (default: part i is group i). ``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None:
         no trailer. ``weights_version``: the one ``keys`` builds under; ``rekey``: the key builders of
         another version, for when a step's metadata names one (a reset_cache switched it, see
         kvledger_connector/reset.py)."""
@@ -82,8 +84,10 @@ class WorkerSide:
         self._load_q: queue.Queue[Any] = queue.Queue(maxsize=config.load_queue_size)
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
-        self._plans: list[BlockCopyPlan] = []  # one per KV cache group
-        self.num_groups = 1 if isinstance(keys, KeyBuilder) else len(keys)
+        self._plans: list[BlockCopyPlan] = []  # one per part of a block
+        self.num_parts = 1 if isinstance(keys, KeyBuilder) else len(keys)
+        parts = list(range(self.num_parts)) if part_groups is None else list(part_groups)
+        self.num_groups = max(parts) + 1 if parts else 1  # KV cache groups
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
@@ -97,7 +101,7 @@ class WorkerSide:
         self.steps = WorkerSteps(
             store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size,
             keys=keys if isinstance(keys, KeyBuilder) else None,
-            group_keys=None if isinstance(keys, KeyBuilder) else keys,
+            group_keys=None if isinstance(keys, KeyBuilder) else keys, part_groups=parts,
             ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
@@ -107,18 +111,18 @@ class WorkerSide:
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
                            kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
-        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py), or one per KV cache group
-        (a hybrid model: the groups' views share their allocations, a block id being owned by one group at a
-        time): a key's object is the plan's segments of one block, then its integrity trailer (read from
+        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py), or one per part of a block
+        (a hybrid model's KV cache groups, whose views share their allocations, a block id being owned by one
+        group at a time; the TP-shared layout's head shards): a key's object is the plan's segments of one block, then its integrity trailer (read from
         ``kv_caches``, the views the plan was made of). Each backing allocation, and the trailer slots, is
         registered with the store once."""
         if self._plans:
             raise KVLayoutError("register_kv_caches called twice on one worker")
         plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)
-        if len(plans) != self.num_groups:
-            raise KVLayoutError(f"{len(plans)} copy plans for {self.num_groups} KV cache groups")
+        if len(plans) != self.num_parts:
+            raise KVLayoutError(f"{len(plans)} copy plans for {self.num_parts} parts of a block")
         if len({(p.block_bytes, p.num_blocks) for p in plans}) != 1:
-            raise KVLayoutError("KV cache groups whose blocks differ in size ("
+            raise KVLayoutError("parts of a block (KV cache groups, head shards) that differ in size ("
                                 + ", ".join(f"{p.block_bytes} B x {p.num_blocks}" for p in plans)
                                 + "): every group's block must have the same bytes (equal layer counts)")
         plan = plans[0]
@@ -155,14 +159,14 @@ class WorkerSide:
     def _block_buffers(self, block_ids: list[int], groups: list[int] | None = None
                        ) -> tuple[list[list[int]], list[list[int]]]:
         """(ptrs, sizes) per block, for one store batch call; block 0 is vLLM's null block. ``groups``: each
-        block's KV cache group (hybrid models; default group 0)."""
+        entry's part of a block (`WorkerSteps.part_groups`; default part 0)."""
         for b in block_ids:
             if not self._plans or not 0 < b < self._num_blocks:
                 raise LedgerInputError("block_id", b, f"not in 1..{self._num_blocks - 1} (or no KV cache "
                                        f"registered)")
         if groups is None or len(self._plans) == 1:
             if groups is not None and any(groups):
-                raise LedgerInputError("groups", sorted(set(groups)), "this rank has one KV cache group")
+                raise LedgerInputError("groups", sorted(set(groups)), "this rank's blocks are one part")
             return self._plans[0].batch_buffers(block_ids)
         if len(groups) != len(block_ids) or not all(0 <= g < len(self._plans) for g in groups):
             raise LedgerInputError("groups", groups, f"one of 0..{len(self._plans) - 1} per block id")

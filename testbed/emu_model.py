@@ -2,7 +2,7 @@
 
 No weights, no tokenizer: `write_model_dir` writes a tiny Llama `config.json` that vLLM's `ModelConfig`
 accepts. The "forward" is defined by `KVContent`: the KV that position p of a request must hold is a
-deterministic function of (token prefix up to p, layer, K|V, tensor-parallel rank), and the token sampled
+deterministic function of (token prefix up to p, layer, K|V, the model's KV head), and the token sampled
 after a prefix is a function of that prefix. A reader can therefore check any KV it did not write (a
 prefix-cache hit, a block loaded from the store) and any output (`expected_output`) exactly.
 """
@@ -64,18 +64,25 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
 
 
 class KVContent:
-    """KV of position p = base(prefix hash of tokens[0..p], layer, k|v, rank) + arange(heads*head_size).
+    """KV of position p in the model's KV head h = base(prefix hash of tokens[0..p], layer, k|v) * span +
+    h * head_size + arange(head_size), with span = the model's KV heads * head_size.
 
-    Integers below 2**24 are exact in float32, so equality checks are exact while heads*head_size <= 16
-    (larger spans still compare deterministically, with a little less power to tell values apart).
-    Different prefixes give different bases (up to a 2**20 hash: collisions are astronomically unlikely
-    in a test run)."""
+    A head's KV depends on the head, never on which rank holds it or on the TP size (as in a real model, up
+    to the all-reduce's rounding): ranks of engines at different TP sizes holding one head hold the same
+    bytes, and a rank holding another rank's heads holds other values. Integers below 2**24 are exact in
+    float32, so equality checks are exact while the span is at most 16 (larger spans still compare
+    deterministically, with a little less power to tell values apart). Different prefixes give different
+    bases (up to a 2**20 hash: collisions are astronomically unlikely in a test run)."""
 
-    def __init__(self, num_kv_heads: int, head_size: int, device: str = "cpu") -> None:
-        self.h, self.d = num_kv_heads, head_size
+    def __init__(self, num_kv_heads: int, head_size: int, device: str = "cpu", *,
+                 total_kv_heads: int | None = None) -> None:
+        self.h, self.d = num_kv_heads, head_size  # the heads one rank holds
+        self.total = total_kv_heads or num_kv_heads
+        if self.total < num_kv_heads:
+            raise ValueError(f"KVContent total_kv_heads={self.total}: fewer than a rank's {num_kv_heads}")
         self.ramp = torch.arange(num_kv_heads * head_size, dtype=torch.float32, device=device).view(
             num_kv_heads, head_size)
-        self.span = num_kv_heads * head_size
+        self.span = self.total * head_size
 
     @staticmethod
     def prefix_hashes(tokens: list[int], upto: int, cache: list[int]) -> list[int]:
@@ -85,14 +92,18 @@ class KVContent:
             cache.append(h)
         return cache
 
-    def bases(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
-        salt = layer * 0x9E3779B1 + kv * 0x7F4A7C15 + rank * 0x3C6EF372
+    def bases(self, hashes: list[int], layer: int, kv: int) -> torch.Tensor:
+        salt = layer * 0x9E3779B1 + kv * 0x7F4A7C15
         vals = [((h ^ salt) * 0x2545F491) % (1 << 20) * self.span for h in hashes]
         return torch.tensor(vals, dtype=torch.float32, device=self.ramp.device)
 
-    def slots(self, hashes: list[int], layer: int, kv: int, rank: int) -> torch.Tensor:
-        """(len(hashes), heads, head_size) KV for these positions."""
-        return self.bases(hashes, layer, kv, rank)[:, None, None] + self.ramp
+    def slots(self, hashes: list[int], layer: int, kv: int, first_head: int) -> torch.Tensor:
+        """(len(hashes), heads, head_size) KV for these positions, of the model's KV heads from
+        ``first_head`` on (a rank's: its first head)."""
+        if not 0 <= first_head <= self.total - self.h:
+            raise ValueError(f"KVContent first_head={first_head}: a rank's {self.h} heads from there pass the "
+                             f"model's {self.total}")
+        return self.bases(hashes, layer, kv)[:, None, None] + (self.ramp + first_head * self.d)
 
     @staticmethod
     def token_after(h: int) -> int:

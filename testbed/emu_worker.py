@@ -11,7 +11,7 @@ connector factory (`ensure_kv_transfer_initialized`) and its connector call sequ
 (`KVConnectorModelRunnerMixin`, the `maybe_transfer_kv_layer` per-layer hooks) are used as they are.
 
 What is emulated is only the model's arithmetic (testbed/emu_model.py): the "attention" of layer l writes,
-for every scheduled position p, the KV that `KVContent` defines for (prefix of p, l, K|V, tp rank) into the
+for every scheduled position p, the KV that `KVContent` defines for (prefix of p, l, K|V, KV head) into the
 request's blocks through vLLM's [B, H, N, C] views (K in C[:D], V in C[D:]); the sampled token is a
 function of the prefix. Before writing, each layer CHECKS every earlier position of the request that this
 worker did not write itself in the request's current lifetime (local prefix-cache hits, blocks loaded by
@@ -178,11 +178,12 @@ class EmuWorker(WorkerBase):
         self.sliding_window = hybrid_window(mc, self.num_layers)
         if self.sliding_window is not None and mc.use_mla:
             raise EmuWorkerError("EmuWorker: a sliding-window hybrid with MLA is not emulated")
-        self.content = KVContent(self.num_kv_heads, self.head_size)
+        self.content = KVContent(self.num_kv_heads, self.head_size,
+                                 total_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads())
         # MLA: one latent of head_size per token (no K/V halves), the same on every TP rank
         self.mla = bool(mc.use_mla)
         self.tp_rank = 0
-        self.shard = 0  # whose KV this rank holds (the stand-in's content): set with the TP rank
+        self.shard = 0  # the model's first KV head this rank holds (the stand-in's content): set with the TP rank
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.kv_layout: str | None = None
         self.requests: dict[str, _ReqState] = {}
@@ -217,7 +218,8 @@ class EmuWorker(WorkerBase):
         # the KV this rank holds, as vLLM's layers would compute it: MLA's latent is every rank's; with more
         # ranks than KV heads, QKVParallelLinear gives rank r head r // (tp / heads), shared by its replicas
         tp, heads = self.parallel_config.tensor_parallel_size, self.model_config.get_total_num_kv_heads()
-        self.shard = 0 if self.mla else self.tp_rank // (tp // heads) if tp > heads else self.tp_rank
+        self.shard = (0 if self.mla else self.tp_rank // (tp // heads) if tp > heads
+                      else self.tp_rank * self.num_kv_heads)
 
     @_rpc
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

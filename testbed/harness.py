@@ -82,6 +82,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvledger_connector.config import StoreConfig  # noqa: E402
 from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
+from kvledger_connector.engine_facts import head_shard_views  # noqa: E402
 from kvledger_connector.integrity import BlockSeal  # noqa: E402
 from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
 from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
@@ -162,6 +163,8 @@ class Harness:
         self.kv_kind = kv_kind
         if kv_kind != "per_rank":
             num_kv_heads = 1
+            if 8 % tp_size:
+                raise ValueError(f"Harness tp_size={tp_size}: kv_kind={kv_kind!r} serves TP sizes dividing 8")
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
@@ -199,7 +202,9 @@ class Harness:
         self.device = device
         model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
                                     num_kv_heads=num_kv_heads * (tp_size if kv_kind == "per_rank" else 1),
-                                    num_attention_heads=2 * tp_size if kv_kind != "per_rank" else None,
+                                    # one model at every TP size up to 8 (the TP-shared layout's tests
+                                    # compare engines of different sizes)
+                                    num_attention_heads=8 if kv_kind != "per_rank" else None,
                                     head_size=head_size, mla=kv_kind == "mla")
         upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
@@ -258,7 +263,8 @@ class Harness:
             raise HarnessSetupError(f"Harness: vLLM planned {len(groups)} KV cache groups, expected 1")
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
-        self.content = KVContent(num_kv_heads, head_size, device)
+        self.content = KVContent(num_kv_heads, head_size, device,
+                                 total_kv_heads=num_kv_heads * tp_size if kv_kind == "per_rank" else 1)
         # workers first (as in vLLM: KV caches exist before the scheduler)
         self.workers: list[Any] = []  # KVLedgerConnector (ours) or MooncakeStoreConnector (upstream)
         self.kv_caches: list[dict[str, torch.Tensor]] = []
@@ -293,7 +299,6 @@ class Harness:
         self._ours = connector == "ours"
         self._checker: MooncakeStore | None = None
         self._scratch: dict[str, torch.Tensor] | None = None
-        self._scratch_plan: Any = None
         self._scratch_plans: list[Any] = []
         self._scratch_seal: BlockSeal | None = None
         emb = self.workers[0]._embedded if store_config.embedded and connector == "ours" else None
@@ -569,8 +574,9 @@ class Harness:
         return (0,) if self.kv_kind == "mla" else (0, 1)
 
     def _shard(self, rank: int) -> int:
-        """Whose KV a rank holds: its own, or (replicated, MLA) the one copy every rank holds."""
-        return rank if self.kv_kind == "per_rank" else 0
+        """The model's first KV head a rank holds: its own heads', or (replicated, MLA) the one every rank
+        holds."""
+        return rank * self.content.h if self.kv_kind == "per_rank" else 0
 
     def _write_range(self, rank: int, tables: Sequence[list[int]], hashes: list[int], lo: int, hi: int,
                      wrong: bool = False) -> None:
@@ -702,11 +708,12 @@ class Harness:
             vc.cache_config = copy.copy(vc.cache_config)
             cfg = build_kv_cache_config(vc, self._specs, 2, self.kv_layout)
             self._scratch = allocate(cfg, self.kv_layout, kernel_block_sizes=self.kernel_block_sizes)
-            # one plan per KV cache group, over its layers (a hybrid model's groups alias one allocation)
-            self._scratch_plans = [plan_block_copies({n: self._scratch[n] for n in names}, layout=self.kv_layout,
-                                                     block_size=self.block_size, num_blocks=2)
-                                   for names in self._group_layers()]
-            self._scratch_plan = self._scratch_plans[0]
+            # one plan per part of a block, as the workers key it: per KV cache group over its layers (a hybrid
+            # model's groups alias one allocation), per head shard in the TP-shared layout
+            k = self._heads_per_key
+            self._scratch_plans = [plan_block_copies(head_shard_views({n: self._scratch[n] for n in names}, k, j),
+                                                     layout=self.kv_layout, block_size=self.block_size, num_blocks=2)
+                                   for names in self._group_layers() for j in range(self._key_parts)]
             for ptr, nbytes in sorted({s for p in self._scratch_plans for s in p.storages}):
                 store.register_buffer(ptr, nbytes)
             seal = self.workers[0].worker_side.steps.seal if self.workers else None  # type: ignore[union-attr]
@@ -720,30 +727,33 @@ class Harness:
         seen: set[tuple[int, int, bytes]] = set()
         groups = self._group_layers()
         builders = [list(w.worker_side.steps.group_keys) for w in self.workers]  # type: ignore[union-attr]
+        k, parts = self._heads_per_key, self._key_parts
         for rid, req in self.requests.items():
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
             for bi, bh in enumerate(req.block_hashes):
-                for r, g, kb in [(r, g, kb) for r, per_group in enumerate(builders) for g, kb in enumerate(per_group)]:
-                    if (r, g, bytes(bh)) in seen:
+                for r, p, kb in [(r, p, kb) for r, per_part in enumerate(builders) for p, kb in enumerate(per_part)]:
+                    if (r, p, bytes(bh)) in seen:
                         continue
-                    seen.add((r, g, bytes(bh)))
+                    seen.add((r, p, bytes(bh)))
                     key = kb.key(bh)
                     if store.batch_is_exist([key])[0] != 1:
                         continue
-                    ptrs, sizes = self._scratch_buffers(g)
+                    ptrs, sizes = self._scratch_buffers(p)
                     got = store.batch_get([key], [ptrs], [sizes])[0]
                     if got <= 0:
                         continue  # evicted between the two calls
                     checked += 1
                     pos = hashes[bi * bs:(bi + 1) * bs]
-                    ok = self._trailer_ok(key, g)
+                    ok = self._trailer_ok(key, p)
+                    g, j = divmod(p, parts)
                     for li, name in enumerate(self.layer_names):
                         if name not in groups[g]:
                             continue  # another group's layer: not in this object
-                        t = scratch[name]
+                        t = head_shard_views({name: scratch[name]}, k, j)[name]  # this key's heads
                         for kv in self._kv_parts:
                             want = self.content.slots(pos, li, kv, self._shard(r)).cpu()
+                            want = want if not k else want[:, j * k:(j + 1) * k]
                             for kbk, a, b, i in self._token_slices(t, 1, 0, bs):
                                 ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b],
                                                         want[i:i + b - a].transpose(0, 1))
@@ -756,18 +766,28 @@ class Harness:
         n = max(self.group_of_layer.values(), default=0) + 1
         return [[name for name in self.layer_names if self.group_of_layer.get(name, 0) == g] for g in range(n)]
 
-    def _scratch_buffers(self, group: int = 0) -> tuple[list[int], list[int]]:
-        """Block 1 of the scratch cache (of a KV cache group's layers), then the trailer slot when the
-        workers tag their objects."""
-        ptrs, sizes = self._scratch_plans[group].buffers(1)
+    @property
+    def _heads_per_key(self) -> int:
+        """The workers' `kv_heads_per_key` (0: a key per TP shard)."""
+        return self.workers[0].engine.kv_heads_per_key if self._ours and self.workers else 0
+
+    @property
+    def _key_parts(self) -> int:
+        """Keys per block and KV cache group on a rank (head shards in the TP-shared layout)."""
+        return self.workers[0].engine.key_parts if self._ours and self.workers else 1
+
+    def _scratch_buffers(self, part: int = 0) -> tuple[list[int], list[int]]:
+        """Block 1 of the scratch cache (of one part of a block: a KV cache group's layers, a head shard's
+        heads), then the trailer slot when the workers tag their objects."""
+        ptrs, sizes = self._scratch_plans[part].buffers(1)
         if self._scratch_seal is not None:
             ptrs, sizes = ptrs + self._scratch_seal.trailer_ptrs(0, 1), sizes + [self._scratch_seal.trailer_bytes]
         return ptrs, sizes
 
-    def _trailer_ok(self, key: str, group: int = 0) -> bool:
-        """The object just read into the scratch block (of KV cache group ``group``) matches its trailer's
+    def _trailer_ok(self, key: str, part: int = 0) -> bool:
+        """The object just read into the scratch block (of part ``part`` of a block) matches its trailer's
         tag (True without integrity)."""
-        return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1], [group]) == [True]
+        return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1], [part]) == [True]
 
     def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, int, bytes]],
                     checked: int, polluted: int) -> tuple[int, int]:

@@ -323,6 +323,8 @@ class _Engine:  # config.EngineFigures
     save_enabled: bool = True
     load_enabled: bool = True
     kv_load_failure_policy: str = "fail"
+    num_groups: int = 1
+    key_parts: int = 1
 
 
 def test_connector_config_is_built_once_from_settings_and_engine() -> None:

@@ -228,3 +228,22 @@ def test_any_failure_point_leaves_every_block_loaded_or_reported(n, tp, fail_at,
     res = led.finish_load(lid)
     assert res.loaded | res.failed == set(blocks)
     assert led.take_errors() == set(res.failed)
+
+
+def test_a_block_of_several_keys_is_loaded_only_when_every_key_is():
+    """The TP-shared layout stores a block as one key per head shard: one key read is not the block loaded,
+    a later key's failure fails it, and a load cut short reports a block with only some keys read (S8)."""
+    led = ld()
+    lid = led.begin_load("r", [4, 5, 6], keys_per_block=2)
+    led.record_results(lid, [4, 5, 6], [KB, KB, KB], KB)  # each block's first key
+    assert led.pending(lid) == [4, 5, 6]
+    bad = led.record_results(lid, [4, 5], [KB, -704], KB)  # 4 whole; 5's second key missing
+    assert bad == [(5, -704)] and led.pending(lid) == [6]
+    with pytest.raises(LedgerInvariantError):
+        led.finish_load(lid)  # 6 has one key of two: neither loaded nor reported
+    assert led.fail_pending(lid, "cut short") == [6]
+    res = led.finish_load(lid)
+    assert res.loaded == frozenset({4}) and res.failed == frozenset({5, 6})
+    assert led.take_errors() == {5, 6}
+    with pytest.raises(LedgerInputError):
+        led.begin_load("r", [1], keys_per_block=0)
