@@ -47,7 +47,7 @@ from kvledger_connector.engine_facts import (
     read_weights_version,
     resolved_layout,
 )
-from kvledger_connector.events import StoreEvents
+from kvledger_connector.events import StoreEvents, spec_metadata
 from kvledger_connector.integrity import IntegrityKey
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
@@ -141,13 +141,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=TimedLookups(bounded, self.stats),  # lookup histogram
                                                 weights_version=facts.weights_version)
-            if facts.kv_events and facts.groups:
-                logger.warning("KV cache events are not published for a model with %d KV cache groups (a hybrid "
-                               "model): routers hear nothing from this connector", len(facts.groups))
-            elif facts.kv_events:  # BlockStored/BlockRemoved for routers
-                self.scheduler_side.events = StoreEvents(key_builders=builders, store=bounded,
-                                                         block_size=cfg.block_size, max_pending=cfg.max_kv_events,
-                                                         stats=self.stats)
+            if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group
+                self.scheduler_side.events = StoreEvents(
+                    key_builders=builders, store=bounded, block_size=cfg.block_size, max_pending=cfg.max_kv_events,
+                    stats=self.stats, group_specs=spec_metadata([g.spec for g in facts.groups] or [facts.spec]))
         else:
             self.store = store if store is not None else self._connect(sc)
             builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for()]

@@ -10,6 +10,12 @@ The scheduler-role connector owns one `StoreEvents` when ``kv_events_config.enab
                   nothing); one event per contiguous run, chained by ``parent_block_hash`` like vLLM's own
     BlockRemoved  for a block we announced that a later lookup finds missing on some shard (evicted,
                   removed), and for every announced block at ``reset_cache``
+
+Per KV cache group, as vLLM's own events: a hybrid model's groups are announced and removed each on its own
+(``group_idx``; a sliding-window group's block may be stored where a full-attention one is not), and a
+BlockStored carries the group's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` from vLLM's
+``get_kv_cache_spec_kind`` / ``get_kv_cache_spec_sliding_window``. A key builder's group is the one its key
+layout names (`KeyLayout.extra` "group"; one group: 0).
     AllBlocksCleared  at ``reset_cache`` instead, if more blocks were announced than `max_announced`
                   (we lost track of some; over-clearing a router only costs it hints, a stale hint costs a miss)
 
@@ -59,10 +65,14 @@ class _JobBlocks:
 class StoreEvents:
     def __init__(self, *, key_builders: Sequence[KeyBuilder], store: Any, block_size: int,
                  max_pending: int = DEFAULT_MAX_PENDING, max_announced: int = DEFAULT_MAX_ANNOUNCED,
-                 stats: StatsRecorder | None = None) -> None:
+                 stats: StatsRecorder | None = None,
+                 group_specs: Sequence[tuple[str | None, int | None]] = ((None, None),)) -> None:
+        """``group_specs``: per KV cache group, (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) for
+        its BlockStored events (`spec_metadata`)."""
         for name, v in (("max_kv_events", max_pending), ("max_announced", max_announced)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
+        self.group_specs = list(group_specs)
         self.key_builders = list(key_builders)
         self.store = store  # not TimedLookups: these checks are not prefix lookups (kept out of lookup_s)
         self.block_size = block_size
@@ -71,11 +81,25 @@ class StoreEvents:
         self.stats = stats or StatsRecorder()
         self._pending: deque[KVCacheEvent] = deque()
         self._jobs: dict[int, _JobBlocks] = {}
-        self._announced: OrderedDict[bytes, None] = OrderedDict()
+        self._announced: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # (KV cache group, block hash)
         self.lost_track = False  # an announced hash was forgotten (cap): a reset must clear everything
         self.num_dropped = 0
         self.num_stored_blocks = 0
         self.num_removed_blocks = 0
+
+    @property
+    def key_builders(self) -> list[KeyBuilder]:
+        return self._key_builders
+
+    @key_builders.setter
+    def key_builders(self, builders: Sequence[KeyBuilder]) -> None:
+        """The scheduler's builders (a weights version switch replaces them); each one's KV cache group."""
+        groups = [int(dict(kb.layout.extra).get("group", "0")) for kb in builders]
+        if any(not 0 <= g < len(self.group_specs) for g in groups):
+            raise LedgerInputError("key_builders", sorted(set(groups)),
+                                   f"name KV cache groups outside 0..{len(self.group_specs) - 1}")
+        self._key_builders = list(builders)
+        self._group_of = groups
 
     # ------------------------------------------------------------------ queue
     def _emit(self, event: KVCacheEvent) -> None:
@@ -130,36 +154,40 @@ class StoreEvents:
             return
         shards = len(self.key_builders)
         for job, off, n in spans:
-            present = [all(res[off + s * n + i] == 1 for s in range(shards)) for i in range(n)]
-            self._announce_runs(job, present)
+            for g in range(len(self.group_specs)):
+                mine = [s for s in range(shards) if self._group_of[s] == g]
+                present = [bool(mine) and all(res[off + s * n + i] == 1 for s in mine) for i in range(n)]
+                self._announce_runs(job, present, g)
 
-    def _announce_runs(self, job: _JobBlocks, present: list[bool]) -> None:
+    def _announce_runs(self, job: _JobBlocks, present: list[bool], group: int) -> None:
         bs = self.block_size
         hashes = job.block_hashes[1:] if job.start > 0 else job.block_hashes
         parent = job.block_hashes[0] if job.start > 0 else None
+        kind, window = self.group_specs[group]
         i = 0
         n = len(present)
         while i < n:
-            if not present[i] or hashes[i] in self._announced:
+            if not present[i] or (group, hashes[i]) in self._announced:
                 parent = hashes[i]
                 i += 1
                 continue
             j = i
-            while j < n and present[j] and hashes[j] not in self._announced:
+            while j < n and present[j] and (group, hashes[j]) not in self._announced:
                 j += 1
             self._emit(BlockStored(
                 block_hashes=[maybe_convert_block_hash(h) for h in hashes[i:j]],
                 parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
                 token_ids=list(job.token_ids[i * bs:j * bs]), block_size=bs,
-                lora_id=job.lora_id, medium=MEDIUM, lora_name=job.lora_name, group_idx=0))
+                lora_id=job.lora_id, medium=MEDIUM, lora_name=job.lora_name, group_idx=group,
+                kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))
             for h in hashes[i:j]:
-                self._remember(h)
+                self._remember(group, h)
             self.num_stored_blocks += j - i
             parent = hashes[j - 1]
             i = j
 
-    def _remember(self, h: bytes) -> None:
-        self._announced[h] = None
+    def _remember(self, group: int, h: bytes) -> None:
+        self._announced[(group, h)] = None
         if len(self._announced) > self.max_announced:
             self._announced.popitem(last=False)
             self.lost_track = True
@@ -167,27 +195,33 @@ class StoreEvents:
     # ------------------------------------------------------------------ removed
     def looked_up(self, hashes: Sequence[bytes], codes: Sequence[int]) -> None:
         """A prefix lookup's ``batch_is_exist`` answer (shard-major, as SchedulerSteps._query asks): an announced
-        block that some shard answered 0 for is gone (evicted or removed); an error code proves nothing."""
+        block of a group that some shard of that group answered 0 for is gone (evicted or removed); an error
+        code proves nothing."""
         if not self._announced:
             return
         n = len(hashes)
         shards = len(codes) // n if n else 0
-        gone = [h for i, h in enumerate(hashes)
-                if h in self._announced and any(codes[s * n + i] == 0 for s in range(shards))]
-        if gone:
-            for h in gone:
-                del self._announced[h]
-            self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM,
-                                    group_idx=0))
-            self.num_removed_blocks += len(gone)
+        for g in range(len(self.group_specs)):
+            mine = [s for s in range(shards) if self._group_of[s] == g]
+            gone = [h for i, h in enumerate(hashes)
+                    if (g, h) in self._announced and any(codes[s * n + i] == 0 for s in mine)]
+            if gone:
+                for h in gone:
+                    del self._announced[(g, h)]
+                self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM,
+                                        group_idx=g))
+                self.num_removed_blocks += len(gone)
 
     def store_reset(self) -> None:
         """Every key of this engine was removed (reset_cache)."""
         if self.lost_track:
             self._emit(AllBlocksCleared())
-        elif self._announced:
-            self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in self._announced],
-                                    medium=MEDIUM, group_idx=0))
+        else:
+            for g in range(len(self.group_specs)):
+                hs = [h for gi, h in self._announced if gi == g]
+                if hs:
+                    self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in hs], medium=MEDIUM,
+                                            group_idx=g))
         self.num_removed_blocks += len(self._announced)
         self._announced.clear()
         self.lost_track = False
@@ -195,3 +229,9 @@ class StoreEvents:
     def forget_jobs(self) -> None:
         """Shutdown (release_all): the jobs are released without reports; nothing is announced for them."""
         self._jobs.clear()
+
+
+def spec_metadata(specs: Sequence[Any]) -> list[tuple[str | None, int | None]]:
+    """(kind, sliding window) of each KV cache group's spec, as vLLM annotates its own BlockStored events."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    return [(get_kv_cache_spec_kind(s).value, get_kv_cache_spec_sliding_window(s)) for s in specs]

@@ -139,7 +139,7 @@ def test_events_published_through_vllms_scheduler(store_config: StoreConfig):
             assert [bh for e in removed for bh in e.block_hashes] == [victim]
 
             # reset_cache through vLLM's reset_prefix_cache: every announced block removed, in the next batch
-            announced = {maybe_convert_block_hash(bh) for bh in ss.events._announced}
+            announced = {maybe_convert_block_hash(bh) for _, bh in ss.events._announced}
             n_before = len(router.events)
             assert h.scheduler.reset_prefix_cache(reset_connector=True) is True
             h.add_request("after-reset", prompts[1], MAX_TOKENS)  # a step: update_from_output publishes
@@ -260,3 +260,41 @@ def test_max_kv_events_refuses_bad_values(store_config: StoreConfig, bad: Any):
     kvev = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     with pytest.raises(ConfigError, match="max_kv_events"):
         Harness(store_config, extra={"max_kv_events": bad}, kv_events=kvev)
+
+
+def test_a_hybrid_models_groups_are_announced_each_with_its_spec(store_config: StoreConfig):
+    """The gpt-oss-like stand-in (sliding window 64 and full attention): each KV cache group's stored blocks
+    are announced on their own (``group_idx``), with the kind and window vLLM's own events give that group,
+    and a block the store lost from one group only is removed from that group only."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    kvev = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+    router = _Router(endpoint)
+    prompts = shared_prefix_prompts(3, num_prefixes=1, prefix_len=96, suffix_len=16, seed=8)
+    try:
+        with Harness(store_config, sliding_window=64, num_layers=4, num_blocks=96, kv_events=kvev,
+                     extra={"namespace": "events-hybrid"}) as h:
+            router.handshake(h.scheduler.kv_event_publisher)
+            h.run_pass(prompts, MAX_TOKENS, "a")
+            events = router.drain()
+            stored = _of_medium(events, BlockStored, MEDIUM_CPU)
+            gpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+            want = {maybe_convert_block_hash(bh) for p in prompts for bh in _raw_hashes(h, p)[:len(p) // BS]}
+            spec_of = {e.group_idx: (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in gpu}
+            assert sorted(spec_of) == [0, 1] and sorted(w is None for _, w in spec_of.values()) == [False, True]
+            for g in (0, 1):
+                mine = [e for e in stored if e.group_idx == g]
+                assert {bh for e in mine for bh in e.block_hashes} == want  # every saved block of the group
+                assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in mine} == {spec_of[g]}
+            # the sliding group's key of one block lost: only that group's block is removed
+            sliding = next(g for g, (_, w) in spec_of.items() if w is not None)
+            victim = _raw_hashes(h, prompts[0])[2]
+            kb = h.workers[0].worker_side.steps.group_keys[sliding]
+            assert h.workers[0].store.remove(kb.key(victim), force=True) == 0
+            assert h.scheduler.reset_prefix_cache() is True
+            h.add_request("again", prompts[0], MAX_TOKENS)
+            h.run()
+            removed = _of_medium(router.drain(), BlockRemoved, MEDIUM_CPU)
+            assert [(e.group_idx, bh) for e in removed for bh in e.block_hashes] == [
+                (sliding, maybe_convert_block_hash(victim))]
+    finally:
+        router.close()
