@@ -21,16 +21,26 @@ _MOD = (1 << 61) - 1
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+def hybrid_layer_types(num_layers: int, full_every: int = 2) -> list[str]:
+    """A hybrid's layer pattern: every ``full_every``-th layer full attention, the others sliding window
+    (2: gpt-oss, alternating; 6: Gemma 3, five sliding to one full)."""
+    if full_every < 2 or num_layers < full_every:
+        raise ValueError(f"hybrid_layer_types full_every={full_every!r}, num_layers={num_layers!r}: needs "
+                         f"full_every >= 2 and at least that many layers (one sliding, one full)")
+    return [FULL if (i + 1) % full_every == 0 else SLIDING for i in range(num_layers)]
+
+
 def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int,
                     num_attention_heads: int | None = None, mla: bool = False,
-                    sliding_window: int | None = None) -> str:
+                    sliding_window: int | None = None, full_every: int = 2) -> str:
     """A tiny Llama config.json (no weights, no tokenizer): enough for vLLM's ModelConfig. With
     ``num_attention_heads`` above ``num_kv_heads``: grouped-query attention (vLLM replicates KV heads on
     TP ranks beyond them). ``mla``: a tiny DeepSeek-V2 config instead (``model_config.use_mla``; one latent
     of ``head_size`` = kv_lora_rank + qk_rope_head_dim per token, the same on every TP rank).
-    ``sliding_window``: a gpt-oss-like hybrid, declared as gpt-oss does (`sliding_window` + `layer_types`):
-    even layers attend to the last ``sliding_window`` tokens, odd layers to all of them (the stand-in worker
-    reads both; `testbed.kvcache.attention_specs` gives the same pattern)."""
+    ``sliding_window``: a hybrid, declared as gpt-oss and Gemma 3 do (`sliding_window` + `layer_types`):
+    every ``full_every``-th layer attends to all tokens, the others to the last ``sliding_window`` (2:
+    gpt-oss-like, 6: Gemma-3-like; the stand-in worker reads both; `testbed.kvcache.attention_specs` gives the
+    same pattern)."""
     os.makedirs(path, exist_ok=True)
     heads = num_attention_heads or num_kv_heads
     cfg = {
@@ -56,8 +66,7 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
                              f"2 layers and no MLA (num_layers={num_layers}, mla={mla})")
         # `layer_types` keeps vLLM's EngineArgs from copying the window into CacheConfig.sliding_window, which
         # it does only for models without per-layer types (all layers sliding)
-        cfg.update({"sliding_window": sliding_window,
-                    "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]})
+        cfg.update({"sliding_window": sliding_window, "layer_types": hybrid_layer_types(num_layers, full_every)})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

@@ -70,7 +70,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from testbed.emu_model import FULL, SLIDING, KVContent
+from testbed.emu_model import KVContent, hybrid_layer_types
 from testbed.kvcache import attention_specs, layer_names
 
 # under vLLM's logger namespace: vLLM configures handlers and level for "vllm" only
@@ -93,19 +93,20 @@ class EmuWorkerError(RuntimeError):
     invariants, e.g. a position being computed in the null block)."""
 
 
-def hybrid_window(model_config: Any, num_layers: int) -> int | None:
-    """The sliding window of a gpt-oss-like hybrid config (`sliding_window` + `layer_types`, even layers
-    sliding, odd layers full), or None for a model whose layers all attend to everything. Another pattern is
-    refused: the stand-in's specs (`testbed.kvcache.attention_specs`) would not match the config."""
+def hybrid_window(model_config: Any, num_layers: int) -> tuple[int, int] | None:
+    """(sliding window, full_every) of a hybrid config (`sliding_window` + `layer_types`, every
+    ``full_every``-th layer full attention: `emu_model.hybrid_layer_types`), or None for a model whose layers
+    all attend to everything. Another pattern is refused: the stand-in's specs
+    (`testbed.kvcache.attention_specs`) would not match the config."""
     window = model_config.get_sliding_window()
     if window is None:
         return None
-    types = getattr(model_config.hf_text_config, "layer_types", None)
-    want = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
-    if types is None or list(types) != want:
-        raise EmuWorkerError(f"EmuWorker: sliding_window={window} with layer_types={types}; the stand-in "
-                             f"emulates only {want} (even layers sliding)")
-    return int(window)
+    types = list(getattr(model_config.hf_text_config, "layer_types", None) or [])
+    for every in range(2, num_layers + 1):
+        if types == hybrid_layer_types(num_layers, every):
+            return int(window), every
+    raise EmuWorkerError(f"EmuWorker: sliding_window={window} with layer_types={types}; the stand-in emulates "
+                         f"every k-th layer full attention, the others sliding (k >= 2)")
 
 
 def _rpc(fn: Callable[..., _R]) -> Callable[..., _R]:
@@ -174,8 +175,10 @@ class EmuWorker(WorkerBase):
         self.head_size = mc.get_head_size()
         self.kv_dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, mc)
         self.layer_names = layer_names(self.num_layers)
-        # a gpt-oss-like hybrid (even layers sliding window); None: every layer full attention
-        self.sliding_window = hybrid_window(mc, self.num_layers)
+        # a hybrid (every full_every-th layer full attention, the others sliding window); None: every layer
+        # full attention
+        hybrid = hybrid_window(mc, self.num_layers)
+        self.sliding_window, self.full_every = hybrid if hybrid is not None else (None, 2)
         if self.sliding_window is not None and mc.use_mla:
             raise EmuWorkerError("EmuWorker: a sliding-window hybrid with MLA is not emulated")
         self.content = KVContent(self.num_kv_heads, self.head_size,
@@ -237,7 +240,7 @@ class EmuWorker(WorkerBase):
         if self.sliding_window is not None:
             return attention_specs(self.num_layers, block_size=self.cache_config.block_size,
                                    num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.kv_dtype,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window, full_every=self.full_every)
         spec: KVCacheSpec
         if self.mla:
             spec = MLAAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=1,
@@ -443,6 +446,8 @@ class EmuWorker(WorkerBase):
                 info["loads_finished"] = steps.loads.num_loads_finished
                 info["errors"] = list(steps.errors)[:5]
                 info["key_prefix"] = steps.keys.prefix if steps.keys is not None else None
+                info["key_prefixes"] = [kb.prefix for kb in steps.group_keys]  # a key per part of a block
+                info["get_keys"] = int(steps.stats.total("get_keys"))
                 info["pending_work"] = bool(ws.has_pending_work())
                 injected = getattr(steps.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
                 if injected is not None:

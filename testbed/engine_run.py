@@ -16,9 +16,10 @@ The spec (all keys but `workdir` and `prompts` optional):
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
     kv_kind        "per_rank" (default: the Llama model above), "replicated" (one KV head, which vLLM replicates
                    on every TP rank) or "mla" (a DeepSeek-V2 model: one latent of head_size per token)
-    sliding_window a gpt-oss-like hybrid (not with "mla"): the config declares this window for even layers and
-                   full attention for odd ones, the worker reports SlidingWindowSpec / FullAttentionSpec, and with
-                   vLLM's hybrid KV cache manager on there are two KV cache groups (default: none)
+    sliding_window a hybrid (not with "mla"): the config declares this window for its sliding layers and full
+                   attention for every `full_every`-th layer (default 2: gpt-oss-like, alternating; 6: Gemma-3-
+                   like), the worker reports SlidingWindowSpec / FullAttentionSpec, and with vLLM's hybrid KV
+                   cache manager on there are several KV cache groups (default: none)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
@@ -240,7 +241,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                 num_kv_heads=int(spec.get("num_kv_heads", 2)) if kind == "per_rank" else 1,
                                 num_attention_heads=None if kind == "per_rank" else 2 * tp,
                                 head_size=int(spec.get("head_size", 8)), mla=kind == "mla",
-                                sliding_window=None if window is None else int(window))
+                                sliding_window=None if window is None else int(window),
+                                full_every=int(spec.get("full_every", 2)))
     kvt = None
     conn = spec.get("connector")
     if conn is not None:

@@ -38,8 +38,9 @@ the same forward and KV checks, no store) or "upstream" (vLLM's own MooncakeStor
 master, testbed/upstream.py: `store_config` gives it the master's addresses and sizes, `extra` its
 extra config; `check_store` is ours only). bench.scheduler runs the three on the same workloads.
 
-`sliding_window=W` (connector "none" or "ours"): a gpt-oss-like hybrid stand-in, even layers attend to
-the last W tokens, odd layers to all. vLLM plans two KV cache groups and its hybrid KV cache manager runs
+`sliding_window=W` (connector "none" or "ours"): a hybrid stand-in, every `full_every`-th layer attends to all
+tokens and the others to the last W (`full_every` 2: gpt-oss-like, two KV cache groups; 6: Gemma-3-like, five
+sliding layers to one full). vLLM plans the KV cache groups and its hybrid KV cache manager runs
 (the in-process platform is told it supports it: a labelled test double, `_hybrid_kv_platform`). Every
 layer reads and writes through its own group's block table; a sliding-window layer is checked only over
 the positions its attention reads (vLLM frees and reuses the blocks of older ones).
@@ -154,7 +155,7 @@ class Harness:
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
                  kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0,
-                 kv_kind: str = "per_rank", sliding_window: int | None = None) -> None:
+                 kv_kind: str = "per_rank", sliding_window: int | None = None, full_every: int = 2) -> None:
         if kv_kind not in ("per_rank", "replicated", "mla"):
             raise ValueError(f"Harness kv_kind={kv_kind!r}: must be 'per_rank', 'replicated' or 'mla'")
         # per_rank: each rank its own KV heads; replicated: one KV head that vLLM replicates on every TP
@@ -168,8 +169,8 @@ class Harness:
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
-        # sliding_window: a gpt-oss-like hybrid stand-in, even layers sliding window (this many tokens), odd
-        # layers full attention, with vLLM's hybrid KV cache manager on (two KV cache groups)
+        # sliding_window: a hybrid stand-in, every full_every-th layer full attention and the others sliding
+        # window (this many tokens), with vLLM's hybrid KV cache manager on
         if sliding_window is not None:
             if connector == "upstream":
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: not with connector='upstream' "
@@ -246,7 +247,7 @@ class Harness:
         self.kernel_block_sizes = [kernel_block_size] if kernel_block_size else None
         self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
                                       head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla",
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, full_every=full_every)
         # the engine's KVCacheConfig (layout recorded on cache_config first, as EngineCore does)
         self.kv_cache_config = build_kv_cache_config(self.vllm_config, self._specs, num_blocks, kv_layout)
         groups = self.kv_cache_config.kv_cache_groups
@@ -255,10 +256,10 @@ class Harness:
         self.window_of_group: list[int | None] = [
             grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec) else None
             for grp in groups]
-        if sliding_window is not None and sorted(w is None for w in self.window_of_group) != [False, True]:
+        if sliding_window is not None and {w is None for w in self.window_of_group} != {False, True}:
             kinds = [type(g.kv_cache_spec).__name__ for g in groups]
             raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM planned {len(groups)} KV cache "
-                                    f"groups {kinds}, expected a sliding-window group and a full-attention group")
+                                    f"groups {kinds}, expected sliding-window groups and full-attention groups")
         if sliding_window is None and len(groups) != 1:
             raise HarnessSetupError(f"Harness: vLLM planned {len(groups)} KV cache groups, expected 1")
         init_none_hash(sha256)

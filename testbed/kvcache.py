@@ -28,6 +28,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from testbed.emu_model import SLIDING, hybrid_layer_types
+
 #: every layout the installed vLLM defines
 LAYOUTS: tuple[str, ...] = tuple(lay.name for lay in KVCacheLayout)
 #: layouts whose blocks are dense pages: the only ones vLLM lets split into kernel blocks
@@ -41,10 +43,10 @@ def layer_names(num_layers: int) -> list[str]:
 def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype = torch.float32, mla: bool = False,
                     cache_dtype_str: str | None = None,
-                    sliding_window: int | None = None) -> dict[str, KVCacheSpec]:
+                    sliding_window: int | None = None, full_every: int = 2) -> dict[str, KVCacheSpec]:
     """The per-layer specs a model's attention layers report (`get_kv_cache_spec`). ``sliding_window``:
-    a gpt-oss-like hybrid, even layers attend to the last ``sliding_window`` tokens (`SlidingWindowSpec`),
-    odd layers to all of them."""
+    a hybrid, every ``full_every``-th layer full attention and the others attending to the last
+    ``sliding_window`` tokens (`SlidingWindowSpec`; `emu_model.hybrid_layer_types`)."""
     if mla:
         if sliding_window is not None:
             raise ValueError("attention_specs: sliding_window is not supported with mla")
@@ -60,7 +62,8 @@ def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head
                          "need a window >= 1 and at least 2 layers (one sliding, one full)")
     sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
                            sliding_window=sliding_window)
-    return {n: sw if i % 2 == 0 else spec for i, n in enumerate(layer_names(num_layers))}
+    types = hybrid_layer_types(num_layers, full_every)
+    return {n: sw if t == SLIDING else spec for t, n in zip(types, layer_names(num_layers))}
 
 
 def build_kv_cache_config(vllm_config: Any, specs: Mapping[str, KVCacheSpec], num_blocks: int,

@@ -264,6 +264,27 @@ def test_tp2_mla_engine_stores_one_copy_and_both_ranks_load_it(
     assert sum(puts) == len(full_blocks) and all(puts), f"keys put per rank {puts}, {len(full_blocks)} blocks"
 
 
+def test_tp2_mp_engine_with_the_tp_shared_layout_puts_and_loads_a_key_per_kv_head(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]],
+        tmp_path: Path) -> None:
+    """`kv_heads_per_key` 1 at TP 2 with worker processes, a model of 4 KV heads: each rank's block is two
+    keys, one per head it holds (`kvh<h>+1of4`), cut from vLLM's views of that rank; pass 2 loads both keys
+    of every block into each rank's head slices, checked against the model's KV of those heads. The keys
+    are the ones a TP 1 or TP 4 engine of this model builds (test_tp_shared_layout.py loads them there)."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace, kv_heads_per_key=1),
+                           num_kv_heads=4, shutdown_timeout_s=30), timeout_s=300, name="tp2-heads")
+    print(f"tp2 kv heads: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}")
+    _check_run(res, tp=2, trace=trace, baseline=baseline)
+    conns = sorted((w["connector"] for w in res["workers"]), key=lambda c: c["key_prefixes"][0])
+    heads = [[p.rstrip("/").split("/")[-1] for p in c["key_prefixes"]] for c in conns]
+    assert heads == [["kvh0+1of4-pp0of1", "kvh1+1of4-pp0of1"], ["kvh2+1of4-pp0of1", "kvh3+1of4-pp0of1"]], heads
+    full_blocks = {tuple(p[:BLOCK_SIZE * (i + 1)]) for p in PROMPTS for i in range(len(p) // BLOCK_SIZE)}
+    puts = [c["put_keys"] for c in conns]
+    assert puts == [2 * len(full_blocks)] * 2, f"keys put per rank {puts}, {len(full_blocks)} blocks"
+    assert all(c["get_keys"] > 0 and c["get_keys"] % 2 == 0 for c in conns), conns  # both heads of each block
+
+
 def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """A 16-block pool and 40 generated tokens per request: vLLM preempts running requests (their blocks
@@ -496,11 +517,19 @@ def _hybrid_spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any], 
         "max_model_len": 384, **over})
 
 
-def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: int = MAX_TOKENS
-                      ) -> list[dict[str, Any]]:
-    """`_check_run` for the hybrid model, plus: vLLM kept its hybrid KV cache manager on (our connector is
-    `SupportsHMA`) and every rank got two KV cache groups, the sliding-window layers (0, 2) and the
-    full-attention ones (1, 3).
+#: the KV cache groups vLLM plans for the gpt-oss-like stand-in (4 layers, every 2nd full attention) and the
+#: Gemma-3-like one (6 layers, every 6th full: one group per layer, as vLLM groups 5 sliding : 1 full)
+GPT_OSS_GROUPS = [{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layers": [0, 2]},
+                  {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
+GEMMA3_GROUPS = ([{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layers": [i]} for i in range(5)]
+                 + [{"spec": "FullAttentionSpec", "sliding_window": None, "layers": [5]}])
+
+
+def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: int = MAX_TOKENS,
+                      groups: list[dict[str, Any]] = GPT_OSS_GROUPS) -> list[dict[str, Any]]:
+    """`_check_run` for a hybrid model, plus: vLLM kept its hybrid KV cache manager on (our connector is
+    `SupportsHMA`) and every rank got the KV cache groups ``groups`` (default the gpt-oss-like stand-in's two:
+    the sliding-window layers (0, 2) and the full-attention ones (1, 3)).
 
     Pass 2 must start every prompt from at least its shared prefix (the store's, after reset_prefix_cache),
     unless a rank's load failed after a master RPC timeout (`_check_workers`: a master starved of CPU
@@ -523,10 +552,8 @@ def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: 
 
     assert res["disable_hybrid_kv_cache_manager"] is False, "vLLM turned the hybrid KV cache manager off"
     assert HMA_OFF_MARK not in Path(res["log"]).read_text(errors="replace"), f"{HMA_OFF_MARK!r} in {res['log']}"
-    want = [{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layers": [0, 2]},
-            {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
     for w in res["workers"]:
-        assert sorted(w["kv_cache_groups"], key=lambda g: g["layers"]) == want, w["kv_cache_groups"]
+        assert sorted(w["kv_cache_groups"], key=lambda g: g["layers"]) == groups, w["kv_cache_groups"]
     return events
 
 
@@ -571,3 +598,21 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
           f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
           f"connectors {[w['connector'] for w in res['workers']]}")
     _check_hybrid_run(res, tp=2, trace=trace)
+
+
+@pytest.mark.parametrize(("tp", "mp"), [(1, 0), (2, 1)], ids=["tp1", "tp2-mp"])
+def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, tp: int,
+        mp: int) -> None:
+    """A Gemma-3-like hybrid (6 layers, five sliding-window layers to one full-attention layer: vLLM plans one
+    KV cache group per layer) in the real engine: each group's blocks stored under its own keys and loaded
+    in pass 2, each layer checked where its attention reads. A request holds a block per group for its
+    window in each sliding group: about 4 times a dense model's blocks (a 400-block pool)."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_hybrid_spec(tmp_path, tp=tp, mp=mp, connector=_connector(mooncake, trace,
+                                                                                max_pinned_blocks=400),
+                                  num_layers=6, full_every=6, num_blocks=400, shutdown_timeout_s=30),
+                     timeout_s=300, name=f"tp{tp}-gemma3")
+    print(f"tp{tp} gemma3-like: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}, "
+          f"cached {[ps['num_cached_tokens'] for ps in res['passes']]}")
+    _check_hybrid_run(res, tp=tp, trace=trace, groups=GEMMA3_GROUPS)

@@ -30,7 +30,8 @@ PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=256, suffix_len=44
 
 def _hybrid(store_config: StoreConfig, **kw) -> Harness:
     kw.setdefault("num_blocks", 160)
-    return Harness(store_config, sliding_window=W, num_layers=4, block_size=BS, **kw)
+    kw.setdefault("num_layers", 4)
+    return Harness(store_config, sliding_window=W, block_size=BS, **kw)
 
 
 def _group_keys_present(h: Harness, prompt: list[int]) -> list[list[int]]:
@@ -61,6 +62,25 @@ def test_a_hybrid_model_keeps_the_hybrid_manager_and_loads_every_group_from_the_
         checked, polluted = h.check_store()
         assert checked >= 2 * tp_size * 17 and polluted == 0  # both groups' keys of every rank, read back
         assert all(not w.worker_side.steps.errors for w in h.workers)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_gemma3_like_model_loads_every_group_from_the_store(store_config: StoreConfig, tp_size: int):
+    """Five sliding-window layers to one full-attention layer (Gemma 3's pattern): vLLM plans a KV cache
+    group per layer, six block tables per request; every group's keys are stored and loaded."""
+    with _hybrid(store_config, tp_size=tp_size, num_layers=6, full_every=6, num_blocks=400) as h:
+        kinds = [type(g.kv_cache_spec).__name__ for g in h.kv_cache_config.kv_cache_groups]
+        assert kinds == ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"]
+        h.run_pass(PROMPTS, 4, tag="a")
+        present = _group_keys_present(h, PROMPTS[0])
+        assert len(present) == 6 and all(all(c == 1 for c in g) for g in present)
+        h.scheduler.reset_prefix_cache()
+        ss = h.scheduler_connector.scheduler_side
+        loads = ss.num_loads
+        h.run_pass(PROMPTS, 4, tag="b")  # each layer checked over what its attention reads
+        assert ss.num_loads > loads and h.scheduler_connector.stats.total("loaded_tokens") >= 256
+        checked, polluted = h.check_store()
+        assert checked >= 6 * tp_size * 17 and polluted == 0
 
 
 def test_a_missing_sliding_window_key_shortens_the_hit_only_inside_the_window_and_a_failed_load_recomputes(
