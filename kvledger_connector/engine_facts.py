@@ -288,7 +288,7 @@ class EngineFacts:
     spec: Any  # the attention KV cache spec
     num_layers: int  # layers of the KV cache config (this stage's)
     num_blocks: int  # blocks of the KV cache config
-    model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layout_for` a new weights version
+    model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layouts_for` a new weights version
     hash_algo: str = ""  # vLLM's prefix_caching_hash_algo
     weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
     groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kv_cache_groups`); () for one group
@@ -388,12 +388,6 @@ class EngineFacts:
         """The KV cache group of each part of `layouts_for` (its block table in a SaveSpec or LoadSpec)."""
         return [g for g in range(self.num_groups) for _ in range(self.key_parts)]
 
-    def layout_for(self, weights_version: str) -> KeyLayout:
-        """This rank's key layout under another weights version (a runtime bump: only the model's identity
-        changes)."""
-        return dataclasses.replace(self.layout,
-                                   model_hash=_identity(self.model_config_hash, self.hash_algo, weights_version))
-
     def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
         sharing keys (`KeyLayout.kv_replicas`) are one shard; a hybrid model's groups each have theirs; in
@@ -406,14 +400,6 @@ class EngineFacts:
                     for base in bases for p in range(self.pp_size) for h in range(0, total, k)]
         return [dataclasses.replace(base, tp_rank=t, pp_rank=p) for base in bases
                 for p in range(self.pp_size) for t in range(0, self.tp_size, self.layout.kv_replicas)]
-
-    def copy_plan(self, kv_caches: Mapping[str, torch.Tensor]) -> BlockCopyPlan:
-        """vLLM's per-layer [B, H, N, C] views, as its allocator made them: checked against the spec the keys
-        promise, then read as a per-block copy plan (kvledger_connector/kvlayout.py)."""
-        if self.groups or self.key_parts > 1:
-            raise KVLayoutError(f"{self.num_groups} KV cache groups of {self.key_parts} parts: one copy plan per "
-                                f"part (copy_plans)")
-        return self._plan_of(kv_caches, self.layout, self.spec, self.num_layers)
 
     def copy_plans(self, kv_caches: Mapping[str, torch.Tensor]) -> list[BlockCopyPlan]:
         """One copy plan per part of a block (`layouts_for`'s order), each over its own layers' views (a

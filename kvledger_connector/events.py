@@ -15,7 +15,7 @@ Per KV cache group, as vLLM's own events: a hybrid model's groups are announced 
 (``group_idx``; a sliding-window group's block may be stored where a full-attention one is not), and a
 BlockStored carries the group's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` from vLLM's
 ``get_kv_cache_spec_kind`` / ``get_kv_cache_spec_sliding_window``. A key builder's group is the one its key
-layout names (`KeyLayout.extra` "group"; one group: 0).
+layout names (`KeyLayout.group`).
     AllBlocksCleared  at ``reset_cache`` instead, if more blocks were announced than `max_announced`
                   (we lost track of some; over-clearing a router only costs it hints, a stale hint costs a miss)
 
@@ -94,7 +94,7 @@ class StoreEvents:
     @key_builders.setter
     def key_builders(self, builders: Sequence[KeyBuilder]) -> None:
         """The scheduler's builders (a weights version switch replaces them); each one's KV cache group."""
-        groups = [int(dict(kb.layout.extra).get("group", "0")) for kb in builders]
+        groups = [kb.layout.group for kb in builders]
         if any(not 0 <= g < len(self.group_specs) for g in groups):
             raise LedgerInputError("key_builders", sorted(set(groups)),
                                    f"name KV cache groups outside 0..{len(self.group_specs) - 1}")

@@ -132,6 +132,11 @@ class KeyLayout:
         return int(dict(self.extra).get("window", "0")) or None
 
     @property
+    def group(self) -> int:
+        """A hybrid model's KV cache group this key layout stores (`extra`); 0 for one group."""
+        return int(dict(self.extra).get("group", "0"))
+
+    @property
     def replica(self) -> int:
         """This rank's index among the ranks sharing its keys (which of their keys it puts)."""
         return self.tp_rank % self.kv_replicas

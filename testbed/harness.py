@@ -728,7 +728,8 @@ class Harness:
         seen: set[tuple[int, int, bytes]] = set()
         groups = self._group_layers()
         builders = [list(w.worker_side.steps.group_keys) for w in self.workers]  # type: ignore[union-attr]
-        k, parts = self._heads_per_key, self._key_parts
+        k = self._heads_per_key
+        part_groups = self.workers[0].worker_side.steps.part_groups  # type: ignore[union-attr]
         for rid, req in self.requests.items():
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
@@ -747,7 +748,8 @@ class Harness:
                     checked += 1
                     pos = hashes[bi * bs:(bi + 1) * bs]
                     ok = self._trailer_ok(key, p)
-                    g, j = divmod(p, parts)
+                    g = part_groups[p]  # the workers' order of a block's parts
+                    j = p - part_groups.index(g)
                     for li, name in enumerate(self.layer_names):
                         if name not in groups[g]:
                             continue  # another group's layer: not in this object
