@@ -319,25 +319,25 @@ PROBES: list[Callable[[], None]] = [
 
 # ---------------------------------------------------------------- mutants of the scheduler steps
 def _pins_from_saved_offset(orig):  # a job pins only the blocks new since the last job (lagging rank unpinned)
-    def emit_store(self, saves, req_id, num_scheduled, table_of):
+    def emit_store(self, saves, req_id, num_scheduled, table_of, boundary_states=()):
         st = self._reqs.get(req_id)
         skip = st.saved_blocks if st is not None else 0
 
         def table(q: str) -> Any:
             t = table_of(q)
             return None if t is None else [0] * min(skip, len(t)) + list(t[skip:])  # 0: vLLM's null block
-        return orig(self, saves, req_id, num_scheduled, table)
+        return orig(self, saves, req_id, num_scheduled, table, boundary_states)
     return emit_store
 
 
 def _sends_from_saved_offset(orig):  # a spec's ids start at the saved offset, not where the last spec stopped
-    def emit_store(self, saves, req_id, num_scheduled, table_of):
+    def emit_store(self, saves, req_id, num_scheduled, table_of, boundary_states=()):
         st = self._reqs.get(req_id)
         if st is not None and st.generation == st.request.num_preemptions:
             if st.load_pending and not self._ledger().has_pinned_load(req_id):
                 self.load_done(st.request)  # as emit_store does first: the kept blocks count as saved
             st.sent_blocks = max(st.sent_blocks, st.saved_blocks)  # after a load the ranks lack [0, kept)
-        return orig(self, saves, req_id, num_scheduled, table_of)
+        return orig(self, saves, req_id, num_scheduled, table_of, boundary_states)
     return emit_store
 
 
@@ -408,11 +408,11 @@ def _preempt_notice_off_by_one(orig):  # the notice names the new generation, no
 def _emit_store_with_ledger_answering_no(query: str):
     """An emit_store whose ledger answers False to ``query`` (shadowing the method for that call only)."""
     def patch(orig):
-        def emit_store(self, saves, req_id, num_scheduled, table_of):
+        def emit_store(self, saves, req_id, num_scheduled, table_of, boundary_states=()):
             ledger = self._ledger()
             setattr(ledger, query, lambda _arg: False)
             try:
-                return orig(self, saves, req_id, num_scheduled, table_of)
+                return orig(self, saves, req_id, num_scheduled, table_of, boundary_states)
             finally:
                 delattr(ledger, query)
         return emit_store

@@ -78,10 +78,12 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger.
 
     A `SupportsHMA` connector: vLLM keeps its hybrid KV cache manager on with it. A hybrid model's KV cache
-    groups of full attention and sliding window are served (engine_facts.kv_cache_groups): a key per group
-    and block, every group's blocks of a hit loaded (a sliding window's below the window are vLLM's null
-    block), a hit by vLLM's rule (a sliding group's keys needed only within its window), loads
-    asynchronous and failed per request."""
+    groups of full attention, sliding window and Mamba in "align" mode are served
+    (engine_facts.kv_cache_groups): a key per group and block, every group's blocks of a hit loaded (a
+    sliding window's below the window are vLLM's null block; a Mamba group's one state block at the hit's
+    end), a hit by vLLM's rule (a sliding group's keys needed only within its window, a Mamba group's state
+    key at the hit's end), a Mamba state saved only from the blocks vLLM hands off
+    (``boundary_state_offloads``), loads asynchronous and failed per request."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None, *, store: KVStore | None = None) -> None:

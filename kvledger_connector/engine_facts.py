@@ -3,8 +3,9 @@
 The KV cache spec and the resolved layout (what a stored block's bytes are), this worker's ranks, the
 engine's sizes (world size, nodes, block size, max_model_len, the GPU block pool, max_num_seqs), kv_role
 and whether KV events are on. Whatever vLLM hands over that this connector cannot serve is refused here,
-before anything is started or connected: sleep mode, several KV cache groups, a spec without per-layer
-pages, an unresolved layout, a rank it would have to guess.
+before anything is started or connected: sleep mode, KV cache groups of kinds or sizes it does not serve
+(Mamba outside "align" mode, cross-attention, unequal blocks), a spec without per-layer pages, an
+unresolved layout, a rank it would have to guess.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 
 from kvledger_connector.config import BY_NAME, ConfigError
 from kvledger_connector.keys import KeyLayout
-from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies
+from kvledger_connector.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
+                                        plan_state_copies)
 from kvledger_connector.ownfile import read_own_file
 
 if TYPE_CHECKING:
@@ -37,11 +39,14 @@ class KVGroup:
     table; a block id is owned by one group at a time, and the groups' views share their allocations."""
 
     index: int  # in kv_cache_config.kv_cache_groups
-    spec: Any  # FullAttentionSpec or SlidingWindowSpec
+    spec: Any  # FullAttentionSpec, SlidingWindowSpec or MambaSpec (align mode)
     layer_names: tuple[str, ...]
     # a sliding-window group's span of tokens vLLM keeps behind a position (its window plus any extra
-    # retained tokens), in the key's layout; None: full attention
+    # retained tokens), in the key's layout; None: full attention or state
     window: int | None
+    # a Mamba group in vLLM's "align" mode: block p of its table holds the whole recurrent state after
+    # (p + 1) * block_size tokens (one page per layer), not KV of that block's tokens
+    state: bool = False
 
 
 def _group_spec(layer_names: Sequence[str], spec: Any) -> Any:
@@ -59,30 +64,49 @@ def _group_spec(layer_names: Sequence[str], spec: Any) -> Any:
     return spec
 
 
+def _state_spec(what: str, spec: Any) -> Any:
+    """A Mamba group's spec, served in vLLM's "align" mode only (a state per block boundary), or the error
+    naming the group, the spec and why."""
+    mode = getattr(spec, "mamba_cache_mode", None)
+    if mode != "align":
+        raise KVLayoutError(f"{what}: mamba_cache_mode={mode!r}; a Mamba group is served in 'align' mode only "
+                            f"(vLLM keeps a state per block boundary there; in {mode!r} a request's state is "
+                            f"one running page a connector cannot key by prefix): enable prefix caching or set "
+                            f"mamba_cache_mode='align'")
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise KVLayoutError(f"{what}: num_speculative_blocks={spec.num_speculative_blocks}; Mamba state under "
+                            f"speculative decoding is not served (its running state moves between blocks)")
+    return spec
+
+
 def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     """The KV cache groups this connector serves: one of any attention spec (`kv_cache_spec`), or several
-    (a hybrid model) of full attention and sliding window only, with equal block sizes and layer counts.
-    Anything else is refused at start-up, naming the group, its spec and why."""
+    (a hybrid model) of full attention, sliding window and Mamba in "align" mode, with equal block sizes and
+    layer counts (vLLM pads every group's page to one size, so a block's bytes are then equal too). Anything
+    else is refused at start-up, naming the group, its spec and why."""
     if kv_cache_config is None:
         kv_cache_spec(kv_cache_config)  # raises, naming it
     groups = cast("KVCacheConfig", kv_cache_config).kv_cache_groups
     if len(groups) == 1:
         return [KVGroup(0, kv_cache_spec(kv_cache_config), tuple(groups[0].layer_names), None)]
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     out = []
     for i, g in enumerate(groups):
+        what = f"KV cache group {i} ({type(g.kv_cache_spec).__name__}: {list(g.layer_names)[:2]}...)"
+        if type(g.kv_cache_spec) is MambaSpec:
+            out.append(KVGroup(i, _state_spec(what, g.kv_cache_spec), tuple(g.layer_names), None, state=True))
+            continue
         try:
             spec = _group_spec(g.layer_names, g.kv_cache_spec)
         except KVLayoutError as e:
             raise KVLayoutError(f"KV cache group {i} of {len(groups)}: {e}") from None
-        what = f"KV cache group {i} ({type(spec).__name__}: {list(g.layer_names)[:2]}...)"
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         elif type(spec) is FullAttentionSpec:
             window = None
         else:
-            raise KVLayoutError(f"{what}: a hybrid model's groups are served when they are full attention or "
-                                f"sliding window; {type(spec).__name__} is not yet")
+            raise KVLayoutError(f"{what}: a hybrid model's groups are served when they are full attention, "
+                                f"sliding window or Mamba in 'align' mode; {type(spec).__name__} is not yet")
         out.append(KVGroup(i, spec, tuple(g.layer_names), window))
     sizes = {(k.spec.block_size, len(k.layer_names)) for k in out}
     if len(sizes) != 1:
@@ -90,6 +114,9 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
                             + ", ".join(f"group {k.index}: block {k.spec.block_size}, {len(k.layer_names)} "
                                         f"layers" for k in out)
                             + "): every group's stored block must have the same size")
+    if all(k.state for k in out):
+        raise KVLayoutError("KV cache groups: Mamba state only; the connector serves hybrid models with at least "
+                            "one attention group (a prefix's keys)")
     return out
 
 
@@ -219,6 +246,22 @@ def _layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int,
                      kv_replicas=kv_replicas(vllm_config) if replicated_once else 1, integrity=integrity_tag)
 
 
+def _state_layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank: int, pp_rank: int,
+                     weights_version: str = "", replicated_once: bool = False, integrity_tag: str = ""
+                     ) -> KeyLayout:
+    """A Mamba group's key layout: what a state page's bytes depend on (its shapes, dtypes, mixer, page)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    extra = (("spec", type(spec).__name__), ("shapes", json.dumps([list(x) for x in spec.shapes])),
+             ("dtypes", ",".join(str(d) for d in spec.dtypes)), ("mamba_type", str(spec.mamba_type)),
+             ("content_bytes", str(spec.state_content_size_bytes)))
+    return KeyLayout(model=str(mc.model), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+                     pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size, block_size=cc.block_size,
+                     dtype=",".join(str(d) for d in spec.dtypes), kv_layout=kv_layout,
+                     num_layers=mc.get_total_num_hidden_layers(), num_kv_heads=1, head_size=spec.page_size_bytes,
+                     extra=extra, model_hash=model_identity(mc, cc.prefix_caching_hash_algo, weights_version),
+                     kv_replicas=1, integrity=integrity_tag)
+
+
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
                pp_rank: int = 0, weights_version: str = "", replicated_once: bool = True,
                integrity_tag: str = "") -> KeyLayout:
@@ -320,15 +363,24 @@ class EngineFacts:
         groups = kv_cache_groups(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
         kv_layout = resolved_layout(vllm_config, kv_cfg)
-        layouts = [_layout_of(vllm_config, g.spec, kv_layout, tp, pp, weights_version, replicated_once,
-                              integrity_tag) for g in groups]
-        if len(groups) > 1:  # each group's keys name it: its layers, its window
+        has_state = any(g.state for g in groups)
+        # a Mamba state is a rank's shard of the mixer: keys per rank for every group (ranks sharing an
+        # attention group's keys would need a put stripe per group)
+        layouts = [(_state_layout_of if g.state else _layout_of)(
+            vllm_config, g.spec, kv_layout, tp, pp, weights_version, replicated_once and not has_state,
+            integrity_tag) for g in groups]
+        if len(groups) > 1:  # each group's keys name it: its layers, its window or state
             layouts = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
                 ("group", str(g.index)), ("window", str(g.window or 0)),
-                ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16])))
+                ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]))
+                + ((("state", "align"),) if g.state else ()))
                 for g, lay in zip(groups, layouts)]
-        spec, layout = groups[0].spec, layouts[0]
+        first = next(i for i, g in enumerate(groups) if not g.state)  # the attention spec the rest is about
+        spec, layout = groups[first].spec, layouts[first]
         total_heads = first_head = 0
+        if kv_heads_per_key and has_state:
+            raise ConfigError("kv_heads_per_key", kv_heads_per_key, "a Mamba state group has no KV heads to key "
+                              "by: the TP-shared layout is not served for a model with Mamba layers; set 0", _EXTRA)
         if kv_heads_per_key:
             if not replicated_once:
                 raise ConfigError("store_replicated_kv_once", False, "with kv_heads_per_key a key names KV heads, "
@@ -413,6 +465,9 @@ class EngineFacts:
                 raise KVLayoutError(f"KV cache group {g.index}: no view for layers {missing[:4]}")
             views = {n: kv_caches[n] for n in g.layer_names}
             num_layers = len(g.layer_names) if self.groups else self.num_layers
+            if g.state:
+                plans.append(plan_state_copies(views, page_bytes=g.spec.page_size_bytes, num_blocks=self.num_blocks))
+                continue
             if not self.kv_heads_per_key:
                 plans.append(self._plan_of(views, lay, g.spec, num_layers))
                 continue

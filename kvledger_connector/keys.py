@@ -132,6 +132,12 @@ class KeyLayout:
         return int(dict(self.extra).get("window", "0")) or None
 
     @property
+    def is_state(self) -> bool:
+        """A Mamba group in vLLM's "align" mode (`extra`): its key at block p holds the state after
+        (p + 1) * block_size tokens, not KV of that block's tokens."""
+        return dict(self.extra).get("state") == "align"
+
+    @property
     def group(self) -> int:
         """A hybrid model's KV cache group this key layout stores (`extra`); 0 for one group."""
         return int(dict(self.extra).get("group", "0"))

@@ -231,3 +231,52 @@ def _check_disjoint(plan: BlockCopyPlan) -> None:
         if b0 < a1:
             raise KVLayoutError(f"layers {la!r} and {lb!r} alias the same bytes (blocks {ma} and {mb}, layout "
                                 f"{plan.layout}): two distinct views over one region cannot be stored as one block")
+
+
+def plan_state_copies(kv_caches: Mapping[str, Any], *, page_bytes: int, num_blocks: int | None = None
+                      ) -> BlockCopyPlan:
+    """The copy plan of a Mamba group in vLLM's "align" mode: block m of each layer is one state page, its
+    whole padded page (``page_bytes``, the spec's `page_size_bytes`: vLLM pads every group's page to one
+    size, so an attention block and a state block of equal layer counts are equal bytes). A layer's view
+    is what `allocate_kv_cache` gives a Mamba layer: one tensor whose first dim counts blocks, block m's
+    state starting its page (``data_ptr + m * stride(0)``), the rest of the page vLLM's padding. Stored
+    per layer in natural name order: | L0 page | L1 page | ..."""
+    if page_bytes.__class__ is not int or page_bytes < 1:
+        raise KVLayoutError(f"page_bytes={page_bytes!r}: must be an int >= 1")
+    if not kv_caches:
+        raise KVLayoutError("register_kv_caches: no Mamba state views")
+    segs: list[Segment] = []
+    layers: list[str] = []
+    storages: dict[int, int] = {}
+    nb: int | None = None
+    cuda = False
+    for name in sorted(kv_caches, key=natural_key):
+        t = kv_caches[name]
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            raise KVLayoutError(f"layer {name!r}: a {type(t).__name__}{' of shape ' + str(tuple(t.shape)) if isinstance(t, torch.Tensor) else ''}; "
+                                f"expected the one tensor per Mamba layer that vLLM's allocator gives, blocks first")
+        es = t.element_size()
+        stride = int(t.stride(0)) * es
+        content = t[0].numel() * es
+        if stride != page_bytes or content > page_bytes or not t[0].is_contiguous():
+            raise KVLayoutError(f"layer {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} of {t.dtype}: "
+                                f"a block's state is not one dense run at the start of a {page_bytes}-byte page")
+        st = t.untyped_storage()
+        end = t.data_ptr() + (int(t.shape[0]) - 1) * stride + page_bytes
+        if t.data_ptr() < st.data_ptr() or end > st.data_ptr() + st.nbytes():
+            raise KVLayoutError(f"layer {name!r}: the last block's page runs past its allocation")
+        if nb is None:
+            nb = int(t.shape[0])
+        elif int(t.shape[0]) != nb:
+            raise KVLayoutError(f"layer {name!r}: {t.shape[0]} blocks, layer {layers[0]!r} has {nb}")
+        layers.append(name)
+        segs.append(Segment(t.data_ptr(), stride, page_bytes))
+        storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+        cuda = cuda or t.is_cuda
+    if num_blocks is not None and nb != num_blocks:
+        raise KVLayoutError(f"the Mamba views hold {nb} blocks, the KV cache config {num_blocks}")
+    plan = BlockCopyPlan(layout="state", num_blocks=int(nb or 0), kernel_ratio=1, segments=tuple(segs),
+                         storages=tuple(sorted(storages.items())), layers=tuple(layers), is_cuda=cuda,
+                         segment_layers=tuple(layers))
+    _check_disjoint(plan)
+    return plan

@@ -92,7 +92,8 @@ class SchedulerSide(SchedulerSteps):
             ids = manager.get_block_ids(req_id)
             return ids[0] if one else ids
 
-        meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of)
+        offers = getattr(block_state, "boundary_state_offloads", None) if self.state_groups else None
+        meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of, offers)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -336,6 +336,9 @@ class SchedulerSteps:
         # block's keys one per group (key_builders holds every shard's and group's), and every load is
         # asynchronous (vLLM takes a failed load of several groups per request, not per block)
         self.num_groups = num_groups
+        # Mamba groups in vLLM's "align" mode: a block holds the state after its last token, saved only from
+        # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
+        self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
@@ -450,20 +453,23 @@ class SchedulerSteps:
         """The hit, in blocks past ``start``, from ``res`` (each builder's ``m`` answers in turn), by vLLM's
         allocation rule: the longest h such that every full-attention key of blocks [start, start + h)
         exists and, for each sliding-window group of span W (a hybrid model), every key of the blocks vLLM
-        leaves non-null for a hit ending at H = (start + h) * bs: those holding positions from H - W + 1 on.
-        A sliding key below that (a save deferred until vLLM had freed the block) never shortens the hit.
-        Without sliding groups: the longest run every builder holds."""
+        leaves non-null for a hit ending at H = (start + h) * bs: those holding positions from H - W + 1 on;
+        for each Mamba group ("align" mode), the state key of block start + h - 1 (the state after H
+        tokens: vLLM's hit is that one snapshot). A sliding or state key below that never shortens the hit.
+        Without sliding or state groups: the longest run every builder holds."""
         bs = self.block_size
         windows = [kb.layout.window for kb in self.key_builders]
-        full = [s for s, w in enumerate(windows) if w is None]
+        state = [s for s, kb in enumerate(self.key_builders) if kb.layout.is_state]
+        full = [s for s, w in enumerate(windows) if w is None and s not in state]
         top = 0
         while top < n and all(res[s * m + top] == 1 for s in full):
             top += 1
         sliding = [(s, w) for s, w in enumerate(windows) if w is not None]
         for h in range(top, 0, -1):
             end = start + h
-            if all(res[s * m + i] == 1 for s, w in sliding
-                   for i in range(max(start, (end * bs - w + 1) // bs) - start, h)):
+            if all(res[s * m + h - 1] == 1 for s in state) and all(
+                    res[s * m + i] == 1 for s, w in sliding
+                    for i in range(max(start, (end * bs - w + 1) // bs) - start, h)):
                 return h
         return 0
 
@@ -511,8 +517,9 @@ class SchedulerSteps:
         groups: tuple[int, ...] = ()
         if self.num_groups == 1:
             dest = tuple(tables[0][first:last])
-        else:
-            at = [(g, p) for g in range(self.num_groups) for p in range(first, last) if tables[g][p] != 0]
+        else:  # a Mamba group loads the one state block at the hit's end (vLLM reads the state there)
+            at = [(g, p) for g in range(self.num_groups) for p in range(first, last) if tables[g][p] != 0
+                  and (g not in self.state_groups or p == last - 1)]
             dest = tuple(tables[g][p] for g, p in at)
             hashes = [hashes[p - first] for _, p in at]
             groups = tuple(g for g, _ in at)
@@ -606,22 +613,42 @@ class SchedulerSteps:
         self._finished_out[req_id] = generation_of(request)
 
     # ------------------------------------------------------------------ EmitStore
-    def emit_stores(self, scheduled: Mapping[str, int], table_of: TableOf) -> list[SaveSpec]:
+    def emit_stores(self, scheduled: Mapping[str, int], table_of: TableOf,
+                    boundary_states: Mapping[str, Sequence[tuple[int, int, int]]] | None = None) -> list[SaveSpec]:
         """EmitStore for this step: first the saves the cap deferred, of requests not scheduled now, then
-        every scheduled request (``scheduled``: req_id -> tokens scheduled this step)."""
+        every scheduled request (``scheduled``: req_id -> tokens scheduled this step). ``boundary_states``:
+        vLLM's Mamba hand-offs of this step, req_id -> [(group, block id, boundary tokens)]
+        (``KVConnectorBlockState.boundary_state_offloads``), the only blocks a Mamba group saves from."""
         saves: list[SaveSpec] = []
         if self.save_enabled:
+            offers = boundary_states or {}
             for req_id in self._reqs.deferred_ids():
                 if req_id not in scheduled:
-                    self.emit_store(saves, req_id, 0, table_of)
+                    self.emit_store(saves, req_id, 0, table_of, offers.get(req_id, ()))
             for req_id, n in scheduled.items():
-                self.emit_store(saves, req_id, n, table_of)
+                self.emit_store(saves, req_id, n, table_of, offers.get(req_id, ()))
         ledger = self._ledger()
         self.stats.gauge("pins_in_flight", ledger.num_inflight_jobs)
         self.stats.gauge("pinned_blocks", ledger.num_pinned_blocks)
         return saves
 
-    def emit_store(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf) -> None:
+    def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
+                    ) -> list[Sequence[int]]:
+        """The tables with each Mamba group's row replaced by this step's offered states in blocks [lo, hi):
+        block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens, else null.
+        vLLM's align-mode row is not the states by position (it keeps a running state and nulls the
+        rest), and an offered block holds its bytes only until this step's pins: an earlier step's offer is
+        never reused, so a lagging rank never reads a state block that was given back."""
+        if not self.state_groups:
+            return tables
+        bs = self.block_size
+        at = {(g, tokens // bs - 1): b for g, b, tokens in offers
+              if g in self.state_groups and tokens > 0 and tokens % bs == 0 and lo < tokens // bs <= hi}
+        return [[at.get((k, p), 0) for p in range(len(t))] if k in self.state_groups else t
+                for k, t in enumerate(tables)]
+
+    def emit_store(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
+                   boundary_states: Sequence[tuple[int, int, int]] = ()) -> None:
         """One request's EmitStore: `save_end` and the due tail make the `StoreRange`, its blocks pinned by `SchedulerLedger.open_job`
         (the tail block as ``tail_block_ids``), or DEFER at the caps (the blocks stay the request's;
         retried in a later step), or dropped when the job could never be admitted (a cache miss)."""
@@ -651,6 +678,7 @@ class SchedulerSteps:
         if min(len(t) for t in tables) < rng.reach:
             return
         g = self.num_groups
+        tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
         if g == 1:
             table = tables[0]
             block_ids = list(table[:rng.end])

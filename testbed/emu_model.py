@@ -72,6 +72,39 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
     return path
 
 
+def write_jamba_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size: int,
+                    num_attention_heads: int | None = None) -> str:
+    """A tiny Jamba config.json (no weights): a Mamba hybrid, Mamba mixers on even layers and attention on
+    odd ones (``attn_layer_period`` 2, offset 1), so vLLM plans one Mamba group and one attention group of
+    equal layer counts. vLLM runs Mamba in "align" mode with prefix caching on (`MambaModelConfig`)."""
+    if num_layers < 2 or num_layers % 2:
+        raise ValueError(f"write_jamba_dir num_layers={num_layers!r}: an even count >= 2 (Mamba, attention pairs)")
+    os.makedirs(path, exist_ok=True)
+    heads = num_attention_heads or num_kv_heads
+    hidden = heads * head_size
+    cfg = {
+        "architectures": ["JambaForCausalLM"], "model_type": "jamba", "vocab_size": VOCAB,
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": num_kv_heads,
+        "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "num_experts": 1, "num_experts_per_tok": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2,
+        "max_position_embeddings": 4096, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": EOS,
+        "pad_token_id": 0,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def mamba_state(prefix_hash: int, layer: int, rank: int, nbytes: int) -> torch.Tensor:
+    """A Mamba layer's recurrent state after a prefix (int8 [nbytes]): a function of the prefix (its
+    `KVContent.prefix_hashes` entry at the prefix's last token), the layer and the TP rank (each rank holds
+    its own shard of the mixer's state). Different prefixes differ in almost every byte."""
+    seed = (prefix_hash * 0x9E3779B1 + layer * 0x85EBCA6B + rank * 0xC2B2AE35) % (1 << 31)
+    ramp = torch.arange(1, nbytes + 1, dtype=torch.int64)
+    return (((ramp * (2 * seed + 1)) % (1 << 31)) >> 11).remainder(256).to(torch.uint8).view(torch.int8)
+
+
 class KVContent:
     """KV of position p in the model's KV head h = base(prefix hash of tokens[0..p], layer, k|v) * span +
     h * head_size + arange(head_size), with span = the model's KV heads * head_size.

@@ -70,8 +70,9 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from testbed.emu_model import KVContent, hybrid_layer_types
-from testbed.kvcache import attention_specs, layer_names
+from testbed.emu_model import KVContent, hybrid_layer_types, mamba_state
+from testbed.kvcache import (align_mamba_block_size, attention_specs, layer_names, mamba_hybrid_specs,
+                             mamba_layer_names)
 
 # under vLLM's logger namespace: vLLM configures handlers and level for "vllm" only
 logger = init_logger(f"vllm.{__name__}")
@@ -174,7 +175,10 @@ class EmuWorker(WorkerBase):
         self.num_kv_heads = mc.get_num_kv_heads(pc)  # per TP shard
         self.head_size = mc.get_head_size()
         self.kv_dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, mc)
-        self.layer_names = layer_names(self.num_layers)
+        # a Mamba hybrid (`emu_model.write_jamba_dir`): mixers report a MambaSpec ("align" mode), and each
+        # chunk writes the state after its last token into the block vLLM's align mode keeps it in
+        self.mamba = getattr(mc.hf_config, "model_type", None) == "jamba"
+        self.layer_names = mamba_layer_names(mc.hf_config) if self.mamba else layer_names(self.num_layers)
         # a hybrid (every full_every-th layer full attention, the others sliding window); None: every layer
         # full attention
         hybrid = hybrid_window(mc, self.num_layers)
@@ -193,10 +197,13 @@ class EmuWorker(WorkerBase):
         self._plan: _StepPlan | None = None
         self._pending: ModelRunnerOutput | None = None  # execute_model's output until sample_tokens
         self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
+        # checked tokens are counted once per step, at the first attention layer (a Mamba hybrid's layer 0 is a mixer)
+        self._first_attention_layer = next(i for i, n in enumerate(self.layer_names) if not n.endswith(".mixer"))
         # per layer, its KV cache group (block table); per group, the window its attention reads (None: all).
         # Set from the KVCacheConfig vLLM planned (initialize_from_config)
         self.group_of_layer: dict[str, int] = {}
         self.window_of_group: list[int | None] = []
+        self.state_bytes_of_group: dict[int, int] = {}  # per Mamba group, its state's bytes in a page
         self.group_specs: list[str] = []
         self.counts: Counter[str] = Counter()
         self.messages: list[str] = []
@@ -230,6 +237,8 @@ class EmuWorker(WorkerBase):
         sfc = self.compilation_config.static_forward_context
         for name in self.layer_names:
             sfc[name] = _StandInAttention(name)
+        if self.mamba:  # TEST DOUBLE for the engine's update_block_size_for_backend: no real layers to ask
+            align_mamba_block_size(self.vllm_config)
 
     @_rpc
     def get_supported_tasks(self) -> tuple[str, ...]:
@@ -237,6 +246,8 @@ class EmuWorker(WorkerBase):
 
     @_rpc
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        if self.mamba:
+            return mamba_hybrid_specs(self.vllm_config, self.kv_dtype)
         if self.sliding_window is not None:
             return attention_specs(self.num_layers, block_size=self.cache_config.block_size,
                                    num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.kv_dtype,
@@ -293,6 +304,8 @@ class EmuWorker(WorkerBase):
         self.window_of_group = [grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec)
                                 else None for grp in groups]
         self.group_specs = [type(grp.kv_cache_spec).__name__ for grp in groups]
+        self.state_bytes_of_group = {g: grp.kv_cache_spec.state_content_size_bytes for g, grp in enumerate(groups)
+                                     if self.group_specs[g] == "MambaSpec"}
         ungrouped = [n for n in self.layer_names if n not in self.group_of_layer]
         if ungrouped:
             raise EmuWorkerError(f"EmuWorker: vLLM's KVCacheConfig puts layers {ungrouped} in no KV cache group")
@@ -536,6 +549,9 @@ class EmuWorker(WorkerBase):
         g = self.group_of_layer[layer_name]
         window = self.window_of_group[g]
         view = self.kv_caches[layer_name]
+        if g in self.state_bytes_of_group:
+            self._mamba(li, g, view)
+            return
         for rid in plan.req_ids:
             lo, hi = plan.write[rid]
             st = self.requests[rid]
@@ -552,6 +568,34 @@ class EmuWorker(WorkerBase):
             if first < hi:
                 self._check(rid, view, li, g, first, hi)
 
+    def _mamba(self, li: int, g: int, view: torch.Tensor) -> None:
+        """A Mamba mixer of this step in vLLM's "align" mode: a request starting at `start` reads the state
+        after `start` tokens from block (start - 1) // block_size of its table (checked when this worker did
+        not write it in the request's lifetime: a load, a prefix-cache hit, a resumption), and its chunk's
+        final state goes to block (end - 1) // block_size (vLLM copies the running state there first)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("EmuWorker: a Mamba mixer outside a step")
+        bs = self.cache_config.block_size
+        nbytes = self.state_bytes_of_group[g]
+        for rid in plan.req_ids:
+            st = self.requests[rid]
+            start, end = plan.write[rid]
+            table = st.tables[g]
+            if rid in plan.check and start > 0:
+                self.counts["states_checked"] += 1
+                block = table[(start - 1) // bs]
+                if block == NULL_BLOCK_ID or not torch.equal(
+                        view[block].view(-1)[:nbytes], mamba_state(st.hashes[start - 1], li, self.tp_rank, nbytes)):
+                    self._wrong_reads.setdefault(rid, []).append((1, (
+                        f"{rid} rank {self.tp_rank} layer {li}: the state after {start} tokens (block {block}, "
+                        f"group {g}) is wrong")))
+            block = table[(end - 1) // bs]
+            if block == NULL_BLOCK_ID:
+                raise EmuWorkerError(f"EmuWorker: {rid} layer {li} writes the state after {end} tokens into the "
+                                     f"null block (group {g} table {table})")
+            view[block].view(-1)[:nbytes] = mamba_state(st.hashes[end - 1], li, self.tp_rank, nbytes)
+
     def _slots(self, view: torch.Tensor, table: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Index tensors (kernel block, token in kernel block) of positions lo..hi in a [B, H, N, C] view
         whose B may count kernel blocks (B = num_blocks * block_size / N). A position in vLLM's null block
@@ -567,7 +611,7 @@ class EmuWorker(WorkerBase):
         st = self.requests[rid]
         table = st.tables[g]
         kb, off = self._slots(view, table, lo, hi)
-        self.counts["tokens_checked"] += hi - lo if li == 0 else 0
+        self.counts["tokens_checked"] += hi - lo if li == self._first_attention_layer else 0
         null = kb < 0
         if bool(null.any()):  # attention would read the null block: whatever it holds is wrong KV
             n_null = int(null.sum())

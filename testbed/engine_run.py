@@ -20,6 +20,8 @@ The spec (all keys but `workdir` and `prompts` optional):
                    attention for every `full_every`-th layer (default 2: gpt-oss-like, alternating; 6: Gemma-3-
                    like), the worker reports SlidingWindowSpec / FullAttentionSpec, and with vLLM's hybrid KV
                    cache manager on there are several KV cache groups (default: none)
+    mamba          a Jamba-like Mamba hybrid (`emu_model.write_jamba_dir`, Mamba in vLLM's "align" mode): the worker
+                   aligns the block size and reports MambaSpec / FullAttentionSpec (two KV cache groups)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
@@ -228,7 +230,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from testbed.emu_model import write_model_dir
+    from testbed.emu_model import write_jamba_dir, write_model_dir
     from testbed.procs import mooncake_servers_started_by_session, session_processes
 
     tp = int(spec.get("tp", 1))
@@ -236,13 +238,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if kind not in ("per_rank", "replicated", "mla"):
         raise ValueError(f"engine spec kv_kind={kind!r}: must be 'per_rank', 'replicated' or 'mla'")
     window = spec.get("sliding_window")
-    model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
-                                num_layers=int(spec.get("num_layers", 2)),
-                                num_kv_heads=int(spec.get("num_kv_heads", 2)) if kind == "per_rank" else 1,
-                                num_attention_heads=None if kind == "per_rank" else 2 * tp,
-                                head_size=int(spec.get("head_size", 8)), mla=kind == "mla",
-                                sliding_window=None if window is None else int(window),
-                                full_every=int(spec.get("full_every", 2)))
+    if spec.get("mamba"):  # a Jamba-like Mamba hybrid (Mamba in vLLM's "align" mode with prefix caching)
+        model_dir = write_jamba_dir(os.path.join(spec["workdir"], "tiny-jamba"),
+                                    num_layers=int(spec.get("num_layers", 4)),
+                                    num_kv_heads=int(spec.get("num_kv_heads", 2)),
+                                    head_size=int(spec.get("head_size", 8)))
+    else:
+        model_dir = write_model_dir(os.path.join(spec["workdir"], "tiny-llama"),
+                                    num_layers=int(spec.get("num_layers", 2)),
+                                    num_kv_heads=int(spec.get("num_kv_heads", 2)) if kind == "per_rank" else 1,
+                                    num_attention_heads=None if kind == "per_rank" else 2 * tp,
+                                    head_size=int(spec.get("head_size", 8)), mla=kind == "mla",
+                                    sliding_window=None if window is None else int(window),
+                                    full_every=int(spec.get("full_every", 2)))
     kvt = None
     conn = spec.get("connector")
     if conn is not None:

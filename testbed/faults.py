@@ -445,3 +445,18 @@ class RawClientFaults:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def run_pass_with_a_failed_get(h: Any, prompts: list[list[int]], max_tokens: int, tag: str, rank: int = 0
+                               ) -> FaultyStore:
+    """FAULT INJECTION: a pass of `testbed.harness.Harness` (its outputs, S7 and rest checked by the harness)
+    after a prefix-cache reset, whose first store get on ``rank`` returns TRANSFER_FAIL; returns the wrapper
+    (``injected`` lists what fired). A hybrid model's failed load is reported per request: it recomputes."""
+    from kvledger_connector.store import StoreCode
+    h.scheduler.reset_prefix_cache()
+    steps = h.workers[rank].worker_side.steps
+    faulty = FaultyStore(steps.store, FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL),
+                                                           max_fires=1)]))
+    steps.store = faulty
+    h.run_pass(prompts, max_tokens, tag=tag)
+    return faulty

@@ -86,11 +86,12 @@ from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
 from kvledger_connector.engine_facts import head_shard_views  # noqa: E402
 from kvledger_connector.integrity import BlockSeal  # noqa: E402
 from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
-from kvledger_connector.kvlayout import plan_block_copies  # noqa: E402
+from kvledger_connector.kvlayout import plan_block_copies, plan_state_copies  # noqa: E402
 from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
-from testbed.emu_model import (EOS, VOCAB, KVContent, expected_output, shared_prefix_prompts,  # noqa: E402
-                               write_model_dir)
-from testbed.kvcache import allocate, attention_specs, build_kv_cache_config, layer_names  # noqa: E402
+from testbed.emu_model import (EOS, VOCAB, KVContent, expected_output, mamba_state, shared_prefix_prompts,  # noqa: E402
+                               write_jamba_dir, write_model_dir)
+from testbed.kvcache import (align_mamba_block_size, allocate, attention_specs,  # noqa: E402
+                             build_kv_cache_config, layer_names, mamba_hybrid_specs)
 
 
 @dataclass
@@ -155,7 +156,8 @@ class Harness:
                  max_model_len: int = 1024, kv_role: str = "kv_both", stall_timeout_s: float = 60.0,
                  kv_layout: str = "LBNHC", kernel_block_size: int | None = None,
                  kv_events: Any = None, connector: str = "ours", forward_s: float = 0.0,
-                 kv_kind: str = "per_rank", sliding_window: int | None = None, full_every: int = 2) -> None:
+                 kv_kind: str = "per_rank", sliding_window: int | None = None, full_every: int = 2,
+                 mamba: bool = False) -> None:
         if kv_kind not in ("per_rank", "replicated", "mla"):
             raise ValueError(f"Harness kv_kind={kv_kind!r}: must be 'per_rank', 'replicated' or 'mla'")
         # per_rank: each rank its own KV heads; replicated: one KV head that vLLM replicates on every TP
@@ -183,6 +185,13 @@ class Harness:
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: needs num_layers >= 2 "
                                  f"(got {num_layers}): one sliding-window and one full-attention layer")
         self.sliding_window = sliding_window
+        # mamba: a Jamba-like hybrid (Mamba mixers and attention layers alternating), Mamba in vLLM's "align"
+        # mode; vLLM aligns the block size to one page size for both (``block_size`` may grow)
+        if mamba and (sliding_window is not None or kv_kind != "per_rank" or connector == "upstream"):
+            raise ValueError(f"Harness mamba=True: not with sliding_window={sliding_window!r}, "
+                             f"kv_kind={kv_kind!r} or connector={connector!r}")
+        self.mamba = mamba
+        hybrid = sliding_window is not None or mamba
         self._upstream: Any = None
         if not stall_timeout_s > 0:
             raise ValueError(f"Harness stall_timeout_s={stall_timeout_s!r}: must be > 0")
@@ -201,12 +210,16 @@ class Harness:
         self.num_blocks = num_blocks
         self.tp_size = tp_size
         self.device = device
-        model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
-                                    num_kv_heads=num_kv_heads * (tp_size if kv_kind == "per_rank" else 1),
-                                    # one model at every TP size up to 8 (the TP-shared layout's tests
-                                    # compare engines of different sizes)
-                                    num_attention_heads=8 if kv_kind != "per_rank" else None,
-                                    head_size=head_size, mla=kv_kind == "mla")
+        if mamba:
+            model_dir = write_jamba_dir(os.path.join(workdir, "tiny-jamba"), num_layers=num_layers,
+                                        num_kv_heads=num_kv_heads * tp_size, head_size=head_size)
+        else:
+            model_dir = write_model_dir(os.path.join(workdir, "tiny-llama"), num_layers=num_layers,
+                                        num_kv_heads=num_kv_heads * (tp_size if kv_kind == "per_rank" else 1),
+                                        # one model at every TP size up to 8 (the TP-shared layout's tests
+                                        # compare engines of different sizes)
+                                        num_attention_heads=8 if kv_kind != "per_rank" else None,
+                                        head_size=head_size, mla=kv_kind == "mla")
         upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
         if connector == "ours" and "trace_path" not in extra and Harness.runlog_dir is not None:
@@ -226,28 +239,35 @@ class Harness:
         self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
-        with _hybrid_kv_platform() if sliding_window is not None else contextlib.nullcontext():
+        cache_extra = {"mamba_cache_mode": "align"} if mamba else {}
+        with _hybrid_kv_platform() if hybrid else contextlib.nullcontext():
             self.vllm_config = VllmConfig(
                 model_config=mc,
                 scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  max_model_len=max_model_len, enable_chunked_prefill=True,
                                                  is_encoder_decoder=False),
-                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
                 kv_transfer_config=kv_transfer_config,
                 device_config=DeviceConfig("cpu"),
                 kv_events_config=kv_events)  # a vllm.config.KVEventsConfig: the Scheduler's publisher
-        if sliding_window is not None and self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM turned the hybrid KV cache "
-                                    "manager off (scheduler_config.disable_hybrid_kv_cache_manager is True)")
+        if hybrid and self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+            raise HarnessSetupError(f"Harness sliding_window={sliding_window}, mamba={mamba}: vLLM turned the "
+                                    "hybrid KV cache manager off (scheduler_config.disable_hybrid_kv_cache_manager)")
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.layer_names = layer_names(num_layers)
         self.kv_layout = kv_layout
         self.kernel_block_sizes = [kernel_block_size] if kernel_block_size else None
-        self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                                      head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla",
-                                      sliding_window=sliding_window, full_every=full_every)
+        if mamba:
+            align_mamba_block_size(self.vllm_config)
+            self._specs = mamba_hybrid_specs(self.vllm_config)
+            block_size = self.block_size = self.vllm_config.cache_config.block_size
+            self.layer_names = list(self._specs)
+        else:
+            self.layer_names = layer_names(num_layers)
+            self._specs = attention_specs(num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                                          head_size=head_size, dtype=torch.float32, mla=kv_kind == "mla",
+                                          sliding_window=sliding_window, full_every=full_every)
         # the engine's KVCacheConfig (layout recorded on cache_config first, as EngineCore does)
         self.kv_cache_config = build_kv_cache_config(self.vllm_config, self._specs, num_blocks, kv_layout)
         groups = self.kv_cache_config.kv_cache_groups
@@ -260,7 +280,14 @@ class Harness:
             kinds = [type(g.kv_cache_spec).__name__ for g in groups]
             raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM planned {len(groups)} KV cache "
                                     f"groups {kinds}, expected sliding-window groups and full-attention groups")
-        if sliding_window is None and len(groups) != 1:
+        # per Mamba group, its state's bytes (the rest of its page is vLLM's padding)
+        self.state_bytes_of_group: dict[int, int] = {
+            g: grp.kv_cache_spec.state_content_size_bytes for g, grp in enumerate(groups)
+            if type(grp.kv_cache_spec).__name__ == "MambaSpec"}
+        if mamba and (len(self.state_bytes_of_group) != 1 or len(groups) != 2):
+            raise HarnessSetupError(f"Harness mamba=True: vLLM planned {[type(g.kv_cache_spec).__name__ for g in groups]}, "
+                                    "expected one Mamba group and one attention group")
+        if not hybrid and len(groups) != 1:
             raise HarnessSetupError(f"Harness: vLLM planned {len(groups)} KV cache groups, expected 1")
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
@@ -587,6 +614,15 @@ class Harness:
         for li, name in enumerate(self.layer_names):
             t = caches[name]
             table = tables[self.group_of_layer[name]]
+            nbytes = self.state_bytes_of_group.get(self.group_of_layer[name])
+            if nbytes is not None:  # a Mamba layer: its state after hi tokens, in block (hi - 1) // bs
+                block = table[(hi - 1) // self.block_size]
+                if block == 0:
+                    raise HarnessSetupError(f"layer {li}: the state after {hi} tokens sits in the null block "
+                                            f"(table {table})")
+                want = mamba_state(hashes[hi - 1], li, rank, nbytes)
+                t[block].view(-1)[:nbytes] = want + 1 if wrong else want
+                continue
             for block, off, p, n in self._ranges(table, lo, hi):
                 if block == 0:  # vLLM allocates every computed position (a window's old ones only are null)
                     raise HarnessSetupError(f"layer {li}: positions {p}..{p + n} being computed sit in the "
@@ -608,6 +644,19 @@ class Harness:
             t = caches[name]
             g = self.group_of_layer[name]
             table, window = tables[g], self.window_of_group[g]
+            nbytes = self.state_bytes_of_group.get(g)
+            if nbytes is not None:  # a Mamba layer reads the state after hi tokens, from block (hi - 1) // bs
+                block = table[(hi - 1) // self.block_size] if hi > 0 else -1
+                if block == 0:
+                    self.garbage.append(f"{rid} rank {rank} state after {hi} tokens layer {li}: in the null block "
+                                        f"(S7)")
+                    return False
+                if block > 0 and not torch.equal(t[block].view(-1)[:nbytes],
+                                                 mamba_state(hashes[hi - 1], li, rank, nbytes)):
+                    self.garbage.append(f"{rid} rank {rank} state after {hi} tokens (block {block}) layer {li}: "
+                                        f"wrong state before compute (S7)")
+                    return False
+                continue
             first = lo if window is None else max(lo, hi - window + 1)
             for block, off, p, n in self._ranges(table, first, hi):
                 if block == 0:  # attention would read the null block
@@ -712,9 +761,12 @@ class Harness:
             # one plan per part of a block, as the workers key it: per KV cache group over its layers (a hybrid
             # model's groups alias one allocation), per head shard in the TP-shared layout
             k = self._heads_per_key
-            self._scratch_plans = [plan_block_copies(head_shard_views({n: self._scratch[n] for n in names}, k, j),
-                                                     layout=self.kv_layout, block_size=self.block_size, num_blocks=2)
-                                   for names in self._group_layers() for j in range(self._key_parts)]
+            self._scratch_plans = [
+                plan_state_copies({n: self._scratch[n] for n in names}, page_bytes=self._specs[names[0]].page_size_bytes,
+                                  num_blocks=2) if g in self.state_bytes_of_group else
+                plan_block_copies(head_shard_views({n: self._scratch[n] for n in names}, k, j),
+                                  layout=self.kv_layout, block_size=self.block_size, num_blocks=2)
+                for g, names in enumerate(self._group_layers()) for j in range(self._key_parts)]
             for ptr, nbytes in sorted({s for p in self._scratch_plans for s in p.storages}):
                 store.register_buffer(ptr, nbytes)
             seal = self.workers[0].worker_side.steps.seal if self.workers else None  # type: ignore[union-attr]
@@ -753,6 +805,11 @@ class Harness:
                     for li, name in enumerate(self.layer_names):
                         if name not in groups[g]:
                             continue  # another group's layer: not in this object
+                        nbytes = self.state_bytes_of_group.get(g)
+                        if nbytes is not None:  # the state after the block's last token
+                            ok = ok and torch.equal(scratch[name][1].view(-1)[:nbytes],
+                                                    mamba_state(hashes[(bi + 1) * bs - 1], li, r, nbytes))
+                            continue
                         t = head_shard_views({name: scratch[name]}, k, j)[name]  # this key's heads
                         for kv in self._kv_parts:
                             want = self.content.slots(pos, li, kv, self._shard(r)).cpu()

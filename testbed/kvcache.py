@@ -66,6 +66,43 @@ def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head
     return {n: sw if t == SLIDING else spec for t, n in zip(types, layer_names(num_layers))}
 
 
+def mamba_layer_names(hf_config: Any) -> list[str]:
+    """A Mamba hybrid's layer names (`emu_model.write_jamba_dir`), in layer order: mixers and attention."""
+    return [f"model.layers.{i}.self_attn.attn" if t == "attention" else f"model.layers.{i}.mixer"
+            for i, t in enumerate(hf_config.layers_block_type)]
+
+
+def align_mamba_block_size(vllm_config: Any) -> None:
+    """What the engine does after loading a Mamba hybrid (`Platform.update_block_size_for_backend` ->
+    `_align_hybrid_block_size` with the CPU attention backend): attention and Mamba pages made one size, so
+    ``cache_config.block_size`` may grow and ``mamba_block_size`` / ``mamba_page_size_padded`` are set.
+    Called directly because a stand-in model has no attention layers for the engine to find the backend of."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    type(current_platform)._align_hybrid_block_size(vllm_config, CPUAttentionBackend)
+
+
+def mamba_hybrid_specs(vllm_config: Any, dtype: torch.dtype = torch.float32) -> dict[str, KVCacheSpec]:
+    """The per-layer specs of a Mamba hybrid (`emu_model.write_jamba_dir`) once its block size is aligned
+    (`align_mamba_block_size`), as its layers report them: the attention layers' `FullAttentionSpec`, the
+    mixers' `MambaSpec` as `MambaBase.get_kv_cache_spec` builds it from the model class's state shapes and
+    dtypes."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
+    dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
+    attn = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                             head_size=mc.get_head_size(), dtype=dtype)
+    mamba = MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes), block_size=cc.mamba_block_size,
+                      page_size_padded=cc.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.MAMBA1,
+                      mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=vllm_config.num_speculative_tokens)
+    return {n: (mamba if n.endswith(".mixer") else attn) for n in mamba_layer_names(mc.hf_config)}
+
+
 def build_kv_cache_config(vllm_config: Any, specs: Mapping[str, KVCacheSpec], num_blocks: int,
                           layout: str) -> KVCacheConfig:
     """The engine's per-worker path: record the resolved layout on `cache_config` (as

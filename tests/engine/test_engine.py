@@ -623,3 +623,39 @@ def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
     print(f"tp{tp} gemma3-like: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}, "
           f"cached {[ps['num_cached_tokens'] for ps in res['passes']]}")
     _check_hybrid_run(res, tp=tp, trace=trace, groups=GEMMA3_GROUPS)
+
+
+#: the KV cache groups vLLM plans for the Jamba-like stand-in (4 layers: Mamba mixers 0 and 2, attention 1 and 3)
+MAMBA_GROUPS = [{"spec": "MambaSpec", "sliding_window": None, "layers": [0, 2]},
+                {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
+
+
+@pytest.mark.parametrize(("tp", "mp"), [(1, 0), (2, 1)], ids=["tp1", "tp2-mp"])
+def test_mamba_hybrid_engine_loads_its_state_from_the_store(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, tp: int,
+        mp: int) -> None:
+    """A Jamba-like Mamba hybrid (Mamba in vLLM's "align" mode) in the real engine, the hybrid manager on: the
+    stand-in aligns the block size as the engine does for a real model (16 -> 32), each mixer writes its
+    chunk's final state where align mode keeps it and checks the state a request starts from. The connector
+    saves the boundary states vLLM hands off and the attention blocks; pass 2 hits at the prompts' last
+    state and loads it with the attention blocks before it; outputs are the model's. At TP 1 a small pool
+    and 80 generated tokens make vLLM preempt (the resumed request re-reads its state), and pass 2 reuses
+    pass 1's request ids."""
+    trace = tmp_path / "trace.ndjson"
+    over: dict[str, Any] = {"mamba": True}
+    if tp == 1:
+        over.update(num_blocks=64, max_tokens=HYBRID_PREEMPT_TOKENS, request_ids="fixed")
+    extra = {"integrity": "off"} if tp == 1 else {}  # as the gpt-oss-like TP 1 run: preemption needs fast saves
+    res = run_engine(_hybrid_spec(tmp_path, tp=tp, mp=mp, connector=_connector(mooncake, trace, **extra),
+                                  shutdown_timeout_s=30, **over), timeout_s=300, name=f"tp{tp}-mamba")
+    w = res["workers"][0]
+    print(f"tp{tp} mamba: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}, "
+          f"cached {[ps['num_cached_tokens'] for ps in res['passes']]}, counts {w['counts']}")
+    _check_hybrid_run(res, tp=tp, trace=trace, groups=MAMBA_GROUPS,
+                      max_tokens=HYBRID_PREEMPT_TOKENS if tp == 1 else MAX_TOKENS)
+    assert all(r["counts"].get("states_checked", 0) > 0 for r in res["workers"])  # loaded or kept states read
+    if tp == 1:
+        assert res["metrics"].get("num_preemptions", 0) > 0 and w["counts"].get("resumptions", 0) > 0, \
+            "no preemption happened: that part of the scenario is void"
+        ids = [f"req-{i}" for i in range(len(HYBRID_PROMPTS))]
+        assert [ps["request_ids"] for ps in res["passes"]] == [ids, ids]

@@ -19,8 +19,7 @@ import torch
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.jobs import SentBlocks
 from kvledger_connector.metadata import SaveSpec
-from kvledger_connector.store import StoreCode
-from testbed.faults import FaultPlan, FaultRule, FaultyStore
+from testbed.faults import run_pass_with_a_failed_get
 from testbed.harness import Harness, shared_prefix_prompts
 
 W = 128
@@ -109,11 +108,7 @@ def test_a_missing_sliding_window_key_shortens_the_hit_only_inside_the_window_an
         h.run_pass(PROMPTS[:1], 4, tag="c")
         assert loaded.total("loaded_tokens") - before == 5 * BS
 
-        h.scheduler.reset_prefix_cache()
-        faulty = FaultyStore(h.workers[0].worker_side.steps.store,
-                             FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL), max_fires=1)]))
-        h.workers[0].worker_side.steps.store = faulty
-        h.run_pass(PROMPTS[1:3], 4, tag="d")  # outputs checked: the failed load's request recomputed
+        faulty = run_pass_with_a_failed_get(h, PROMPTS[1:3], 4, "d")  # outputs checked: the request recomputed
         assert len(faulty.injected) == 1
         assert h.workers[0].stats.total("load_errors_reported") > 0
         assert h.garbage == [] and h.check_at_rest() == []

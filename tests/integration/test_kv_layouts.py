@@ -245,8 +245,10 @@ def test_a_hybrid_models_groups_are_served_per_group_and_other_kinds_refused() -
     groups = kv_cache_groups(cfg)
     assert {(g.layer_names, g.window) for g in groups} == {(("model.layers.0.attn",), None),
                                                            (("model.layers.1.attn",), 32)}
+    # Mamba is served in vLLM's "align" mode only (tests/integration/test_mamba_hybrid.py); "none" is refused
     specs["model.layers.2.mixer"] = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(KVLayoutError, match=r"KV cache group \d of 3: .*MambaSpec has no per-layer"):
+    with pytest.raises(KVLayoutError, match=r"KV cache group \d \(MambaSpec: \['model.layers.2.mixer'\].*"
+                                            r"mamba_cache_mode='none'.*'align' mode only"):
         kv_cache_groups(build_kv_cache_config(vc, specs, 4, "LBNHC"))
 
 
