@@ -60,6 +60,8 @@ class SchedulerSide(SchedulerSteps):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
+        if self.sliding_groups:
+            self.reachable_blocks = vllm_reachable_blocks(kv_cache_manager)
 
     # ------------------------------------------------------------------ vLLM's hooks
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -113,3 +115,32 @@ class SchedulerSide(SchedulerSteps):
         """Never delays the free: every store job pinned its own blocks."""
         SchedulerSteps.request_finished(self, request)
         return False, None
+
+
+def vllm_reachable_blocks(kv_cache_manager: Any) -> Any:
+    """vLLM's rule for which blocks of a KV cache group a later prefix hit can use, as its hybrid coordinator
+    applies it when it caches a request's blocks (`KVCacheCoordinator.cache_blocks` ->
+    ``reachable_block_mask`` of the group's manager: the window's tail at each replay boundary and
+    shared-prefix junction under ``prefix_cache_retention_interval``): a function (request, group, start
+    block, end block) -> mask or None (every block). The store then keeps what vLLM's own prefix cache
+    would. None when this vLLM's manager lacks any part of it (every block is saved)."""
+    coord = getattr(kv_cache_manager, "coordinator", None)
+    try:
+        from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+        managers = list(coord.single_type_managers)  # type: ignore[union-attr]
+        eagle = bool(coord.eagle_group_ids)  # type: ignore[union-attr]
+        block_size, retention = coord.scheduler_block_size, coord.retention_interval  # type: ignore[union-attr]
+        args = [(type(m).reachable_block_mask, m.cache_hit_alignment_tokens, m.kv_cache_spec, m.use_eagle,
+                 m.dcp_world_size) for m in managers]
+    except (ImportError, AttributeError):
+        return None
+
+    def reachable(request: Any, group: int, start: int, end: int) -> Any:
+        mask_of, alignment, spec, use_eagle, dcp = args[group]
+        boundaries = [*replay_boundaries(request.num_prompt_tokens, block_size, use_eagle=eagle)]
+        if getattr(request, "shared_prefix_boundary", 0):
+            boundaries.append(request.shared_prefix_boundary)
+        return mask_of(start_block=start, end_block=end, alignment_tokens=alignment, kv_cache_spec=spec,
+                       use_eagle=use_eagle, retention_interval=retention, reachable_boundaries=boundaries,
+                       dcp_world_size=dcp)
+    return reachable

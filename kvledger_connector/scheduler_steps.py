@@ -339,6 +339,12 @@ class SchedulerSteps:
         # Mamba groups in vLLM's "align" mode: a block holds the state after its last token, saved only from
         # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
         self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
+        self.sliding_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.window is not None)
+        # vLLM's own rule for which of a sliding-window group's blocks a later hit can use (the blocks its
+        # local prefix cache keeps: `reachable_block_mask`): (request, group, start block, end block) -> a
+        # mask of blocks [start, end), or None for all. Set by the connector from vLLM's KV cache manager;
+        # None here: every block is saved
+        self.reachable_blocks: Callable[[Any, int, int, int], Sequence[bool] | None] | None = None
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
@@ -647,6 +653,27 @@ class SchedulerSteps:
         return [[at.get((k, p), 0) for p in range(len(t))] if k in self.state_groups else t
                 for k, t in enumerate(tables)]
 
+    def _reachable_rows(self, request: RequestLike, tables: list[Sequence[int]], lo: int, hi: int
+                        ) -> list[Sequence[int]]:
+        """The tables with each sliding-window group's blocks [lo, hi) that no later hit can use (by vLLM's
+        rule, `reachable_blocks`) made null: nothing to pin or put. Blocks before ``lo`` were sent already
+        and keep what they were sent as."""
+        if not self.sliding_groups or self.reachable_blocks is None or hi <= lo:
+            return tables
+        out = list(tables)
+        for k in self.sliding_groups:
+            mask = self.reachable_blocks(request, k, lo, hi)
+            if mask is None:
+                continue
+            if len(mask) != hi - lo:
+                raise LedgerInputError("reachable_blocks", len(mask), f"one per block of [{lo}, {hi})")
+            row = list(tables[k])
+            for i, keep in enumerate(mask):
+                if not keep:
+                    row[lo + i] = 0
+            out[k] = row
+        return out
+
     def emit_store(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
                    boundary_states: Sequence[tuple[int, int, int]] = ()) -> None:
         """One request's EmitStore: `save_end` and the due tail make the `StoreRange`, its blocks pinned by `SchedulerLedger.open_job`
@@ -679,6 +706,7 @@ class SchedulerSteps:
             return
         g = self.num_groups
         tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
+        tables = self._reachable_rows(request, tables, st.sent_blocks, rng.end)
         if g == 1:
             table = tables[0]
             block_ids = list(table[:rng.end])
