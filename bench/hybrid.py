@@ -9,6 +9,8 @@ Mooncake master, shared-prefix prompts asked once.
   prompt needs by vLLM's allocation rule (a full group every block; a sliding-window group only the blocks
   vLLM does not null for that hit, those holding positions at or past ``H - W + 1`` for a hit of H tokens),
   counted once across prompts that share blocks.
+* The same for the Jamba-like Mamba stand-in (``Harness(mamba=True)``, Mamba in "align" mode, the block size
+  aligned by vLLM): a Mamba group's hit needs the one state at the hit's end.
 * KV memory per request, hybrid manager on vs off: the sum over the model's layers of vLLM's own
   ``KVCacheSpec.max_memory_usage_bytes`` with the layers' specs as planned with it on (SlidingWindowSpec)
   and as vLLM unifies them with it off (FullAttentionSpec of the same shape), at several max_model_len.
@@ -59,6 +61,31 @@ def stored_vs_needed(window: int, prompt_len: int
             return rows, int(totals.data.get("deferrals", 0)), h.scheduler_connector.config.max_pinned_blocks, worker
 
 
+def stored_vs_needed_mamba(prompt_len: int) -> tuple[list[tuple[str, int, int]], int]:
+    from bench.replicas import stored_keys
+    from kvledger_connector.config import StoreConfig
+    from kvledger_connector.embedded import EmbeddedMooncake
+    from testbed.harness import Harness, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=prompt_len - 44, suffix_len=44, seed=3)
+    with EmbeddedMooncake() as mc:
+        cfg = StoreConfig(global_segment_size=64 << 20).with_addresses(mc.master_address, mc.metadata_server)
+        with Harness(cfg, mamba=True, num_layers=4, num_blocks=400, max_num_batched_tokens=128) as h:
+            h.run_pass(prompts, 4, tag="a")
+            stored = stored_keys(mc.metrics_port)
+            bs = h.block_size
+            rows = []
+            for kb in h.workers[0].worker_side.steps.group_keys:
+                needed: set[str] = set()
+                for p in prompts:
+                    hashes = h.block_hashes_of(p)
+                    hit = min(len(hashes), (len(p) - 1) // bs)  # blocks
+                    needed.update(kb.keys(hashes[hit - 1:hit] if kb.layout.is_state else hashes[:hit]))
+                mine = {k for k in stored if k.startswith(kb.prefix)}
+                rows.append(("Mamba state" if kb.layout.is_state else "full attention", len(mine), len(needed)))
+            return rows, bs
+
+
 def memory_per_request(window: int, max_model_lens: list[int]) -> list[tuple[int, int, int]]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -94,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<20} {stored:>11} {needed:>16} {stored / needed if needed else float('nan'):>13.2f}")
     print(f"saves deferred at the pin cap ({pin_cap} blocks): {deferrals} (a deferred save whose request finishes "
           f"first is not made: a later miss); store jobs {worker}")
+    mrows, mbs = stored_vs_needed_mamba(args.prompt_len)
+    print(f"\nstored vs needed, the Mamba stand-in: the same prompts, block {mbs} (aligned by vLLM), 4 layers "
+          f"(2 Mamba, 2 attention), 128-token chunks")
+    print(f"{'group':<20} {'keys stored':>11} {'keys a hit needs':>16} {'stored/needed':>13}")
+    for name, stored, needed in mrows:
+        print(f"{name:<20} {stored:>11} {needed:>16} {stored / needed if needed else float('nan'):>13.2f}")
+    print("(KV memory with the hybrid manager off: none; vLLM cannot plan a Mamba hybrid without it)")
     print("\nKV memory per request (vLLM's max_memory_usage_bytes over the layers), hybrid manager on vs off")
     print(f"{'max_model_len':>13} {'on bytes':>12} {'off bytes':>12} {'on/off':>7}")
     for n, on, off in memory_per_request(args.window, [1024, 8192, 32768]):
