@@ -74,6 +74,27 @@ def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: b
     return Sched(steps, led, pool, store, {})
 
 
+def _hybrid(second: str) -> Sched:
+    """Two KV cache groups: 0 full attention and 1 ``second`` ("state": a Mamba group in align mode;
+    "sliding": a 2-block window); the tables are one list per group, as vLLM hands a hybrid's."""
+    extra = {"state": (("group", "1"), ("window", "0"), ("state", "align")),
+             "sliding": (("group", "1"), ("window", str(2 * BS)))}[second]
+    kbs = [_kb(), KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BS, dtype="torch.float32",
+                                       kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=32, first_job_id=1)
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, store=ProbeStore(), max_pinned_blocks=32,
+                           num_groups=2)
+    steps.bind_ledger(led)
+    return Sched(steps, led, pool, steps.store, {})
+
+
+def _hybrid_tables(s: Sched, n: int) -> tuple[list[int], list[int]]:
+    """Both groups' tables of n blocks, from vLLM's BlockPool (one pool, distinct ids)."""
+    ids = [b.block_id for b in s.pool.get_new_blocks(2 * n)]
+    return ids[:n], ids[n:]
+
+
 def _run(s: Sched, req: DriverRequest, tokens: int) -> list[SaveSpec]:
     """One engine step computing ``tokens`` more tokens of ``req`` (blocks allocated first)."""
     s.alloc(req.request_id, -(-(req.num_computed_tokens + tokens) // BS))
@@ -306,6 +327,49 @@ def probe_save_waits_for_a_shared_block_of_a_sync_load() -> None:
     check([j.req_id for j in later] == ["b"], f"after the report the retried save is {later}")
 
 
+def probe_mamba_state_saved_only_from_the_offered_block() -> None:
+    """A Mamba group's job pins and sends only the state block vLLM offered in this step for a boundary
+    (`boundary_state_offloads`), never the other ids its align-mode row holds by position (running states,
+    blocks vLLM gives back after the step)."""
+    s = _hybrid("state")
+    req = Req("a", 3 * BS + 1)
+    s.steps.on_new_request(req)
+    full, state = _hybrid_tables(s, 4)
+    (job,) = s.steps.emit_stores({"a": 3 * BS + 1}, {"a": (full, state)}.get, {"a": [(1, state[2], 3 * BS)]})
+    pinned = s.ledger.pinned_block_ids(job.store_job_id)
+    check(sorted(pinned) == sorted(full[:3] + [state[2]]), f"the job pins {pinned}; full {full[:3]}, offered "
+          f"state {state[2]} (row {state})")
+    check(list(job.block_ids) == [full[0], 0, full[1], 0, full[2], state[2]], f"the job sends {job.block_ids}")
+
+
+def probe_a_mamba_hit_needs_only_the_state_at_its_end() -> None:
+    """A lookup over a Mamba hybrid hits at H when every full-attention key before H and the state key at H
+    exist (vLLM's Mamba hit is that one snapshot); states at earlier boundaries are not needed."""
+    s = _hybrid("state")
+    req = Req("a", 3 * BS + 1)
+    full, state = s.steps.key_builders
+    for k in full.keys(req.block_hashes[:3]) + state.keys(req.block_hashes[2:3]):
+        s.store.data[k] = 1
+    got = s.steps.lookup(req, 0)
+    check(got == 3 * BS, f"the lookup answered {got} tokens, the store holds a hit of {3 * BS}")
+
+
+def probe_sliding_window_saves_only_reachable_blocks() -> None:
+    """A sliding-window group's job pins and sends only the blocks vLLM's rule says a later hit can read
+    (`reachable_blocks`; here a stand-in rule keeping blocks 1 and 2 of a 3-block prompt); the full
+    group's every block."""
+    s = _hybrid("sliding")
+    s.steps.reachable_blocks = lambda request, group, lo, hi: [i >= 1 for i in range(lo, hi)]
+    req = Req("a", 3 * BS + 1)
+    s.steps.on_new_request(req)
+    full, sliding = _hybrid_tables(s, 4)
+    (job,) = s.steps.emit_stores({"a": 3 * BS + 1}, {"a": (full, sliding)}.get)
+    pinned = s.ledger.pinned_block_ids(job.store_job_id)
+    check(sorted(pinned) == sorted(full[:3] + sliding[1:3]), f"the job pins {pinned}")
+    check(list(job.block_ids) == [full[0], 0, full[1], sliding[1], full[2], sliding[2]],
+          f"the job sends {job.block_ids}")
+
+
 PROBES: list[Callable[[], None]] = [
     probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
@@ -313,7 +377,8 @@ PROBES: list[Callable[[], None]] = [
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
     probe_save_waits_for_the_sync_load, probe_reused_id_with_a_pinned_load_loads_async,
     probe_recompute_policy_loads_async, probe_save_waits_for_a_shared_block_of_a_sync_load,
-    probe_failed_sync_load_block_is_saved_once_recomputed,
+    probe_failed_sync_load_block_is_saved_once_recomputed, probe_mamba_state_saved_only_from_the_offered_block,
+    probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
 ]
 
 
@@ -441,6 +506,29 @@ def _sync_under_recompute(orig):  # the policy is not asked: short loads go sync
     return load_is_async
 
 
+def _state_rows_by_position(orig):  # a Mamba group saves its align-mode row by position, not vLLM's hand-offs
+    def _state_rows(self, tables, offers, lo, hi):
+        return tables
+    return _state_rows
+
+
+def _state_hit_as_full(orig):  # a Mamba group's keys asked at every block of the hit, as full attention's
+    def _hit_run(self, res, start, n, m):
+        prop = KeyLayout.is_state
+        KeyLayout.is_state = property(lambda _lay: False)  # type: ignore[method-assign,assignment]
+        try:
+            return orig(self, res, start, n, m)
+        finally:
+            KeyLayout.is_state = prop  # type: ignore[method-assign]
+    return _hit_run
+
+
+def _sliding_saves_every_block(orig):  # a sliding-window group saves every block, vLLM's rule ignored
+    def _reachable_rows(self, request, tables, lo, hi):
+        return tables
+    return _reachable_rows
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
@@ -457,6 +545,9 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_sync_despite_pinned_load": [(SchedulerSteps, "load_is_async", _sync_despite_pinned_load)],
     "sched_sync_under_recompute": [(SchedulerSteps, "load_is_async", _sync_under_recompute)],
     "sched_save_reads_a_loading_block": [(SchedulerSteps, "emit_store", _save_reads_a_loading_block)],
+    "sched_state_rows_by_position": [(SchedulerSteps, "_state_rows", _state_rows_by_position)],
+    "sched_state_hit_as_full": [(SchedulerSteps, "_hit_run", _state_hit_as_full)],
+    "sched_sliding_saves_every_block": [(SchedulerSteps, "_reachable_rows", _sliding_saves_every_block)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -467,5 +558,6 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_lookup_needs_every_shard, probe_preempt_notice_names_the_ended_generation,
     probe_failed_load_blocks_are_saved, probe_failed_sync_load_block_is_saved_once_recomputed,
     probe_reused_id_with_a_pinned_load_loads_async, probe_recompute_policy_loads_async,
-    probe_save_waits_for_a_shared_block_of_a_sync_load,
+    probe_save_waits_for_a_shared_block_of_a_sync_load, probe_mamba_state_saved_only_from_the_offered_block,
+    probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
 ]))

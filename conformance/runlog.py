@@ -244,12 +244,14 @@ class RunLogNormalizer:
     @staticmethod
     def _split_tail(ev: dict[str, Any]) -> tuple[list[int], int]:
         """An EmitStore's pinned ids as the model's job: its blocks, and its partial tail (0 = none), which
-        the ledger pins last. A log without the field (older connectors) has no tail."""
+        the ledger pins last. A log without the field (older connectors) has no tail. A block stored as
+        several keys has a tail block per KV cache group, all pinned last: the model's one tail is the last
+        of them, the others count among its blocks (the pin order, and the release order, is the same)."""
         blocks, tail = list(ev["blocks"]), list(ev.get("tail", []))
-        if len(tail) > 1 or blocks[len(blocks) - len(tail):] != tail:
-            raise tc.TraceCheckError(f"EmitStore of job {ev['job']}: tail {tail} is not one block pinned last "
-                                     f"(blocks {blocks}); the model's job has at most one tail block")
-        return blocks[:len(blocks) - len(tail)], (tail[0] if tail else 0)
+        if blocks[len(blocks) - len(tail):] != tail:
+            raise tc.TraceCheckError(f"EmitStore of job {ev['job']}: tail {tail} is not pinned last "
+                                     f"(blocks {blocks})")
+        return blocks[:len(blocks) - 1] if tail else blocks, (tail[-1] if tail else 0)
 
     def _all_ranks(self) -> list[str]:
         if self.world is None:

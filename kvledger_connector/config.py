@@ -348,9 +348,11 @@ KEYS: tuple[Key, ...] = (
     Key("save_partial_tail", "bool", False, "connector",
         "also save a prompt's partial last block (at least 2 tokens past a full block) under its own key, so a "
         "repeated prompt loads all but its last token; off by default like upstream's (one more key per prompt; "
-        "multimodal and prompt-embedding requests never use it; refused for a hybrid model so far)",
+        "multimodal and prompt-embedding requests never use it; a block stored as several keys, KV cache groups or "
+        "head shards, has a tail key per part; refused for a model with Mamba layers)",
         tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token, "
-              "test_hybrid_kv.py::test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name"),
+              "::test_a_tail_of_a_block_stored_as_several_keys_is_saved_and_loaded_by_every_key, "
+              "test_mamba_hybrid.py::test_partial_tails_are_refused_for_a_mamba_hybrid_by_name"),
     Key("sync_load_max_tokens", "int", 256, "connector",
         "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
         "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
@@ -425,7 +427,7 @@ KEYS: tuple[Key, ...] = (
         "into TP 1 and TP 4 engines). It must divide the KV heads each rank holds (1 serves every TP size; with "
         "MLA, or more TP ranks than KV heads, 1). Every engine sharing the keys sets the same value; a rank puts "
         "heads/k keys per block. 0: a key per TP shard (the keys of earlier versions). Not with "
-        "`save_partial_tail`, nor with `store_replicated_kv_once` false", lo=0, hi=1 << 16,
+        "`store_replicated_kv_once` false, nor for a model with Mamba layers", lo=0, hi=1 << 16,
         tests="test_tp_shared_layout.py::test_a_tp2_engine_saves_and_tp1_and_tp4_ranks_load_it_byte_exact, "
               "::test_kv_heads_per_key_that_does_not_divide_a_ranks_heads_is_refused"),
     Key("pp_rank", "int", None, "engine", "pipeline stage, only for in-process drivers (tests); vLLM's PP group "
@@ -667,6 +669,8 @@ class EngineFigures(Protocol):
     def num_groups(self) -> int: ...
     @property
     def key_parts(self) -> int: ...
+    @property
+    def num_state_groups(self) -> int: ...
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
@@ -738,6 +742,8 @@ class ConnectorConfig:
     num_kv_groups: int = 1
     # keys per block and KV cache group on a rank (the TP-shared layout's head shards, `kv_heads_per_key`)
     key_parts: int = 1
+    # Mamba groups in vLLM's "align" mode among the KV cache groups
+    num_state_groups: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -760,15 +766,16 @@ class ConnectorConfig:
                               "connector")
         if self.num_kv_groups.__class__ is not int or self.num_kv_groups < 1:
             raise ConfigError("num_kv_groups", self.num_kv_groups, "must be an int >= 1", "vllm kv_cache_config")
-        if self.num_kv_groups > 1:  # what a hybrid model cannot have yet, named
-            if self.save_partial_tail:
-                raise ConfigError("save_partial_tail", True, f"the model has {self.num_kv_groups} KV cache groups "
-                                  f"(a hybrid model): partial tails are not served for it; set false", "connector")
         if self.key_parts.__class__ is not int or self.key_parts < 1:
             raise ConfigError("key_parts", self.key_parts, "must be an int >= 1", "engine")
-        if self.key_parts > 1 and self.save_partial_tail:
-            raise ConfigError("save_partial_tail", True, f"with kv_heads_per_key a rank's block is {self.key_parts} "
-                              f"keys: partial tails are not served for it; set false", "connector")
+        if self.num_state_groups.__class__ is not int or not 0 <= self.num_state_groups < self.num_kv_groups:
+            raise ConfigError("num_state_groups", self.num_state_groups,
+                              f"must be an int in 0..{self.num_kv_groups - 1} (num_kv_groups={self.num_kv_groups})",
+                              "engine")
+        if self.num_state_groups and self.save_partial_tail:
+            raise ConfigError("save_partial_tail", True, f"the model has {self.num_state_groups} Mamba group(s): a "
+                              f"state at a prompt's partial end is vLLM's copy-on-write hand-off, which the "
+                              f"connector does not serve; set false", "connector")
         object.__setattr__(self, "max_pinned_blocks", self._pin_cap())
         if self.nnodes > 1 and self.store.embedded:
             raise ConfigError("master_server_address", None,
@@ -804,7 +811,8 @@ class ConnectorConfig:
                       nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
                       save_enabled=engine.save_enabled, load_enabled=engine.load_enabled,
                       kv_load_failure_policy=engine.kv_load_failure_policy,
-                      num_kv_groups=engine.num_groups, key_parts=engine.key_parts, **given)
+                      num_kv_groups=engine.num_groups, key_parts=engine.key_parts,
+                      num_state_groups=engine.num_state_groups, **given)
         except ConfigError as e:
             raise settings.sourced(e) from None
         # a cap set below the job cap is a typo; a derived one may be (a small pool: the pin cap binds first)

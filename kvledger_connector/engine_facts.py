@@ -408,6 +408,11 @@ class EngineFacts:
         return len(self.groups) or 1
 
     @property
+    def num_state_groups(self) -> int:
+        """Mamba groups in vLLM's "align" mode among the KV cache groups."""
+        return sum(g.state for g in self.groups)
+
+    @property
     def key_parts(self) -> int:
         """Keys per block and KV cache group on this rank: its heads / `kv_heads_per_key` in the TP-shared
         layout, else 1."""

@@ -229,7 +229,8 @@ class BlockSeal:
         self._a = torch.from_numpy(a.copy()).to(device)
         self._u = torch.from_numpy(u.view(np.int64).copy()).to(device)
         self._arena = torch.zeros((slots, max_keys, TRAILER_BYTES), dtype=torch.uint8, device=device)
-        self._staging = torch.zeros((slots, self.num_chunks * CHUNK), dtype=torch.int8, device=device)
+        # a partial tail's copies: one per part of a block (a job puts one tail block)
+        self._staging = torch.zeros((slots, len(plans), self.num_chunks * CHUNK), dtype=torch.int8, device=device)
         self._arena_np = self._arena.numpy() if device.type == "cpu" else None  # the same memory
         self._free: queue.Queue[int] = queue.Queue(maxsize=slots)
         for i in range(slots):
@@ -342,30 +343,37 @@ class BlockSeal:
         """(ptr, nbytes) of the trailer slots and the staging rows, to register with the store once."""
         return [(self._arena.data_ptr(), self._arena.numel()), (self._staging.data_ptr(), self._staging.numel())]
 
-    def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stage: int | None = None,
-             kv_groups: Sequence[int] | None = None) -> tuple[list[int], int | None]:
-        """Write the trailers of ``keys`` (block ``block_ids``) into ``slot``: their pointers, in key order,
-        and with ``stage`` (an index into ``keys``) the pointer of a copy of that block's object, made from
-        the very bytes its tag was computed over. A partial tail block is put from that copy: decode may
-        write the block's later token slots while it is read, which would make the bytes sent differ from
-        the tagged ones (the slots the key promises never change; the others need not match)."""
+    def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stages: Sequence[int] = (),
+             kv_groups: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+        """Write the trailers of ``keys`` (block ``block_ids``, of parts ``kv_groups``) into ``slot``: their
+        pointers, in key order, and for each of ``stages`` (indices into ``keys``: a partial tail's keys, at
+        most one per part of a block) the pointer of a copy of that block's object, made from the very bytes
+        its tag was computed over. A partial tail block is put from that copy: decode may write the block's
+        later token slots while it is read, which would make the bytes sent differ from the tagged ones (the
+        slots the key promises never change; the others need not match)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
-        if stage is not None and kv_groups is not None and len(self._segs) > 1:
-            raise LedgerInputError("stage", stage, "a staged tail of a model with several KV cache groups")
-        buf = self._gather(block_ids) if stage is not None else None
+        stages = list(stages)
+        if (len(stages) > self._staging.shape[1] or len(set(stages)) != len(stages)
+                or any(i.__class__ is not int or not 0 <= i < len(keys) for i in stages)):
+            raise LedgerInputError("stages", stages, f"distinct key indices, at most {self._staging.shape[1]} "
+                                   f"(one per part of a block)")
+        several = kv_groups is not None and len(self._segs) > 1
+        digests = self.digests(block_ids, kv_groups)
+        staged = []
+        for j, i in enumerate(stages):
+            buf = self._gather([block_ids[i]], kv_groups[i] if several else 0)  # type: ignore[index]
+            digests[i] = self._digests(buf)[0]
+            self._staging[slot, j].copy_(buf[0])
+            staged.append(self._staging[slot, j].data_ptr())
         rows = bytearray()
-        for key, d in zip(keys, self._digests(buf) if buf is not None else self.digests(block_ids, kv_groups)):
+        for key, d in zip(keys, digests):
             rows += trailer(self.ikey, key, d, os.urandom(NONCE_BYTES))
         n = len(keys)
         if self._arena_np is not None:  # host memory: written without a torch call
             self._arena_np[slot, :n] = np.frombuffer(bytes(rows), dtype=np.uint8).reshape(n, TRAILER_BYTES)
         else:
             self._arena[slot, :n].copy_(torch.frombuffer(rows, dtype=torch.uint8).view(n, TRAILER_BYTES))
-        staged = None
-        if buf is not None and stage is not None:
-            self._staging[slot].copy_(buf[stage])
-            staged = self._staging[slot].data_ptr()
         return self.trailer_ptrs(slot, n), staged
 
     def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int],

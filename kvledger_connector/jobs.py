@@ -346,11 +346,11 @@ class WorkerSteps:
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
     def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None,
-            tail: int | None = None, groups: Sequence[int] | None = None) -> list[int]:
+            tails: Sequence[int] = (), groups: Sequence[int] | None = None) -> list[int]:
         """Put: the keys not in the store yet are put from ``buffers(ids)`` (``before_read``: wait for the
-        forward's writes first); ``tail``: the index of a partial tail block's key, whose later slots decode
-        may still write; ``groups``: each block's KV cache group (hybrid models). Returns one code per key
-        (0 for a key already present)."""
+        forward's writes first); ``tails``: the indices of a partial tail block's keys (one per part of the
+        block), whose later slots decode may still write; ``groups``: each block's part (hybrid models, head
+        shards). Returns one code per key (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
@@ -370,11 +370,11 @@ class WorkerSteps:
             res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
         else:  # each object ends in its trailer (kvledger_connector/integrity.py), tagged from the blocks read
             with self.seal.slot(len(todo)) as slot:
-                stage = todo.index(tail) if tail in todo else None
-                tails, staged = self.seal.seal(slot, put_keys, put_ids, stage, put_groups)
-                if stage is not None:  # the tail is sent from the copy its tag was computed over
-                    ptrs[stage], sizes[stage] = [staged], [self.seal.block_bytes]
-                res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, tails)],
+                stages = [j for j, i in enumerate(todo) if i in tails]
+                trailers, staged = self.seal.seal(slot, put_keys, put_ids, stages, put_groups)
+                for j, ptr in zip(stages, staged):  # a tail is sent from the copy its tag was computed over
+                    ptrs[j], sizes[j] = [ptr], [self.seal.block_bytes]
+                res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, trailers)],
                                       [s + [self.seal.trailer_bytes] for s in sizes])
         self.stats.add("put_s", time.perf_counter() - t0)
         self.stats.add("puts")
@@ -474,15 +474,12 @@ class WorkerSteps:
                     partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
                     if len(self.group_keys) <= 1 and num_groups == 1:
                         keys = self._key_list([block_hashes[i] for i in pos])
-                        tail = pos.index(end_block - 1) if partial and end_block - 1 in pos else None
-                        res = self.put(keys, [block_ids[i] for i in pos], before_read, tail)
-                    else:
-                        if partial:
-                            raise LedgerInputError("tail_tokens", end_block - full_end_block,  # type: ignore[operator]
-                                                   "a partial tail of a block stored as several keys (KV cache "
-                                                   "groups, head shards)")
-                        keys, ids, groups = self._group_entries(pos, block_ids, block_hashes, num_groups)
-                        res = self.put(keys, ids, before_read, None, groups)
+                        tails = [pos.index(end_block - 1)] if partial and end_block - 1 in pos else []
+                        res = self.put(keys, [block_ids[i] for i in pos], before_read, tails)
+                    else:  # a partial tail is a key per part of its block, each staged
+                        keys, ids, groups, at = self._group_entries(pos, block_ids, block_hashes, num_groups)
+                        tails = [j for j, i in enumerate(at) if partial and i == end_block - 1]
+                        res = self.put(keys, ids, before_read, tails, groups)
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
@@ -525,19 +522,22 @@ class WorkerSteps:
         return self.group_keys[part].keys(hashes)
 
     def _group_entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any],
-                       num_groups: int) -> tuple[list[str], list[int], list[int]]:
-        """(keys, block ids, parts) of blocks ``pos``: one entry per part whose group's block is not null."""
+                       num_groups: int) -> tuple[list[str], list[int], list[int], list[int]]:
+        """(keys, block ids, parts, positions) of blocks ``pos``: one entry per part whose group's block is
+        not null."""
         if num_groups != self.num_kv_groups:
             raise LedgerInputError("num_groups", num_groups, f"this rank has {self.num_kv_groups} KV cache groups")
         keys: list[str] = []
         ids: list[int] = []
         parts: list[int] = []
+        positions: list[int] = []
         for part, g in enumerate(self.part_groups):
             at = [i for i in pos if block_ids[i * num_groups + g] != 0]
             keys += self._key_list([block_hashes[i] for i in at], part)
             ids += [block_ids[i * num_groups + g] for i in at]
             parts += [part] * len(at)
-        return keys, ids, parts
+            positions += at
+        return keys, ids, parts, positions
 
     # ------------------------------------------------------------------ loads
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:

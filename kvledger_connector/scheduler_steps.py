@@ -41,7 +41,10 @@ before decode writes them. The table block is read in place (no copy-on-write): 
 it, nothing rewrites its first r slots — decode writes only slots r.., and a preempted or finished
 request's block stays out of the free queue until every rank reported (S1 NoPollution, model: the tail of
 tla/KVLedger.tla, mutant NoTailPin). Requests whose hashes carry more than token ids (multimodal inputs,
-prompt embeddings) never save or hit a tail: the tail key holds token ids only.
+prompt embeddings) never save or hit a tail: the tail key holds token ids only. A block stored as several
+keys (a hybrid model's KV cache groups, the TP-shared layout's head shards) has a tail key per part, each
+pinned as a tail block of its group; a tail hits only when every part's key exists. Not for a model with a
+Mamba group (refused by `ConnectorConfig`): its state at a partial end is vLLM's copy-on-write hand-off.
 
 Sync loads (``sync_load_max_tokens``): a load of at most that many tokens is answered ``load_kv_async=False``
 (`load_is_async`): vLLM schedules its request in the same step and every rank loads it before the forward,
@@ -715,11 +718,12 @@ class SchedulerSteps:
             null_before: tuple[int, ...] = ()
         else:  # every group's blocks of [0, end) pinned; null ids (below a window) are nothing to pin
             block_ids = [b for t in tables for b in t[:rng.end] if b != 0]
-            table, tail_ids = block_ids, []
-            sent_ids = [tables[k][p] for p in range(st.sent_blocks, rng.end) for k in range(g)]
+            tail_ids = [t[p] for t in tables for p in range(rng.end, rng.reach) if t[p] != 0]  # one per group
+            table = block_ids + tail_ids
+            sent_ids = [tables[k][p] for p in range(st.sent_blocks, rng.reach) for k in range(g)]
             null_before = tuple(_leading_nulls(t, rng.end) for t in tables)
         ledger = self._ledger()
-        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach] if g == 1 else block_ids):
+        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach] if g == 1 else table):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._reqs.set_deferred(st, True)

@@ -774,52 +774,65 @@ class Harness:
                 self._scratch_seal = BlockSeal(seal.ikey, self._scratch_plans, self._scratch, slots=1, max_keys=1)
                 for ptr, nbytes in self._scratch_seal.regions:
                     store.register_buffer(ptr, nbytes)
-        scratch = self._scratch
         bs = self.block_size
         checked = polluted = 0
         seen: set[tuple[int, int, bytes]] = set()
-        groups = self._group_layers()
         builders = [list(w.worker_side.steps.group_keys) for w in self.workers]  # type: ignore[union-attr]
-        k = self._heads_per_key
-        part_groups = self.workers[0].worker_side.steps.part_groups  # type: ignore[union-attr]
-        for rid, req in self.requests.items():
+        for req in self.requests.values():
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
-            for bi, bh in enumerate(req.block_hashes):
+            objects = [(bh, bi * bs, bs) for bi, bh in enumerate(req.block_hashes)]
+            k, r = divmod(req.num_prompt_tokens, bs)
+            if r >= 2 and 1 <= k <= len(req.block_hashes):  # the prompt's partial tail (save_partial_tail)
+                objects.append((partial_tail_hash(req.block_hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r]),
+                                k * bs, r))
+            for bh, first, n in objects:
                 for r, p, kb in [(r, p, kb) for r, per_part in enumerate(builders) for p, kb in enumerate(per_part)]:
                     if (r, p, bytes(bh)) in seen:
                         continue
                     seen.add((r, p, bytes(bh)))
-                    key = kb.key(bh)
-                    if store.batch_is_exist([key])[0] != 1:
-                        continue
-                    ptrs, sizes = self._scratch_buffers(p)
-                    got = store.batch_get([key], [ptrs], [sizes])[0]
-                    if got <= 0:
-                        continue  # evicted between the two calls
+                    ok = self._stored_object_ok(store, kb.key(bh), r, p, hashes, first, n)
+                    if ok is None:
+                        continue  # not stored (or evicted between the two calls)
                     checked += 1
-                    pos = hashes[bi * bs:(bi + 1) * bs]
-                    ok = self._trailer_ok(key, p)
-                    g = part_groups[p]  # the workers' order of a block's parts
-                    j = p - part_groups.index(g)
-                    for li, name in enumerate(self.layer_names):
-                        if name not in groups[g]:
-                            continue  # another group's layer: not in this object
-                        nbytes = self.state_bytes_of_group.get(g)
-                        if nbytes is not None:  # the state after the block's last token
-                            ok = ok and torch.equal(scratch[name][1].view(-1)[:nbytes],
-                                                    mamba_state(hashes[(bi + 1) * bs - 1], li, r, nbytes))
-                            continue
-                        t = head_shard_views({name: scratch[name]}, k, j)[name]  # this key's heads
-                        for kv in self._kv_parts:
-                            want = self.content.slots(pos, li, kv, self._shard(r)).cpu()
-                            want = want if not k else want[:, j * k:(j + 1) * k]
-                            for kbk, a, b, i in self._token_slices(t, 1, 0, bs):
-                                ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b],
-                                                        want[i:i + b - a].transpose(0, 1))
+                    self.tails_checked += n < bs
                     polluted += 0 if ok else 1
-            checked, polluted = self._check_tail(store, req, hashes, seen, checked, polluted)
         return checked, polluted
+
+    def _stored_object_ok(self, store: Any, key: str, r: int, p: int, hashes: list[int], first: int, n: int
+                          ) -> bool | None:
+        """Rank ``r``'s object of part ``p`` under ``key``, read into scratch block 1: whether its first ``n``
+        token slots hold the KV of positions first..first + n (a Mamba part: the state after first + n
+        tokens) and its trailer matches; None when the store does not hold it."""
+        if store.batch_is_exist([key])[0] != 1:
+            return None
+        ptrs, sizes = self._scratch_buffers(p)
+        if store.batch_get([key], [ptrs], [sizes])[0] <= 0:
+            return None
+        scratch, k = self._scratch, self._heads_per_key
+        if scratch is None:
+            raise RuntimeError("check_store: no scratch KV cache")
+        part_groups = self.workers[0].worker_side.steps.part_groups  # type: ignore[union-attr]
+        g = part_groups[p]  # the workers' order of a block's parts
+        j = p - part_groups.index(g)
+        pos = hashes[first:first + n]
+        layers = self._group_layers()[g]
+        ok = self._trailer_ok(key, p)
+        for li, name in enumerate(self.layer_names):
+            if name not in layers:
+                continue  # another group's layer: not in this object
+            nbytes = self.state_bytes_of_group.get(g)
+            if nbytes is not None:  # the state after the block's last token
+                ok = ok and torch.equal(scratch[name][1].view(-1)[:nbytes],
+                                        mamba_state(hashes[first + n - 1], li, r, nbytes))
+                continue
+            t = head_shard_views({name: scratch[name]}, k, j)[name]  # this key's heads
+            for kv in self._kv_parts:
+                want = self.content.slots(pos, li, kv, self._shard(r)).cpu()
+                want = want if not k else want[:, j * k:(j + 1) * k]
+                for kbk, a, b, i in self._token_slices(t, 1, 0, n):
+                    ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b], want[i:i + b - a].transpose(0, 1))
+        return ok
 
     def _group_layers(self) -> list[list[str]]:
         """The layer names of each KV cache group, in group order (one group: every layer)."""
@@ -848,35 +861,6 @@ class Harness:
         """The object just read into the scratch block (of part ``part`` of a block) matches its trailer's
         tag (True without integrity)."""
         return self._scratch_seal is None or self._scratch_seal.verify(0, [key], [1], [part]) == [True]
-
-    def _check_tail(self, store: Any, req: Any, hashes: list[int], seen: set[tuple[int, int, bytes]],
-                    checked: int, polluted: int) -> tuple[int, int]:
-        """The prompt's partial tail key (save_partial_tail), if stored: its first r token slots."""
-        bs = self.block_size
-        k, r = divmod(req.num_prompt_tokens, bs)
-        if r < 2 or k < 1 or len(req.block_hashes) < k:
-            return checked, polluted
-        th = partial_tail_hash(req.block_hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r])
-        ptrs, sizes = self._scratch_buffers()
-        for rank, kb in enumerate(self.key_builders):
-            if (rank, 0, th) in seen:
-                continue
-            seen.add((rank, 0, th))
-            key = kb.key(th)
-            if store.batch_is_exist([key])[0] != 1 or store.batch_get([key], [ptrs], [sizes])[0] <= 0:
-                continue
-            checked += 1
-            self.tails_checked += 1
-            pos = hashes[k * bs:k * bs + r]
-            ok = self._trailer_ok(key)
-            for li, name in enumerate(self.layer_names):
-                t = self._scratch[name]
-                for kv in self._kv_parts:
-                    want = self.content.slots(pos, li, kv, self._shard(rank)).cpu()
-                    for kbk, a, b, i in self._token_slices(t, 1, 0, r):
-                        ok = ok and torch.equal(self._kv_of(t, kv)[kbk, :, a:b], want[i:i + b - a].transpose(0, 1))
-            polluted += 0 if ok else 1
-        return checked, polluted
 
     def close(self) -> None:
         if self._closed:

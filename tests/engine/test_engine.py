@@ -292,8 +292,9 @@ def test_tp2_mp_engine_with_the_tp_shared_layout_puts_and_loads_a_key_per_kv_hea
     assert all(c["get_keys"] > 0 and c["get_keys"] % 2 == 0 for c in conns), conns  # both heads of each block
 
 
+@pytest.mark.parametrize("kind", ["per_rank", pytest.param("mla", marks=ONE_VERSION)])
 def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
-        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, kind: str) -> None:
     """A 16-block pool and 40 generated tokens per request: vLLM preempts running requests (their blocks
     go back to the pool while store jobs may still pin them) and resumes them with new block tables. Every
     resumed request is re-checked from position 0 by the worker; stale store jobs of old generations are
@@ -302,11 +303,13 @@ def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
     request_id reuse: each pass adds "req-0".."req-5" itself (`llm_engine.add_request`) and steps until they
     finish, so pass 2 adds the same ids again after they finished. vLLM 0.32 appends 8 random characters to
     every id unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (which the driver sets for this spec): only then
-    do the scheduler and the connector see the same id twice, which the trace shows (a Finish per lifetime)."""
+    do the scheduler and the connector see the same id twice, which the trace shows (a Finish per lifetime).
+    Also for the MLA (DeepSeek-V2) stand-in: one latent per token."""
     trace = tmp_path / "trace.ndjson"
+    mla = {"kv_kind": "mla", "head_size": 16} if kind == "mla" else {}
     res = run_engine(_spec(tmp_path, tp=1, mp=0, connector=_connector(mooncake, trace), num_blocks=16,
-                           max_tokens=40, max_model_len=128, request_ids="fixed"),
-                     timeout_s=180, name="tp1-preempt-reuse")
+                           max_tokens=40, max_model_len=128, request_ids="fixed", **mla),
+                     timeout_s=180, name=f"tp1-preempt-reuse-{kind}")
     print(f"tp1 preemptions + reused ids: total {res['total_s']}s, metrics {res['metrics']}, "
           f"counts {res['workers'][0]['counts']}, connector {res['workers'][0]['connector']}")
     assert res["metrics"].get("num_preemptions", 0) > 0, "no preemption happened: the scenario is void"
@@ -516,6 +519,10 @@ HYBRID_PROMPTS = shared_prefix_prompts(6, num_prefixes=2, prefix_len=PREFIX_LEN,
 HMA_OFF_MARK = "Turning off hybrid kv cache manager"
 #: tokens generated per request in the TP=1 hybrid test: decodes that outgrow its small pool (preemptions)
 HYBRID_PREEMPT_TOKENS = 80
+#: the Gemma-3-like TP=1 run: a request holds up to 29 full-attention blocks and 9 per sliding group, and
+#: the pin cap must admit the longest request's 6 x 30 blocks
+GEMMA3_PREEMPT_TOKENS = 160
+GEMMA3_PREEMPT_BLOCKS = 200
 
 
 def _hybrid_spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any], **over: Any) -> dict[str, Any]:
@@ -597,14 +604,17 @@ def test_tp1_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
 def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """The same hybrid model at TP=2 with worker processes and EngineCore in its own process: each rank
-    stores and loads both groups of its own KV heads, and checks what it loaded."""
+    stores and loads both groups of its own KV heads, and checks what it loaded. Partial tails on: a
+    prompt's tail is a key per group (each staged and tagged), and pass 2 loads all but the last token."""
     trace = tmp_path / "trace.ndjson"
-    res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace),
+    res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace, save_partial_tail=True),
                                   shutdown_timeout_s=30), timeout_s=300, name="tp2-hybrid")
     print(f"tp2 hybrid: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
           f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
           f"connectors {[w['connector'] for w in res['workers']]}")
     _check_hybrid_run(res, tp=2, trace=trace)
+    if not any(w["connector"]["num_load_blocks_failed"] for w in res["workers"]):
+        assert res["passes"][1]["num_cached_tokens"] == [len(p) - 1 for p in HYBRID_PROMPTS]  # tails loaded
 
 
 @pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=ONE_VERSION), (2, 1)], ids=["tp1", "tp2-mp"])
@@ -614,15 +624,29 @@ def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
     """A Gemma-3-like hybrid (6 layers, five sliding-window layers to one full-attention layer: vLLM plans one
     KV cache group per layer) in the real engine: each group's blocks stored under its own keys and loaded
     in pass 2, each layer checked where its attention reads. A request holds a block per group for its
-    window in each sliding group: about 4 times a dense model's blocks (a 400-block pool)."""
+    window in each sliding group: about 4 times a dense model's blocks (a 400-block pool). At TP 1 a pool of
+    GEMMA3_PREEMPT_BLOCKS and GEMMA3_PREEMPT_TOKENS generated tokens make vLLM preempt (11 and 12 times in
+    two runs here), and pass 2 reuses pass 1's request ids (integrity off, as in the gpt-oss-like TP 1 run)."""
     trace = tmp_path / "trace.ndjson"
-    res = run_engine(_hybrid_spec(tmp_path, tp=tp, mp=mp, connector=_connector(mooncake, trace,
-                                                                                max_pinned_blocks=400),
-                                  num_layers=6, full_every=6, num_blocks=400, shutdown_timeout_s=30),
+    over: dict[str, Any] = {"num_blocks": 400}
+    extra: dict[str, Any] = {"max_pinned_blocks": 400}
+    if tp == 1:
+        over = {"num_blocks": GEMMA3_PREEMPT_BLOCKS, "max_tokens": GEMMA3_PREEMPT_TOKENS, "request_ids": "fixed",
+                "max_model_len": 480}
+        extra = {"max_pinned_blocks": GEMMA3_PREEMPT_BLOCKS, "integrity": "off"}
+    res = run_engine(_hybrid_spec(tmp_path, tp=tp, mp=mp, connector=_connector(mooncake, trace, **extra),
+                                  num_layers=6, full_every=6, shutdown_timeout_s=30, **over),
                      timeout_s=300, name=f"tp{tp}-gemma3")
+    w = res["workers"][0]
     print(f"tp{tp} gemma3-like: start-up {res['startup_s']}s, total {res['total_s']}s, metrics {res['metrics']}, "
-          f"cached {[ps['num_cached_tokens'] for ps in res['passes']]}")
-    _check_hybrid_run(res, tp=tp, trace=trace, groups=GEMMA3_GROUPS)
+          f"cached {[ps['num_cached_tokens'] for ps in res['passes']]}, counts {w['counts']}")
+    _check_hybrid_run(res, tp=tp, trace=trace, groups=GEMMA3_GROUPS,
+                      max_tokens=GEMMA3_PREEMPT_TOKENS if tp == 1 else MAX_TOKENS)
+    if tp == 1:
+        assert res["metrics"].get("num_preemptions", 0) > 0 and w["counts"].get("resumptions", 0) > 0, \
+            "no preemption happened: that part of the scenario is void"
+        ids = [f"req-{i}" for i in range(len(HYBRID_PROMPTS))]
+        assert [ps["request_ids"] for ps in res["passes"]] == [ids, ids]
 
 
 #: the KV cache groups vLLM plans for the Jamba-like stand-in (4 layers: Mamba mixers 0 and 2, attention 1 and 3)

@@ -325,6 +325,7 @@ class _Engine:  # config.EngineFigures
     kv_load_failure_policy: str = "fail"
     num_groups: int = 1
     key_parts: int = 1
+    num_state_groups: int = 0
 
 
 def test_connector_config_is_built_once_from_settings_and_engine() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.config import StoreConfig
 from kvledger_connector.jobs import SentBlocks
 from kvledger_connector.metadata import SaveSpec
 from testbed.faults import run_pass_with_a_failed_get
@@ -152,9 +152,6 @@ def test_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed():
         sent.resolve(SaveSpec("r", 3, 0, 3, 3, (), (), num_groups=2, null_before=(1,)))
 
 
-def test_what_a_hybrid_model_cannot_have_yet_is_refused_by_name(store_config: StoreConfig):
-    with pytest.raises(ConfigError, match="save_partial_tail"):
-        _hybrid(store_config, extra={"save_partial_tail": True})
 
 
 @pytest.mark.parametrize("group", ["sliding", "full"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import ConfigError, StoreConfig
 from testbed.faults import run_pass_with_a_failed_get
 from testbed.harness import Harness, shared_prefix_prompts
 
@@ -136,3 +136,10 @@ def test_preemption_and_deferred_saves_never_store_or_read_a_wrong_state(store_c
         assert h.scheduler_connector.scheduler_side.num_loads > 0
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0
+
+
+def test_partial_tails_are_refused_for_a_mamba_hybrid_by_name(store_config: StoreConfig):
+    """A Mamba state at a prompt's partial end is vLLM's copy-on-write hand-off, which is not served."""
+    with pytest.raises(ConfigError) as e:
+        _mamba(store_config, extra={"save_partial_tail": True})
+    assert e.value.field == "save_partial_tail" and "Mamba group" in str(e.value)

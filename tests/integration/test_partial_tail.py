@@ -74,6 +74,35 @@ def test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token(store_
         assert h.check_at_rest() == []
 
 
+@pytest.mark.parametrize("model", ["hybrid", "tp_shared"])
+def test_a_tail_of_a_block_stored_as_several_keys_is_saved_and_loaded_by_every_key(
+        store_config: StoreConfig, model: str):
+    """A block stored as several keys (a sliding-window hybrid: a key per KV cache group; the TP-shared
+    layout: a key per KV-head shard): the prompt's partial tail is one key per part, each staged and tagged
+    from the bytes it puts; a repeated prompt loads all but its last token from every part's tail key, and
+    every tail key holds its part's KV (S1)."""
+    prompt = _prompt(53, full_blocks=10)  # 10 full blocks + 5 tokens: longer than the window's 8 blocks
+    extra = {"save_partial_tail": True}
+    kw = ({"sliding_window": 128, "num_layers": 4, "num_blocks": 48} if model == "hybrid"
+          else {"num_blocks": 24, "extra": {**extra, "kv_heads_per_key": 1}})
+    with Harness(store_config, tp_size=2, extra=extra, **{k: v for k, v in kw.items() if k != "extra"}) \
+            if model == "hybrid" else Harness(store_config, tp_size=2, **kw) as h:
+        ss = h.scheduler_connector.scheduler_side
+        parts = len(h.workers[0].worker_side.steps.group_keys)
+        assert parts == 2
+        h.add_request("a", prompt, 3)
+        h.run()
+        assert ss.num_tail_saves == 1
+        h.scheduler.reset_prefix_cache()
+        h.add_request("b", prompt, 3)
+        h.run()
+        assert ss.num_tail_hits == 1 and h.scheduler_connector.stats.total("loaded_tokens") == len(prompt) - 1
+        assert h.garbage == [] and h.stats.outputs["b"] == h.expected_output(prompt, 3)
+        checked, polluted = h.check_store()
+        assert polluted == 0 and h.tails_checked == 2 * parts  # a tail key per part and rank
+        assert h.check_at_rest() == []
+
+
 def test_tail_hit_answers_the_prompt_minus_one_token(store_config: StoreConfig):
     """The lookup's answer itself: k full blocks plus r - 1 tail tokens with the option on, and a prompt
     whose tail differs in one token gets the full blocks only. Async loads: the answer is what

@@ -161,8 +161,12 @@ def test_emit_store_tail_becomes_the_model_jobs_tail():
     older = {k: v for k, v in emit.items() if k != "tail"}  # a log before the field: no tail
     (rec,) = runlog.normalize([older]).events
     assert rec["blocks"] == [3, 1] and rec["tail"] == 0
-    with pytest.raises(tracecheck.TraceCheckError, match="not one block pinned last"):
+    with pytest.raises(tracecheck.TraceCheckError, match="is not pinned last"):
         runlog.normalize([{**emit, "tail": [3]}])
+    # a block stored as several keys: a tail block per KV cache group, pinned last; the last is the model's
+    hybrid = {**emit, "blocks": [3, 5, 1, 7], "tail": [1, 7], "pinned_blocks": 4}
+    (rec,) = runlog.normalize([hybrid]).events
+    assert rec["blocks"] == [3, 5, 1] and rec["tail"] == 7
 
 
 def _tail_job_log(pool: Any) -> list[dict[str, Any]]:

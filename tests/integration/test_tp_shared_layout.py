@@ -102,7 +102,6 @@ def test_a_hybrid_models_groups_are_shared_across_tp_sizes(store_config: StoreCo
 @pytest.mark.parametrize(("extra", "field", "why"), [
     ({"kv_heads_per_key": 3}, "kv_heads_per_key", "must divide the 2 KV heads each rank holds"),
     ({"kv_heads_per_key": 1, "store_replicated_kv_once": False}, "store_replicated_kv_once", "leave it true"),
-    ({"kv_heads_per_key": 1, "save_partial_tail": True}, "save_partial_tail", "partial tails are not served"),
 ])
 def test_kv_heads_per_key_that_does_not_divide_a_ranks_heads_is_refused(store_config: StoreConfig, extra: dict,
                                                                         field: str, why: str):
