@@ -41,7 +41,7 @@ TEST033 = env KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python -m pytest -q -rfE 
 	tests/integration/test_vllm_versions.py tests/unit/test_scheduler.py tests/unit/test_refcount_property.py \
 	tests/integration/test_connector_e2e.py tests/integration/test_sync_loads.py tests/integration/test_connector_worker.py \
 	tests/integration/test_kv_layouts.py tests/integration/test_keys.py tests/integration/test_connector_config.py \
-	tests/integration/test_replicated_kv.py tests/integration/test_hybrid_kv.py \
+	tests/integration/test_replicated_kv.py tests/integration/test_hybrid_kv.py tests/integration/test_mamba_hybrid.py \
 	tests/engine
 test-vllm033: setup
 	$(SUMMARIZED) $(TEST033)

@@ -654,7 +654,7 @@ MAMBA_GROUPS = [{"spec": "MambaSpec", "sliding_window": None, "layers": [0, 2]},
                 {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
 
 
-@pytest.mark.parametrize(("tp", "mp"), [(1, 0), (2, 1)], ids=["tp1", "tp2-mp"])
+@pytest.mark.parametrize(("tp", "mp"), [(1, 0), pytest.param(2, 1, marks=ONE_VERSION)], ids=["tp1", "tp2-mp"])
 def test_mamba_hybrid_engine_loads_its_state_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, tp: int,
         mp: int) -> None:
