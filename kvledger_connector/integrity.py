@@ -359,7 +359,11 @@ class BlockSeal:
             raise LedgerInputError("stages", stages, f"distinct key indices, at most {self._staging.shape[1]} "
                                    f"(one per part of a block)")
         several = kv_groups is not None and len(self._segs) > 1
-        digests = self.digests(block_ids, kv_groups)
+        rest = [i for i in range(len(keys)) if i not in stages]  # the staged ones are tagged from their copies
+        digests = np.empty((len(keys), LANES), dtype=np.uint64)
+        if rest:
+            digests[rest] = self.digests([block_ids[i] for i in rest],
+                                         None if kv_groups is None else [kv_groups[i] for i in rest])
         staged = []
         for j, i in enumerate(stages):
             buf = self._gather([block_ids[i]], kv_groups[i] if several else 0)  # type: ignore[index]

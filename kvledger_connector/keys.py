@@ -55,6 +55,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 KEY_VERSION = "kvl2"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -125,22 +126,27 @@ class KeyLayout:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"KeyLayout.{name}={getattr(self, name)!r}: must be a non-empty string")
 
+    @cached_property
+    def _extras(self) -> dict[str, str]:
+        """`extra` as a mapping, built once: the lookup reads a builder's window and kind every time."""
+        return dict(self.extra)
+
     @property
     def window(self) -> int | None:
         """A hybrid model's sliding-window group: the tokens vLLM keeps behind a position
         (engine_facts.KVGroup.window, in `extra`); None for full attention."""
-        return int(dict(self.extra).get("window", "0")) or None
+        return int(self._extras.get("window", "0")) or None
 
     @property
     def is_state(self) -> bool:
         """A Mamba group in vLLM's "align" mode (`extra`): its key at block p holds the state after
         (p + 1) * block_size tokens, not KV of that block's tokens."""
-        return dict(self.extra).get("state") == "align"
+        return self._extras.get("state") == "align"
 
     @property
     def group(self) -> int:
         """A hybrid model's KV cache group this key layout stores (`extra`); 0 for one group."""
-        return int(dict(self.extra).get("group", "0"))
+        return int(self._extras.get("group", "0"))
 
     @property
     def replica(self) -> int:
