@@ -74,7 +74,7 @@ def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: b
     return Sched(steps, led, pool, store, {})
 
 
-def _hybrid(second: str) -> Sched:
+def _hybrid(second: str, jobs_cap: int = 4) -> Sched:
     """Two KV cache groups: 0 full attention and 1 ``second`` ("state": a Mamba group in align mode;
     "sliding": a 2-block window); the tables are one list per group, as vLLM hands a hybrid's."""
     extra = {"state": (("group", "1"), ("window", "0"), ("state", "align")),
@@ -82,7 +82,7 @@ def _hybrid(second: str) -> Sched:
     kbs = [_kb(), KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BS, dtype="torch.float32",
                                        kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
-    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=32, first_job_id=1)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=32, first_job_id=1)
     steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, store=ProbeStore(), max_pinned_blocks=32,
                            num_groups=2)
     steps.bind_ledger(led)
@@ -342,6 +342,37 @@ def probe_mamba_state_saved_only_from_the_offered_block() -> None:
     check(list(job.block_ids) == [full[0], 0, full[1], 0, full[2], state[2]], f"the job sends {job.block_ids}")
 
 
+def probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it() -> None:
+    """A job deferred at the cap keeps its step's Mamba state offer; its retry in a later step (no offer
+    then) pins and sends the offered block while vLLM's prefix-cache record of it is unchanged, and sends
+    nothing for the state once the record changed (the block was evicted: its bytes may be another's).
+    The record is a dict here (a test double for ``KVCacheBlock.block_hash``: the probe evicts by hand)."""
+    for evicted in (False, True):
+        s = _hybrid("state", jobs_cap=1)
+        x, a = Req("x", BS + 1), Req("a", 3 * BS + 1)
+        for r in (x, a):
+            s.steps.on_new_request(r)
+        xfull, xstate = _hybrid_tables(s, 2)
+        full, state = _hybrid_tables(s, 4)
+        records: dict[int, object] = {state[2]: b"a:2"}
+        s.steps.block_hash_of = records.get
+        tables = {"x": (xfull, xstate), "a": (full, state)}
+        (jx,) = s.steps.emit_stores({"x": BS + 1}, tables.get)
+        check(s.steps.emit_stores({"a": 3 * BS + 1}, tables.get, {"a": [(1, state[2], 3 * BS)]}) == [],
+              "a job over the cap of 1 was opened")
+        a.num_computed_tokens = 3 * BS + 1
+        s.steps.collect({jx.store_job_id: 1})
+        if evicted:
+            records[state[2]] = b"other"
+        (job,) = s.steps.emit_stores({}, tables.get)
+        want = 0 if evicted else state[2]
+        check(list(job.block_ids) == [full[0], 0, full[1], 0, full[2], want],
+              f"the retried job sends {list(job.block_ids)}; offered state {state[2]}, record "
+              f"{'changed' if evicted else 'unchanged'}")
+        pinned = s.ledger.pinned_block_ids(job.store_job_id)
+        check((state[2] in pinned) == (not evicted), f"the retried job pins {pinned}")
+
+
 def probe_a_mamba_hit_needs_only_the_state_at_its_end() -> None:
     """A lookup over a Mamba hybrid hits at H when every full-attention key before H and the state key at H
     exist (vLLM's Mamba hit is that one snapshot); states at earlier boundaries are not needed."""
@@ -379,6 +410,7 @@ PROBES: list[Callable[[], None]] = [
     probe_recompute_policy_loads_async, probe_save_waits_for_a_shared_block_of_a_sync_load,
     probe_failed_sync_load_block_is_saved_once_recomputed, probe_mamba_state_saved_only_from_the_offered_block,
     probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
+    probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
 ]
 
 
@@ -523,6 +555,20 @@ def _state_hit_as_full(orig):  # a Mamba group's keys asked at every block of th
     return _hit_run
 
 
+def _kept_offer_unchecked(orig):  # a deferred job's kept state offers saved whatever vLLM's record says now
+    def _live_offers(self, st, boundary_states):
+        fresh = {(g, tokens) for g, _, tokens in boundary_states}
+        kept = [(g, b, tokens) for (g, tokens), (b, _) in st.kept_offers.items() if (g, tokens) not in fresh]
+        return [*boundary_states, *kept]
+    return _live_offers
+
+
+def _offer_dropped_at_deferral(orig):  # a deferred job keeps no state offer (its retry saves no state)
+    def _keep_offers(self, st, offers):
+        st.kept_offers = {}
+    return _keep_offers
+
+
 def _sliding_saves_every_block(orig):  # a sliding-window group saves every block, vLLM's rule ignored
     def _reachable_rows(self, request, tables, lo, hi):
         return tables
@@ -548,6 +594,8 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_state_rows_by_position": [(SchedulerSteps, "_state_rows", _state_rows_by_position)],
     "sched_state_hit_as_full": [(SchedulerSteps, "_hit_run", _state_hit_as_full)],
     "sched_sliding_saves_every_block": [(SchedulerSteps, "_reachable_rows", _sliding_saves_every_block)],
+    "sched_kept_state_offer_unchecked": [(SchedulerSteps, "_live_offers", _kept_offer_unchecked)],
+    "sched_deferral_drops_state_offer": [(SchedulerSteps, "_keep_offers", _offer_dropped_at_deferral)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -560,4 +608,6 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_reused_id_with_a_pinned_load_loads_async, probe_recompute_policy_loads_async,
     probe_save_waits_for_a_shared_block_of_a_sync_load, probe_mamba_state_saved_only_from_the_offered_block,
     probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
+    probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
+    probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
 ]))

@@ -57,6 +57,8 @@ class SchedulerSide(SchedulerSteps):
         self.bind_ledger(SchedulerLedger(block_pool, world_size=self.world_size,
                                          max_inflight_jobs=self.max_inflight_jobs,
                                          max_pinned_blocks=self.max_pinned_blocks, trace=self.trace))
+        if self.state_groups:
+            self.block_hash_of = vllm_block_hash_of(block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -115,6 +117,19 @@ class SchedulerSide(SchedulerSteps):
         """Never delays the free: every store job pinned its own blocks."""
         SchedulerSteps.request_finished(self, request)
         return False, None
+
+
+def vllm_block_hash_of(block_pool: Any) -> Any:
+    """vLLM's prefix-cache record of a block, block id -> ``KVCacheBlock.block_hash`` (None while the
+    cache does not hold the block's bytes): what keeps a deferred job's Mamba state offer valid past its
+    step (`SchedulerSteps.block_hash_of`). None when this vLLM's BlockPool lacks it (offers live one step)."""
+    blocks = getattr(block_pool, "blocks", None)
+    if not isinstance(blocks, list) or not blocks or not hasattr(blocks[0], "block_hash"):
+        return None
+
+    def block_hash_of(block_id: int) -> object | None:
+        return blocks[block_id].block_hash if 0 <= block_id < len(blocks) else None
+    return block_hash_of
 
 
 def vllm_reachable_blocks(kv_cache_manager: Any) -> Any:

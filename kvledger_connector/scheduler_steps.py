@@ -75,7 +75,7 @@ holds, so no store job re-reads them (the model's HandleLoadErrors: emitted := k
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from kvledger.errors import LedgerInputError
@@ -189,11 +189,15 @@ class _RequestState:
     load_dest: tuple[int, ...] = ()  # the destination blocks of its latest load ...
     load_first: int = 0  # ... the first of them being table block `load_first`
     load_failed_at: int | None = None  # the first block a load of this request failed on: lookups stop there
+    # Mamba state offers of a deferred job (this generation): (group, boundary tokens) -> (block id, vLLM's
+    # prefix-cache record of the block when offered); at most one per state group and block of the request
+    kept_offers: dict[tuple[int, int], tuple[int, object]] = field(default_factory=dict)
 
     def new_generation(self) -> None:
         self.saved_blocks = self.sent_blocks = 0
         self.tail_done = self.tail_stored = False
         self.deferred = False
+        self.kept_offers = {}
         self.lookup = None
         self.loaded_blocks = 0
         self.loaded_tail = self.load_pending = self.prompt_saved = False
@@ -284,6 +288,7 @@ class _RequestTable:
             st.saved_blocks = 0
             st.tail_done = st.tail_stored = False
             st.deferred = False
+            st.kept_offers = {}
             st.loaded_blocks = 0
             st.loaded_tail = st.load_pending = st.prompt_saved = False
             st.load_failed_at = None  # the keys a load failed on are gone too
@@ -348,6 +353,12 @@ class SchedulerSteps:
         # mask of blocks [start, end), or None for all. Set by the connector from vLLM's KV cache manager;
         # None here: every block is saved
         self.reachable_blocks: Callable[[Any, int, int, int], Sequence[bool] | None] | None = None
+        # vLLM's prefix-cache record of a block (block id -> its `block_hash` while the cache holds the block's
+        # bytes, None once evicted; an entry vLLM moves away before overwriting the block leaves it too). A
+        # deferred job keeps its Mamba state offers while the record is unchanged: the block still holds that
+        # state, as for vLLM's own prefix hits. Set by the connector from vLLM's BlockPool; None here: an
+        # offer lives only in its step, and a deferred job saves no state
+        self.block_hash_of: Callable[[int], object | None] | None = None
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
@@ -643,11 +654,12 @@ class SchedulerSteps:
 
     def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
                     ) -> list[Sequence[int]]:
-        """The tables with each Mamba group's row replaced by this step's offered states in blocks [lo, hi):
-        block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens, else null.
-        vLLM's align-mode row is not the states by position (it keeps a running state and nulls the
-        rest), and an offered block holds its bytes only until this step's pins: an earlier step's offer is
-        never reused, so a lagging rank never reads a state block that was given back."""
+        """The tables with each Mamba group's row replaced by the live offers (`_live_offers`) in blocks
+        [lo, hi): block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens,
+        else null. vLLM's align-mode row is not the states by position (it keeps a running state and nulls
+        the rest), and vLLM promises an offered block's bytes only for its step: an earlier step's offer
+        is used only while the prefix cache still records the block as it did then, and the job pins it,
+        so a lagging rank never reads a state block that was given back."""
         if not self.state_groups:
             return tables
         bs = self.block_size
@@ -655,6 +667,34 @@ class SchedulerSteps:
               if g in self.state_groups and tokens > 0 and tokens % bs == 0 and lo < tokens // bs <= hi}
         return [[at.get((k, p), 0) for p in range(len(t))] if k in self.state_groups else t
                 for k, t in enumerate(tables)]
+
+    def _live_offers(self, st: _RequestState, boundary_states: Sequence[tuple[int, int, int]]
+                     ) -> list[tuple[int, int, int]]:
+        """This step's state offers, plus those a deferred job of this generation kept whose blocks vLLM's
+        prefix cache still records as it did when they were offered (the block still holds that state).
+        A kept offer whose record changed (evicted, or its entry moved) is dropped: its state is not saved."""
+        if not st.kept_offers:
+            return list(boundary_states)
+        fresh = {(g, tokens) for g, _, tokens in boundary_states}
+        live = list(boundary_states)
+        for (g, tokens), (block_id, record) in st.kept_offers.items():
+            if (g, tokens) in fresh:
+                continue
+            if self.block_hash_of is not None and self.block_hash_of(block_id) == record:
+                live.append((g, block_id, tokens))
+            else:
+                self.stats.add("expired_state_offers")
+        return live
+
+    def _keep_offers(self, st: _RequestState, offers: Sequence[tuple[int, int, int]]) -> None:
+        """A deferred job's state offers, kept with vLLM's record of each block (`block_hash_of`) for its
+        retry; a block the prefix cache does not hold is not kept (nothing would say its bytes stayed)."""
+        kept: dict[tuple[int, int], tuple[int, object]] = {}
+        if self.block_hash_of is not None:
+            for g, block_id, tokens in offers:
+                if g in self.state_groups and block_id != 0 and (record := self.block_hash_of(block_id)) is not None:
+                    kept[(g, tokens)] = (block_id, record)
+        st.kept_offers = kept
 
     def _reachable_rows(self, request: RequestLike, tables: list[Sequence[int]], lo: int, hi: int
                         ) -> list[Sequence[int]]:
@@ -708,7 +748,8 @@ class SchedulerSteps:
         if min(len(t) for t in tables) < rng.reach:
             return
         g = self.num_groups
-        tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
+        offers = self._live_offers(st, boundary_states)
+        tables = self._state_rows(tables, offers, st.sent_blocks, rng.end)
         tables = self._reachable_rows(request, tables, st.sent_blocks, rng.end)
         if g == 1:
             table = tables[0]
@@ -727,6 +768,7 @@ class SchedulerSteps:
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._reqs.set_deferred(st, True)
+            self._keep_offers(st, offers)
             return
         if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
             self.num_saves_dropped += 1
@@ -739,8 +781,12 @@ class SchedulerSteps:
             if not st.deferred:
                 self.stats.add("deferrals")
             self._reqs.set_deferred(st, True)
+            self._keep_offers(st, offers)
             return
         self._reqs.set_deferred(st, False)
+        if st.kept_offers:  # this job saves the ones still held (rows above); none is kept past it
+            self.stats.add("kept_state_offers", len(offers) - len(boundary_states))
+            st.kept_offers = {}
         sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
         hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
         saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,

@@ -120,19 +120,20 @@ def test_a_missing_state_key_shortens_the_hit_to_the_state_before_it_and_a_faile
 
 def test_preemption_and_deferred_saves_never_store_or_read_a_wrong_state(store_config: StoreConfig):
     """A small pool and 60 generated tokens make vLLM preempt (a resumed request re-reads its state from
-    the block its new table holds), and one pin at a time defers saves (a deferred job saves no state: the
-    offer's step has passed). Every stored state is the model's (S1), every read one too (S7).
-
-    Not shown here: reusing an earlier step's offer (which vLLM does not promise) never stored a wrong
-    state in these runs either; the offered blocks were not handed to another request before the
-    deferred job pinned them."""
+    the block its new table holds), and one store job at a time defers saves: a deferred job keeps its
+    state offers while vLLM's prefix cache still records each block as it did when offered, and saves
+    them when admitted. Every stored state is the model's (S1), every read one too (S7)."""
     prompts = shared_prefix_prompts(8, num_prefixes=2, prefix_len=192, suffix_len=60, seed=9)
     with _mamba(store_config, num_blocks=40, extra={"max_inflight_jobs": 1}) as h:
         h.run_pass(prompts, 60, tag="a")
         h.scheduler.reset_prefix_cache()
         h.run_pass(prompts, 60, tag="b")
         assert h.stats.preemptions > 0
-        assert h.scheduler_connector.stats.total("deferrals") > 0
+        stats = h.scheduler_connector.stats
+        assert stats.total("deferrals") > 0
+        print(f"state offers kept by deferred jobs and saved: {stats.total('kept_state_offers')}, "
+              f"expired before the retry: {stats.total('expired_state_offers')}")
+        assert stats.total("kept_state_offers") > 0  # deferred jobs saved states offered steps before
         assert h.scheduler_connector.scheduler_side.num_loads > 0
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0
