@@ -605,9 +605,12 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """The same hybrid model at TP=2 with worker processes and EngineCore in its own process: each rank
     stores and loads both groups of its own KV heads, and checks what it loaded. Partial tails on: a
-    prompt's tail is a key per group (each staged and tagged), and pass 2 loads all but the last token."""
+    prompt's tail is a key per group (each staged and tagged), and pass 2 loads all but the last token.
+    The block pin cap is the pool's size, so a save is deferred only at the cap of PIN_CAP jobs: a save
+    deferred until its request finishes is lost, which depends on how fast the puts are."""
     trace = tmp_path / "trace.ndjson"
-    res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=_connector(mooncake, trace, save_partial_tail=True),
+    conn = _connector(mooncake, trace, save_partial_tail=True, max_pinned_blocks=160)
+    res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=conn,
                                   shutdown_timeout_s=30), timeout_s=300, name="tp2-hybrid")
     print(f"tp2 hybrid: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
           f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
@@ -666,10 +669,10 @@ def test_mamba_hybrid_engine_loads_its_state_from_the_store(
     and 80 generated tokens make vLLM preempt (the resumed request re-reads its state), and pass 2 reuses
     pass 1's request ids.
 
-    At TP 2 the pin cap is the pool, so that no save is deferred: a request that finishes while its save
-    is deferred loses that save (a miss in pass 2), and whether it does depends on how fast the puts are.
-    Deferred jobs keeping their state offers are shown by the harness (`test_mamba_hybrid.py`, one job at
-    a time)."""
+    At TP 2 the block pin cap is the pool's size, so a save is deferred only at the cap of PIN_CAP jobs: a
+    request that finishes while its save is deferred loses that save (a miss in pass 2), and whether it
+    does depends on how fast the puts are. Deferred jobs keeping their state offers are shown by the
+    harness (`test_mamba_hybrid.py`, one job at a time)."""
     trace = tmp_path / "trace.ndjson"
     over: dict[str, Any] = {"mamba": True}
     if tp == 1:
