@@ -773,6 +773,7 @@ class SchedulerSteps:
         if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
             self.num_saves_dropped += 1
             st.saved_blocks, st.tail_done = rng.end, True
+            st.kept_offers = {}
             self._note_prompt_saved(st)
             return
         gen = generation_of(request)
