@@ -373,6 +373,34 @@ def probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it() ->
         check((state[2] in pinned) == (not evicted), f"the retried job pins {pinned}")
 
 
+def probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it() -> None:
+    """A sliding-window block that vLLM frees (out of the window: null in the request's table) while its
+    job is deferred is still pinned and sent by the retry while vLLM's prefix-cache record of it is
+    unchanged, and not once the record changed. The record is a dict (a test double, as above)."""
+    for evicted in (False, True):
+        s = _hybrid("sliding", jobs_cap=1)
+        x, a = Req("x", BS + 1), Req("a", 3 * BS + 1)
+        for r in (x, a):
+            s.steps.on_new_request(r)
+        xfull, xwin = _hybrid_tables(s, 2)
+        full, win = _hybrid_tables(s, 4)
+        records: dict[int, object] = {b: f"w{b}".encode() for b in win}
+        s.steps.block_hash_of = records.get
+        tables = {"x": (xfull, xwin), "a": (full, list(win))}
+        (jx,) = s.steps.emit_stores({"x": BS + 1}, tables.get)
+        check(s.steps.emit_stores({"a": 3 * BS + 1}, tables.get) == [], "a job over the cap of 1 was opened")
+        a.num_computed_tokens = 3 * BS + 1
+        tables["a"][1][0] = 0  # vLLM frees the block that left the window
+        s.steps.collect({jx.store_job_id: 1})
+        if evicted:
+            records[win[0]] = b"other"
+        (job,) = s.steps.emit_stores({}, tables.get)
+        want = 0 if evicted else win[0]
+        check(list(job.block_ids) == [full[0], want, full[1], win[1], full[2], win[2]],
+              f"the retried job sends {list(job.block_ids)}; freed window block {win[0]}, record "
+              f"{'changed' if evicted else 'unchanged'}")
+
+
 def probe_a_mamba_hit_needs_only_the_state_at_its_end() -> None:
     """A lookup over a Mamba hybrid hits at H when every full-attention key before H and the state key at H
     exist (vLLM's Mamba hit is that one snapshot); states at earlier boundaries are not needed."""
@@ -411,6 +439,7 @@ PROBES: list[Callable[[], None]] = [
     probe_failed_sync_load_block_is_saved_once_recomputed, probe_mamba_state_saved_only_from_the_offered_block,
     probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
     probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
+    probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it,
 ]
 
 
@@ -555,18 +584,20 @@ def _state_hit_as_full(orig):  # a Mamba group's keys asked at every block of th
     return _hit_run
 
 
-def _kept_offer_unchecked(orig):  # a deferred job's kept state offers saved whatever vLLM's record says now
-    def _live_offers(self, st, boundary_states):
-        fresh = {(g, tokens) for g, _, tokens in boundary_states}
-        kept = [(g, b, tokens) for (g, tokens), (b, _) in st.kept_offers.items() if (g, tokens) not in fresh]
-        return [*boundary_states, *kept]
-    return _live_offers
+def _kept_block_unchecked(orig):  # a deferred job's kept blocks used whatever vLLM's record says now
+    def _with_kept_blocks(self, st, tables, lo, hi):
+        out, filled = [list(t) for t in tables], 0
+        for (g, p), (block_id, _) in st.kept_blocks.items():
+            if lo <= p < min(hi, len(out[g])) and out[g][p] == 0:
+                out[g][p], filled = block_id, filled + 1
+        return out, filled
+    return _with_kept_blocks
 
 
-def _offer_dropped_at_deferral(orig):  # a deferred job keeps no state offer (its retry saves no state)
-    def _keep_offers(self, st, offers):
-        st.kept_offers = {}
-    return _keep_offers
+def _deferral_keeps_no_block(orig):  # a deferred job keeps nothing vLLM may give back (states, window blocks)
+    def _keep_blocks(self, st, tables, lo, hi):
+        st.kept_blocks = {}
+    return _keep_blocks
 
 
 def _sliding_saves_every_block(orig):  # a sliding-window group saves every block, vLLM's rule ignored
@@ -594,8 +625,8 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_state_rows_by_position": [(SchedulerSteps, "_state_rows", _state_rows_by_position)],
     "sched_state_hit_as_full": [(SchedulerSteps, "_hit_run", _state_hit_as_full)],
     "sched_sliding_saves_every_block": [(SchedulerSteps, "_reachable_rows", _sliding_saves_every_block)],
-    "sched_kept_state_offer_unchecked": [(SchedulerSteps, "_live_offers", _kept_offer_unchecked)],
-    "sched_deferral_drops_state_offer": [(SchedulerSteps, "_keep_offers", _offer_dropped_at_deferral)],
+    "sched_kept_block_unchecked": [(SchedulerSteps, "_with_kept_blocks", _kept_block_unchecked)],
+    "sched_deferral_keeps_no_block": [(SchedulerSteps, "_keep_blocks", _deferral_keeps_no_block)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly

@@ -57,7 +57,7 @@ class SchedulerSide(SchedulerSteps):
         self.bind_ledger(SchedulerLedger(block_pool, world_size=self.world_size,
                                          max_inflight_jobs=self.max_inflight_jobs,
                                          max_pinned_blocks=self.max_pinned_blocks, trace=self.trace))
-        if self.state_groups:
+        if self.state_groups or self.sliding_groups:  # blocks vLLM may give back while a job is deferred
             self.block_hash_of = vllm_block_hash_of(block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -121,8 +121,9 @@ class SchedulerSide(SchedulerSteps):
 
 def vllm_block_hash_of(block_pool: Any) -> Any:
     """vLLM's prefix-cache record of a block, block id -> ``KVCacheBlock.block_hash`` (None while the
-    cache does not hold the block's bytes): what keeps a deferred job's Mamba state offer valid past its
-    step (`SchedulerSteps.block_hash_of`). None when this vLLM's BlockPool lacks it (offers live one step)."""
+    cache does not hold the block's bytes): what keeps a deferred job's Mamba state offers and freed
+    sliding-window blocks valid past their step (`SchedulerSteps.block_hash_of`). None when this vLLM's
+    BlockPool lacks it (a deferred job then saves only what its request still holds)."""
     blocks = getattr(block_pool, "blocks", None)
     if not isinstance(blocks, list) or not blocks or not hasattr(blocks[0], "block_hash"):
         return None

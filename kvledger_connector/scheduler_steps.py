@@ -189,15 +189,16 @@ class _RequestState:
     load_dest: tuple[int, ...] = ()  # the destination blocks of its latest load ...
     load_first: int = 0  # ... the first of them being table block `load_first`
     load_failed_at: int | None = None  # the first block a load of this request failed on: lookups stop there
-    # Mamba state offers of a deferred job (this generation): (group, boundary tokens) -> (block id, vLLM's
-    # prefix-cache record of the block when offered); at most one per state group and block of the request
-    kept_offers: dict[tuple[int, int], tuple[int, object]] = field(default_factory=dict)
+    # a deferred job's blocks that vLLM may give back before its retry (a Mamba group's offered states, a
+    # sliding-window group's blocks): (group, block position) -> (block id, vLLM's prefix-cache record of
+    # the block then); at most one per such group and block of the request (this generation)
+    kept_blocks: dict[tuple[int, int], tuple[int, object]] = field(default_factory=dict)
 
     def new_generation(self) -> None:
         self.saved_blocks = self.sent_blocks = 0
         self.tail_done = self.tail_stored = False
         self.deferred = False
-        self.kept_offers = {}
+        self.kept_blocks = {}
         self.lookup = None
         self.loaded_blocks = 0
         self.loaded_tail = self.load_pending = self.prompt_saved = False
@@ -288,7 +289,7 @@ class _RequestTable:
             st.saved_blocks = 0
             st.tail_done = st.tail_stored = False
             st.deferred = False
-            st.kept_offers = {}
+            st.kept_blocks = {}
             st.loaded_blocks = 0
             st.loaded_tail = st.load_pending = st.prompt_saved = False
             st.load_failed_at = None  # the keys a load failed on are gone too
@@ -355,9 +356,10 @@ class SchedulerSteps:
         self.reachable_blocks: Callable[[Any, int, int, int], Sequence[bool] | None] | None = None
         # vLLM's prefix-cache record of a block (block id -> its `block_hash` while the cache holds the block's
         # bytes, None once evicted; an entry vLLM moves away before overwriting the block leaves it too). A
-        # deferred job keeps its Mamba state offers while the record is unchanged: the block still holds that
-        # state, as for vLLM's own prefix hits. Set by the connector from vLLM's BlockPool; None here: an
-        # offer lives only in its step, and a deferred job saves no state
+        # deferred job keeps the blocks vLLM may give back before its retry (Mamba state offers, which live
+        # one step; sliding-window blocks, freed once outside the window) and uses each while its record is
+        # unchanged: the block still holds those bytes, as for vLLM's own prefix hits. Set by the connector
+        # from vLLM's BlockPool; None here: a deferred job saves only what its request still holds
         self.block_hash_of: Callable[[int], object | None] | None = None
         self.store = store
         self.max_pinned_blocks = max_pinned_blocks
@@ -630,6 +632,7 @@ class SchedulerSteps:
         st = self._reqs.drop(req_id)
         if st is not None and st.deferred:
             self.num_saves_dropped += 1
+            self.stats.add("saves_dropped")
         self._finished_out[req_id] = generation_of(request)
 
     # ------------------------------------------------------------------ EmitStore
@@ -654,12 +657,12 @@ class SchedulerSteps:
 
     def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
                     ) -> list[Sequence[int]]:
-        """The tables with each Mamba group's row replaced by the live offers (`_live_offers`) in blocks
-        [lo, hi): block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens,
-        else null. vLLM's align-mode row is not the states by position (it keeps a running state and nulls
-        the rest), and vLLM promises an offered block's bytes only for its step: an earlier step's offer
-        is used only while the prefix cache still records the block as it did then, and the job pins it,
-        so a lagging rank never reads a state block that was given back."""
+        """The tables with each Mamba group's row replaced by this step's offered states in blocks [lo, hi):
+        block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens, else null.
+        vLLM's align-mode row is not the states by position (it keeps a running state and nulls the rest),
+        and vLLM promises an offered block's bytes only for its step: an earlier step's offer is used only
+        as a deferred job's kept block (`_with_kept_blocks`), so a lagging rank never reads a state block
+        that was given back."""
         if not self.state_groups:
             return tables
         bs = self.block_size
@@ -668,33 +671,39 @@ class SchedulerSteps:
         return [[at.get((k, p), 0) for p in range(len(t))] if k in self.state_groups else t
                 for k, t in enumerate(tables)]
 
-    def _live_offers(self, st: _RequestState, boundary_states: Sequence[tuple[int, int, int]]
-                     ) -> list[tuple[int, int, int]]:
-        """This step's state offers, plus those a deferred job of this generation kept whose blocks vLLM's
-        prefix cache still records as it did when they were offered (the block still holds that state).
-        A kept offer whose record changed (evicted, or its entry moved) is dropped: its state is not saved."""
-        if not st.kept_offers:
-            return list(boundary_states)
-        fresh = {(g, tokens) for g, _, tokens in boundary_states}
-        live = list(boundary_states)
-        for (g, tokens), (block_id, record) in st.kept_offers.items():
-            if (g, tokens) in fresh:
+    def _with_kept_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int
+                          ) -> tuple[list[Sequence[int]], int]:
+        """The tables with the null positions of [lo, hi) filled from the blocks a deferred job of this
+        generation kept (`_keep_blocks`) whose prefix-cache record is still the one they had then (the
+        block still holds those bytes), and how many were filled. A kept block whose record changed
+        (evicted, or its entry moved) is forgotten: that block is not saved."""
+        if not st.kept_blocks:
+            return tables, 0
+        out = [list(t) for t in tables]
+        filled = 0
+        for (g, p), (block_id, record) in list(st.kept_blocks.items()):
+            if not lo <= p < min(hi, len(out[g])) or out[g][p] != 0:
                 continue
             if self.block_hash_of is not None and self.block_hash_of(block_id) == record:
-                live.append((g, block_id, tokens))
+                out[g][p] = block_id
+                filled += 1
             else:
-                self.stats.add("expired_state_offers")
-        return live
+                del st.kept_blocks[(g, p)]
+                self.stats.add("expired_kept_blocks")
+        return out, filled
 
-    def _keep_offers(self, st: _RequestState, offers: Sequence[tuple[int, int, int]]) -> None:
-        """A deferred job's state offers, kept with vLLM's record of each block (`block_hash_of`) for its
-        retry; a block the prefix cache does not hold is not kept (nothing would say its bytes stayed)."""
+    def _keep_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int) -> None:
+        """A deferred job's blocks [lo, hi) of its Mamba and sliding-window groups, kept with vLLM's record of
+        each (`block_hash_of`) for its retry; a block the prefix cache does not record is not kept
+        (nothing would say its bytes stayed)."""
         kept: dict[tuple[int, int], tuple[int, object]] = {}
         if self.block_hash_of is not None:
-            for g, block_id, tokens in offers:
-                if g in self.state_groups and block_id != 0 and (record := self.block_hash_of(block_id)) is not None:
-                    kept[(g, tokens)] = (block_id, record)
-        st.kept_offers = kept
+            for g in self.state_groups | self.sliding_groups:
+                row = tables[g]
+                for p in range(lo, min(hi, len(row))):
+                    if row[p] != 0 and (record := self.block_hash_of(row[p])) is not None:
+                        kept[(g, p)] = (row[p], record)
+        st.kept_blocks = kept
 
     def _reachable_rows(self, request: RequestLike, tables: list[Sequence[int]], lo: int, hi: int
                         ) -> list[Sequence[int]]:
@@ -748,8 +757,8 @@ class SchedulerSteps:
         if min(len(t) for t in tables) < rng.reach:
             return
         g = self.num_groups
-        offers = self._live_offers(st, boundary_states)
-        tables = self._state_rows(tables, offers, st.sent_blocks, rng.end)
+        tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
+        tables, kept = self._with_kept_blocks(st, tables, st.sent_blocks, rng.end)  # freed ones, before the mask
         tables = self._reachable_rows(request, tables, st.sent_blocks, rng.end)
         if g == 1:
             table = tables[0]
@@ -768,12 +777,13 @@ class SchedulerSteps:
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._reqs.set_deferred(st, True)
-            self._keep_offers(st, offers)
+            self._keep_blocks(st, tables, st.sent_blocks, rng.end)
             return
         if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
             self.num_saves_dropped += 1
+            self.stats.add("saves_dropped")
             st.saved_blocks, st.tail_done = rng.end, True
-            st.kept_offers = {}
+            st.kept_blocks = {}
             self._note_prompt_saved(st)
             return
         gen = generation_of(request)
@@ -782,12 +792,12 @@ class SchedulerSteps:
             if not st.deferred:
                 self.stats.add("deferrals")
             self._reqs.set_deferred(st, True)
-            self._keep_offers(st, offers)
+            self._keep_blocks(st, tables, st.sent_blocks, rng.end)
             return
         self._reqs.set_deferred(st, False)
-        if st.kept_offers:  # this job saves the ones still held (rows above); none is kept past it
-            self.stats.add("kept_state_offers", len(offers) - len(boundary_states))
-            st.kept_offers = {}
+        if kept:  # this job pins the ones still held (rows above); none is kept past it
+            self.stats.add("kept_blocks", kept)
+        st.kept_blocks = {}
         sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
         hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
         saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,

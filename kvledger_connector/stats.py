@@ -10,8 +10,10 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
     counters   store calls: puts, put_keys, put_bytes, put_failed_keys, gets, get_keys, get_bytes,
                store_exceptions (a store call raised; its keys count as CLIENT_EXCEPTION)
                scheduler: lookups, lookup_hit_tokens, loaded_tokens, store_jobs, tail_saves, deferrals,
-               kept_state_offers (a deferred job's Mamba states saved later), expired_state_offers (dropped:
-               vLLM's prefix cache let the block go before the retry)
+               saves_dropped (given up: the request finished while its save was deferred, or the job could
+               never be admitted),
+               kept_blocks (blocks vLLM gave back while their job was deferred, saved from its prefix cache:
+               Mamba states, sliding-window blocks), expired_kept_blocks (not saved: evicted first)
                worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
@@ -58,7 +60,7 @@ COUNTERS = (
     "puts", "put_keys", "put_bytes", "put_failed_keys",
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
-    "store_jobs", "tail_saves", "deferrals", "kept_state_offers", "expired_state_offers",
+    "store_jobs", "tail_saves", "deferrals", "saves_dropped", "kept_blocks", "expired_kept_blocks",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
     "loads", "rejected_loads", "load_errors_reported",
     "put_s", "get_s", "lookup_s",

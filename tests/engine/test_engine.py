@@ -523,6 +523,9 @@ HYBRID_PREEMPT_TOKENS = 80
 #: the pin cap must admit the longest request's 6 x 30 blocks
 GEMMA3_PREEMPT_TOKENS = 160
 GEMMA3_PREEMPT_BLOCKS = 200
+#: the TP=2 hybrid runs' block pin cap: a job pins a request's blocks of every group from block 0 (up to 30
+#: pins), so PIN_CAP jobs pin fewer than this and only the job cap defers a save
+HYBRID_TP2_PIN_BLOCKS = 480
 
 
 def _hybrid_spec(workdir: Path, *, tp: int, mp: int, connector: dict[str, Any], **over: Any) -> dict[str, Any]:
@@ -537,6 +540,16 @@ GPT_OSS_GROUPS = [{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layer
                   {"spec": "FullAttentionSpec", "sliding_window": None, "layers": [1, 3]}]
 GEMMA3_GROUPS = ([{"spec": "SlidingWindowSpec", "sliding_window": WINDOW, "layers": [i]} for i in range(5)]
                  + [{"spec": "FullAttentionSpec", "sliding_window": None, "layers": [5]}])
+
+
+def _lost_saves(res: dict[str, Any]) -> int:
+    """Saves the connector gave up in this run (`saves_dropped`: a request finished while the caps deferred
+    its save) plus blocks of deferred jobs vLLM evicted before they were pinned (`expired_kept_blocks`: Mamba
+    states, sliding-window blocks that left the window), from vLLM's metrics of the
+    connector's counters. Whether a save waits until its request finishes depends on how fast the puts
+    are, so a pass-2 hit may be short by these and no more."""
+    m = res["metrics"]
+    return int(m.get("kvledger_saves_dropped", 0) + m.get("kvledger_expired_kept_blocks", 0))
 
 
 def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: int = MAX_TOKENS,
@@ -559,7 +572,10 @@ def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: 
     if any(failed):
         print(f"NOTE: load blocks failed per rank {failed} after master RPC timeouts; cached tokens {cached}")
     else:
-        assert all(n >= PREFIX_LEN for n in cached[1]) and sum(cached[1]) > sum(cached[0]), cached
+        # a save given up (its request finished while a cap deferred it) or a block vLLM evicted before its
+        # deferred job pinned it costs at most the one prompt it was for its hit
+        short = sum(n < PREFIX_LEN for n in cached[1])
+        assert short <= _lost_saves(res) and sum(cached[1]) > sum(cached[0]), (cached, res["metrics"])
     _check_at_rest(res)
     events = _check_trace(trace)
     _check_nothing_left(res)
@@ -606,10 +622,10 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
     """The same hybrid model at TP=2 with worker processes and EngineCore in its own process: each rank
     stores and loads both groups of its own KV heads, and checks what it loaded. Partial tails on: a
     prompt's tail is a key per group (each staged and tagged), and pass 2 loads all but the last token.
-    The block pin cap is the pool's size, so a save is deferred only at the cap of PIN_CAP jobs: a save
-    deferred until its request finishes is lost, which depends on how fast the puts are."""
+    Every prompt loads all but its last token, except one per save the connector gave up (`_lost_saves`);
+    the block pin cap is above what PIN_CAP jobs pin here, so only the job cap defers saves."""
     trace = tmp_path / "trace.ndjson"
-    conn = _connector(mooncake, trace, save_partial_tail=True, max_pinned_blocks=160)
+    conn = _connector(mooncake, trace, save_partial_tail=True, max_pinned_blocks=HYBRID_TP2_PIN_BLOCKS)
     res = run_engine(_hybrid_spec(tmp_path, tp=2, mp=1, connector=conn,
                                   shutdown_timeout_s=30), timeout_s=300, name="tp2-hybrid")
     print(f"tp2 hybrid: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
@@ -617,7 +633,9 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
           f"connectors {[w['connector'] for w in res['workers']]}")
     _check_hybrid_run(res, tp=2, trace=trace)
     if not any(w["connector"]["num_load_blocks_failed"] for w in res["workers"]):
-        assert res["passes"][1]["num_cached_tokens"] == [len(p) - 1 for p in HYBRID_PROMPTS]  # tails loaded
+        cached = res["passes"][1]["num_cached_tokens"]
+        tails = sum(n == len(p) - 1 for n, p in zip(cached, HYBRID_PROMPTS))  # all but the last token loaded
+        assert tails >= len(HYBRID_PROMPTS) - _lost_saves(res), (cached, res["metrics"])
 
 
 @pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=ONE_VERSION), (2, 1)], ids=["tp1", "tp2-mp"])
@@ -669,16 +687,14 @@ def test_mamba_hybrid_engine_loads_its_state_from_the_store(
     and 80 generated tokens make vLLM preempt (the resumed request re-reads its state), and pass 2 reuses
     pass 1's request ids.
 
-    At TP 2 the block pin cap is the pool's size, so a save is deferred only at the cap of PIN_CAP jobs: a
-    request that finishes while its save is deferred loses that save (a miss in pass 2), and whether it
-    does depends on how fast the puts are. Deferred jobs keeping their state offers are shown by the
-    harness (`test_mamba_hybrid.py`, one job at a time)."""
+    At TP 2 the block pin cap is above what PIN_CAP jobs pin here, so only the job cap defers saves. Deferred
+    jobs keeping their state offers are shown by the harness (`test_mamba_hybrid.py`, one job at a time)."""
     trace = tmp_path / "trace.ndjson"
     over: dict[str, Any] = {"mamba": True}
     if tp == 1:
         over.update(num_blocks=64, max_tokens=HYBRID_PREEMPT_TOKENS, request_ids="fixed")
     # TP 1: integrity off, as the gpt-oss-like TP 1 run (preemption needs fast saves)
-    extra = {"integrity": "off"} if tp == 1 else {"max_pinned_blocks": 160}
+    extra = {"integrity": "off"} if tp == 1 else {"max_pinned_blocks": HYBRID_TP2_PIN_BLOCKS}
     res = run_engine(_hybrid_spec(tmp_path, tp=tp, mp=mp, connector=_connector(mooncake, trace, **extra),
                                   shutdown_timeout_s=30, **over), timeout_s=300, name=f"tp{tp}-mamba")
     w = res["workers"][0]

@@ -131,9 +131,9 @@ def test_preemption_and_deferred_saves_never_store_or_read_a_wrong_state(store_c
         assert h.stats.preemptions > 0
         stats = h.scheduler_connector.stats
         assert stats.total("deferrals") > 0
-        print(f"state offers kept by deferred jobs and saved: {stats.total('kept_state_offers')}, "
-              f"expired before the retry: {stats.total('expired_state_offers')}")
-        assert stats.total("kept_state_offers") > 0  # deferred jobs saved states offered steps before
+        print(f"blocks kept by deferred jobs and saved: {stats.total('kept_blocks')}, "
+              f"evicted before the retry: {stats.total('expired_kept_blocks')}")
+        assert stats.total("kept_blocks") > 0  # deferred jobs saved states offered steps before
         assert h.scheduler_connector.scheduler_side.num_loads > 0
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0
