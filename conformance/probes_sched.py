@@ -342,26 +342,33 @@ def probe_mamba_state_saved_only_from_the_offered_block() -> None:
     check(list(job.block_ids) == [full[0], 0, full[1], 0, full[2], state[2]], f"the job sends {job.block_ids}")
 
 
+def _deferred_behind_a_job(second: str) -> tuple[Sched, DriverRequest, list[int], list[int], int]:
+    """A two-group scheduler at a cap of 1 job whose one job (request "x") is open, request "a" (3 full
+    blocks and a token) with its tables of 4 blocks per group (`tables`), and x's job id to collect."""
+    s = _hybrid(second, jobs_cap=1)
+    x, a = Req("x", BS + 1), Req("a", 3 * BS + 1)
+    for r in (x, a):
+        s.steps.on_new_request(r)
+    xfull, xsecond = _hybrid_tables(s, 2)
+    full, other = _hybrid_tables(s, 4)
+    (jx,) = s.steps.emit_stores({"x": BS + 1}, {"x": (xfull, xsecond)}.get)
+    return s, a, full, other, jx.store_job_id
+
+
 def probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it() -> None:
     """A job deferred at the cap keeps its step's Mamba state offer; its retry in a later step (no offer
     then) pins and sends the offered block while vLLM's prefix-cache record of it is unchanged, and sends
     nothing for the state once the record changed (the block was evicted: its bytes may be another's).
     The record is a dict here (a test double for ``KVCacheBlock.block_hash``: the probe evicts by hand)."""
     for evicted in (False, True):
-        s = _hybrid("state", jobs_cap=1)
-        x, a = Req("x", BS + 1), Req("a", 3 * BS + 1)
-        for r in (x, a):
-            s.steps.on_new_request(r)
-        xfull, xstate = _hybrid_tables(s, 2)
-        full, state = _hybrid_tables(s, 4)
+        s, a, full, state, jx = _deferred_behind_a_job("state")
         records: dict[int, object] = {state[2]: b"a:2"}
         s.steps.block_hash_of = records.get
-        tables = {"x": (xfull, xstate), "a": (full, state)}
-        (jx,) = s.steps.emit_stores({"x": BS + 1}, tables.get)
+        tables = {"a": (full, state)}
         check(s.steps.emit_stores({"a": 3 * BS + 1}, tables.get, {"a": [(1, state[2], 3 * BS)]}) == [],
               "a job over the cap of 1 was opened")
         a.num_computed_tokens = 3 * BS + 1
-        s.steps.collect({jx.store_job_id: 1})
+        s.steps.collect({jx: 1})
         if evicted:
             records[state[2]] = b"other"
         (job,) = s.steps.emit_stores({}, tables.get)
@@ -378,20 +385,14 @@ def probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it() 
     job is deferred is still pinned and sent by the retry while vLLM's prefix-cache record of it is
     unchanged, and not once the record changed. The record is a dict (a test double, as above)."""
     for evicted in (False, True):
-        s = _hybrid("sliding", jobs_cap=1)
-        x, a = Req("x", BS + 1), Req("a", 3 * BS + 1)
-        for r in (x, a):
-            s.steps.on_new_request(r)
-        xfull, xwin = _hybrid_tables(s, 2)
-        full, win = _hybrid_tables(s, 4)
+        s, a, full, win, jx = _deferred_behind_a_job("sliding")
         records: dict[int, object] = {b: f"w{b}".encode() for b in win}
         s.steps.block_hash_of = records.get
-        tables = {"x": (xfull, xwin), "a": (full, list(win))}
-        (jx,) = s.steps.emit_stores({"x": BS + 1}, tables.get)
+        tables = {"a": (full, list(win))}
         check(s.steps.emit_stores({"a": 3 * BS + 1}, tables.get) == [], "a job over the cap of 1 was opened")
         a.num_computed_tokens = 3 * BS + 1
         tables["a"][1][0] = 0  # vLLM frees the block that left the window
-        s.steps.collect({jx.store_job_id: 1})
+        s.steps.collect({jx: 1})
         if evicted:
             records[win[0]] = b"other"
         (job,) = s.steps.emit_stores({}, tables.get)
