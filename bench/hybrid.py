@@ -32,7 +32,7 @@ BS = 16
 
 
 def stored_vs_needed(window: int, prompt_len: int
-                     ) -> tuple[list[tuple[str, int, int]], int, int, dict[str, int]]:
+                     ) -> tuple[list[tuple[str, int, int]], dict[str, int], int, dict[str, int]]:
     from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
@@ -58,7 +58,9 @@ def stored_vs_needed(window: int, prompt_len: int
             totals = h.scheduler_connector.stats.totals
             worker = {k: int(sum(w.stats.total(k) for w in h.workers))
                       for k in ("stale_jobs", "skipped_jobs", "failed_jobs", "put_failed_keys")}
-            return rows, int(totals.data.get("deferrals", 0)), h.scheduler_connector.config.max_pinned_blocks, worker
+            deferred = {k: int(totals.data.get(k, 0)) for k in ("deferrals", "saves_dropped", "kept_blocks",
+                                                               "expired_kept_blocks")}
+            return rows, deferred, h.scheduler_connector.config.max_pinned_blocks, worker
 
 
 def stored_vs_needed_mamba(prompt_len: int) -> tuple[list[tuple[str, int, int]], int]:
@@ -119,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'group':<20} {'keys stored':>11} {'keys a hit needs':>16} {'stored/needed':>13}")
     for name, stored, needed in rows:
         print(f"{name:<20} {stored:>11} {needed:>16} {stored / needed if needed else float('nan'):>13.2f}")
-    print(f"saves deferred at the pin cap ({pin_cap} blocks): {deferrals} (a deferred save whose request finishes "
-          f"first is not made: a later miss); store jobs {worker}")
+    print(f"saves deferred at the pin cap ({pin_cap} blocks): {deferrals['deferrals']}; given up as their request "
+          f"finished first (a later miss): {deferrals['saves_dropped']}; window blocks vLLM freed meanwhile, saved "
+          f"from its prefix cache: {deferrals['kept_blocks']}, evicted first: {deferrals['expired_kept_blocks']}; "
+          f"store jobs {worker}")
     mrows, mbs = stored_vs_needed_mamba(args.prompt_len)
     print(f"\nstored vs needed, the Mamba stand-in: the same prompts, block {mbs} (aligned by vLLM), 4 layers "
           f"(2 Mamba, 2 attention), 128-token chunks")
