@@ -631,8 +631,7 @@ class SchedulerSteps:
         req_id = request.request_id
         st = self._reqs.drop(req_id)
         if st is not None and st.deferred:
-            self.num_saves_dropped += 1
-            self.stats.add("saves_dropped")
+            self._give_up_save()
         self._finished_out[req_id] = generation_of(request)
 
     # ------------------------------------------------------------------ EmitStore
@@ -691,6 +690,15 @@ class SchedulerSteps:
                 del st.kept_blocks[(g, p)]
                 self.stats.add("expired_kept_blocks")
         return out, filled
+
+    def _give_up_save(self) -> None:
+        self.num_saves_dropped += 1
+        self.stats.add("saves_dropped")
+
+    def _defer(self, st: _RequestState, tables: list[Sequence[int]], end: int) -> None:
+        """DEFER: the save is retried in a later step, keeping what vLLM may give back meanwhile."""
+        self._reqs.set_deferred(st, True)
+        self._keep_blocks(st, tables, st.sent_blocks, end)
 
     def _keep_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int) -> None:
         """A deferred job's blocks [lo, hi) of its Mamba and sliding-window groups, kept with vLLM's record of
@@ -776,12 +784,10 @@ class SchedulerSteps:
         if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach] if g == 1 else table):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
-            self._reqs.set_deferred(st, True)
-            self._keep_blocks(st, tables, st.sent_blocks, rng.end)
+            self._defer(st, tables, rng.end)
             return
         if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
-            self.num_saves_dropped += 1
-            self.stats.add("saves_dropped")
+            self._give_up_save()
             st.saved_blocks, st.tail_done = rng.end, True
             st.kept_blocks = {}
             self._note_prompt_saved(st)
@@ -791,8 +797,7 @@ class SchedulerSteps:
         if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
             if not st.deferred:
                 self.stats.add("deferrals")
-            self._reqs.set_deferred(st, True)
-            self._keep_blocks(st, tables, st.sent_blocks, rng.end)
+            self._defer(st, tables, rng.end)
             return
         self._reqs.set_deferred(st, False)
         if kept:  # this job pins the ones still held (rows above); none is kept past it
