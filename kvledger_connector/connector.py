@@ -277,18 +277,20 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return None, (done or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Finished async loads; with several KV cache groups also the failed ones, per request (vLLM takes
-        no block-level load error then: a failed load's request recomputes or fails whole)."""
+        """Finished async loads; unless the model is one full-attention group (`WorkerSteps.dense_table`), also
+        the failed ones, per request (vLLM takes no block-level load error with several groups, and a cut
+        inside a sliding window would leave its older blocks null: a failed load's request recomputes or
+        fails whole)."""
         worker = self._worker()
         done = worker.take_finished_loads()
         failed: set[str] = set()
-        if worker.num_groups > 1:
+        if not worker.steps.dense_table:
             failed = worker.take_failed_loads(done)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._worker()
-        return set() if worker.num_groups > 1 else worker.take_load_errors()
+        return worker.take_load_errors() if worker.steps.dense_table else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker().build_worker_meta()

@@ -79,17 +79,33 @@ def _state_spec(what: str, spec: Any) -> Any:
     return spec
 
 
+def _attention_window(what: str, spec: Any) -> int | None:
+    """The window of an attention group's spec by vLLM's manager for it: None for full attention (every block
+    of the table is the request's), the tokens kept behind a position for a sliding window (vLLM puts its
+    null block where blocks left the window). One rule whether the group is alone or one of several; any
+    other kind is refused, naming the group and the spec."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return None
+    if type(spec) is SlidingWindowSpec:
+        return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    raise KVLayoutError(f"{what}: KV cache groups are served when they are full attention (FullAttentionSpec, "
+                        f"MLAAttentionSpec), sliding window (SlidingWindowSpec) or Mamba in 'align' mode; "
+                        f"{type(spec).__name__} is not (its manager keeps blocks by a rule the store's keys do "
+                        f"not follow)")
+
+
 def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
-    """The KV cache groups this connector serves: one of any attention spec (`kv_cache_spec`), or several
-    (a hybrid model) of full attention, sliding window and Mamba in "align" mode, with equal block sizes and
-    layer counts (vLLM pads every group's page to one size, so a block's bytes are then equal too). Anything
-    else is refused at start-up, naming the group, its spec and why."""
+    """The KV cache groups this connector serves, each by the same rule whether it is alone or one of several
+    (a hybrid model): full attention, sliding window, and Mamba in "align" mode beside an attention group,
+    with equal block sizes and layer counts (vLLM pads every group's page to one size, so a block's bytes are
+    then equal too). Anything else is refused at start-up, naming the group, its spec and why."""
     if kv_cache_config is None:
         kv_cache_spec(kv_cache_config)  # raises, naming it
     groups = cast("KVCacheConfig", kv_cache_config).kv_cache_groups
-    if len(groups) == 1:
-        return [KVGroup(0, kv_cache_spec(kv_cache_config), tuple(groups[0].layer_names), None)]
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    if not groups:
+        raise KVLayoutError("kv_cache_config has no KV cache groups: the connector needs an attention group")
+    from vllm.v1.kv_cache_interface import MambaSpec
     out = []
     for i, g in enumerate(groups):
         what = f"KV cache group {i} ({type(g.kv_cache_spec).__name__}: {list(g.layer_names)[:2]}...)"
@@ -100,14 +116,7 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
             spec = _group_spec(g.layer_names, g.kv_cache_spec)
         except KVLayoutError as e:
             raise KVLayoutError(f"KV cache group {i} of {len(groups)}: {e}") from None
-        if type(spec) is SlidingWindowSpec:
-            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        elif type(spec) is FullAttentionSpec:
-            window = None
-        else:
-            raise KVLayoutError(f"{what}: a hybrid model's groups are served when they are full attention, "
-                                f"sliding window or Mamba in 'align' mode; {type(spec).__name__} is not yet")
-        out.append(KVGroup(i, spec, tuple(g.layer_names), window))
+        out.append(KVGroup(i, spec, tuple(g.layer_names), _attention_window(what, spec)))
     sizes = {(k.spec.block_size, len(k.layer_names)) for k in out}
     if len(sizes) != 1:
         raise KVLayoutError("KV cache groups of different block sizes or layer counts ("
@@ -334,7 +343,9 @@ class EngineFacts:
     model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layouts_for` a new weights version
     hash_algo: str = ""  # vLLM's prefix_caching_hash_algo
     weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
-    groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kv_cache_groups`); () for one group
+    # the KV cache groups (`kv_cache_groups`) when they are not one full-attention group: several (a hybrid
+    # model), or one sliding-window group (its table holds vLLM's null block below the window); else ()
+    groups: tuple[KVGroup, ...] = ()
     group_layouts: tuple[KeyLayout, ...] = ()  # this rank's key layout per group (hybrid; `layout` is group 0's)
     # the TP-shared layout: KV heads per key (0: a key per TP shard), the model's KV heads, this rank's first
     kv_heads_per_key: int = 0
@@ -369,7 +380,10 @@ class EngineFacts:
         layouts = [(_state_layout_of if g.state else _layout_of)(
             vllm_config, g.spec, kv_layout, tp, pp, weights_version, replicated_once and not has_state,
             integrity_tag) for g in groups]
-        if len(groups) > 1:  # each group's keys name it: its layers, its window or state
+        # a table of the request's every block (one full-attention group) is keyed as it always was; anything
+        # else keys each group by its layers, its window or state, and is served by the groups' rules
+        per_group = len(groups) > 1 or groups[0].window is not None
+        if per_group:
             layouts = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
                 ("group", str(g.index)), ("window", str(g.window or 0)),
                 ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]))
@@ -399,8 +413,8 @@ class EngineFacts:
                    num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks,
                    model_config_hash=vllm_config.model_config.compute_hash(),
                    hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version,
-                   groups=tuple(groups) if len(groups) > 1 else (),
-                   group_layouts=tuple(layouts) if len(groups) > 1 else (),
+                   groups=tuple(groups) if per_group else (),
+                   group_layouts=tuple(layouts) if per_group else (),
                    kv_heads_per_key=kv_heads_per_key, total_kv_heads=total_heads, first_kv_head=first_head)
 
     @property

@@ -247,6 +247,11 @@ class WorkerSteps:
             raise LedgerInputError("part_groups", parts, f"each KV cache group's parts together, as many per group, "
                                    f"one per key builder ({len(self.group_keys)})")
         self.part_groups = parts
+        # one full-attention group (`SchedulerSteps.dense_table`): a job's ids are its every block and a failed
+        # load is reported by block; else null ids (below a sliding window) are nothing to put and a failed
+        # load is reported per request
+        self.dense_table = self.num_kv_groups == 1 and not any(
+            kb.layout.window is not None or kb.layout.is_state for kb in self.group_keys)
         if stripe is None:
             kb0 = keys if keys is not None else (self.group_keys[0] if self.group_keys else None)
             stripe = (kb0.layout.replica, kb0.layout.kv_replicas) if kb0 is not None else (0, 1)
@@ -472,7 +477,7 @@ class WorkerSteps:
                 if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
                     pos = put_positions(plan.start, plan.end, *self.stripe)
                     partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
-                    if len(self.group_keys) <= 1 and num_groups == 1:
+                    if len(self.group_keys) <= 1 and num_groups == 1 and self.dense_table:
                         keys = self._key_list([block_hashes[i] for i in pos])
                         tails = [pos.index(end_block - 1)] if partial and end_block - 1 in pos else []
                         res = self.put(keys, [block_ids[i] for i in pos], before_read, tails)
@@ -610,7 +615,7 @@ class WorkerSteps:
             self.loads.fail_pending(load_id, reason)
             result = self.loads.finish_load(load_id)
             (self.finished_sync_loads if sync else self.finished_loads).append(result.req_id)
-            if result.failed and not sync and self.num_kv_groups > 1:  # taken each step with finished ones
+            if result.failed and not sync and not self.dense_table:  # taken each step with finished ones
                 self.failed_loads.append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))

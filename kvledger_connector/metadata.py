@@ -92,6 +92,8 @@ class LoadSpec:
     # several KV cache groups: the group of each block (its key and its KV cache views); () = all group 0.
     # A block id is owned by one group at a time (one block pool), so ids stay unique within a load
     groups: tuple[int, ...] = ()
+    # the scheduler could not plan this load (why): every block is reported failed, the store is not read
+    refused: str = ""
 
 
 @dataclass

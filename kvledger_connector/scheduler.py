@@ -17,9 +17,14 @@ Per engine step, in vLLM's order::
                                              collect(completed_saves)          Collect
       request_finished(req, ..)           -> request_finished(req)             never delays the free
     has_requests() -> has_pending_push_work()  while any pin is held
+
+No hook raises into vLLM's step (binding, at start-up, does): an input the steps cannot serve becomes a
+cache miss (a lookup), a load reported failed (`SchedulerSteps.refuse_load`), a save given up (per request,
+inside `emit_stores`) or a report set aside (a collect), each logged and counted (``hook_errors``).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from kvledger.errors import LedgerInputError
@@ -31,6 +36,8 @@ from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorke
 from kvledger_connector.scheduler_steps import SchedulerSteps
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import KVStore
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulerSide(SchedulerSteps):
@@ -66,14 +73,43 @@ class SchedulerSide(SchedulerSteps):
             self.reachable_blocks = vllm_reachable_blocks(kv_cache_manager)
 
     # ------------------------------------------------------------------ vLLM's hooks
+    def _hook_error(self, hook: str, e: BaseException) -> None:
+        logger.error("KVLedgerConnector %s: %s: %s", hook, type(e).__name__, e)
+        self.stats.add("hook_errors")
+
+    def _log_step_errors(self) -> None:
+        while self.errors:
+            logger.error("KVLedgerConnector: %s", self.errors.popleft())
+
+    def on_new_request(self, request: Any) -> None:
+        try:
+            super().on_new_request(request)
+        except Exception as e:  # its lookups then answer from a fresh state, or miss
+            self._hook_error("on_new_request", e)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        ext = self.lookup(request, num_computed_tokens)
-        return (ext, self.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
+        try:
+            ext = self.lookup(request, num_computed_tokens)
+            return (ext, self.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
+        except Exception as e:  # a cache miss
+            self._hook_error("get_num_new_matched_tokens", e)
+            return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
+        if num_external_tokens <= 0:
+            return
+        ids: Any = ()
+        try:
             ids = blocks.get_block_ids()  # one list per KV cache group
-            self.emit_load(request, ids[0] if self.num_groups == 1 else ids, num_external_tokens)
+            ids = ids[0] if self.num_groups == 1 else ids
+            self.emit_load(request, ids, num_external_tokens)
+        except Exception as e:  # vLLM counts on the load: it is reported failed instead
+            self._hook_error("update_state_after_alloc", e)
+            try:
+                self.refuse_load(request, ids, num_external_tokens, f"{type(e).__name__}: {e}")
+            except Exception as e2:
+                self._hook_error("update_state_after_alloc (refusing the load)", e2)
+        self._log_step_errors()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         self._step += 1
@@ -97,25 +133,42 @@ class SchedulerSide(SchedulerSteps):
             return ids[0] if one else ids
 
         offers = getattr(block_state, "boundary_state_offloads", None) if self.state_groups else None
-        meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of, offers)
+        try:  # each request's save is guarded inside (`emit_stores`): this catches what is not a request's
+            meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of, offers)
+        except Exception as e:
+            self._hook_error("build_connector_meta", e)
+        self._log_step_errors()
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.note_load_errors(connector_output.invalid_block_ids)  # while the loads still hold their pins
-        self.note_failed_loads(getattr(connector_output, "failed_recving", None))  # several KV cache groups
-        self.collect_loads(connector_output.finished_recving)
-        meta = connector_output.kv_connector_worker_meta
-        if meta is None:
-            return
-        if not isinstance(meta, KVLedgerWorkerMetadata):
-            raise LedgerInputError("kv_connector_worker_meta", type(meta).__name__,
-                                   "expected KVLedgerWorkerMetadata")
-        self.collect_sync_loads(meta.completed_loads)
-        self.collect(meta.completed_saves)
+        """Each report applied on its own: one the ledger refuses (an unknown job or load, a duplicate, a bad
+        count; the ledger applies the rest of its batch first) is logged and counted, and its pins are kept
+        (holding a pin too long is safe, freeing early is not)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is not None and not isinstance(meta, KVLedgerWorkerMetadata):
+            self._hook_error("update_connector_output", LedgerInputError(
+                "kv_connector_worker_meta", type(meta).__name__, "expected KVLedgerWorkerMetadata"))
+            meta = None
+        steps: list[tuple[str, Any, Any]] = [  # load errors first, while the loads still hold their pins
+            ("invalid_block_ids", self.note_load_errors, getattr(connector_output, "invalid_block_ids", None)),
+            ("failed_recving", self.note_failed_loads, getattr(connector_output, "failed_recving", None)),
+            ("finished_recving", self.collect_loads, getattr(connector_output, "finished_recving", None)),
+        ]
+        if meta is not None:
+            steps += [("completed_loads", self.collect_sync_loads, meta.completed_loads),
+                      ("completed_saves", self.collect, meta.completed_saves)]
+        for name, apply, value in steps:
+            try:
+                apply(value)
+            except Exception as e:
+                self._hook_error(f"update_connector_output {name}", e)
 
     def request_finished(self, request: Any) -> tuple[bool, None]:  # type: ignore[override]
         """Never delays the free: every store job pinned its own blocks."""
-        SchedulerSteps.request_finished(self, request)
+        try:
+            SchedulerSteps.request_finished(self, request)
+        except Exception as e:
+            self._hook_error("request_finished", e)
         return False, None
 
 

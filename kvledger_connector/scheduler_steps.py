@@ -305,6 +305,11 @@ class _RequestTable:
         return len(self._lookup_lru)
 
 
+#: the step errors kept for the adapter's log (`SchedulerSteps.errors`)
+MAX_STEP_ERRORS = 64
+#: a refused load's reason as the ranks get it (`LoadSpec.refused`)
+MAX_REFUSAL_CHARS = 200
+
 #: vLLM's ``kv_load_failure_policy`` values
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # the loads whose outcomes decide whether a short load may still run inside the step (`load_is_async`)
@@ -349,6 +354,12 @@ class SchedulerSteps:
         # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
         self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
         self.sliding_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.window is not None)
+        # one full-attention group: a request's table is its every block (none null) and vLLM takes a failed
+        # load's blocks (`invalid_block_ids`). Else (several groups, or one sliding-window group, whose table
+        # holds vLLM's null block below the window) every group's rule applies: null ids are nothing to pin,
+        # load or put, and a failed load is failed per request (vLLM recomputes it from its first token;
+        # a block-level cut inside a window would leave the window's older blocks null)
+        self.dense_table = num_groups == 1 and not (self.state_groups or self.sliding_groups)
         # vLLM's own rule for which of a sliding-window group's blocks a later hit can use (the blocks its
         # local prefix cache keeps: `reachable_block_mask`): (request, group, start block, end block) -> a
         # mask of blocks [start, end), or None for all. Set by the connector from vLLM's KV cache manager;
@@ -388,6 +399,9 @@ class SchedulerSteps:
         self.num_tail_hits = 0  # lookups answered with a partial tail
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
         self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
+        self.num_refused_loads = 0  # loads `emit_load` could not plan, reported failed (`refuse_load`)
+        # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
+        self.errors: deque[str] = deque(maxlen=MAX_STEP_ERRORS)
         # KV events for routers (kvledger_connector/events.py); set by the connector when kv events are enabled
         self.events: Any = None
 
@@ -501,7 +515,7 @@ class SchedulerSteps:
         req_id still has a load pinned (its reports would race), or while most recent loads failed. See the
         module's notes for each."""
         return (num_external_tokens > self.sync_load_max_tokens or self.kv_load_failure_policy != "fail"
-                or self.num_groups > 1
+                or not self.dense_table
                 or (self.ledger is not None and self.ledger.has_pinned_load(req_id))
                 or self.loads_mostly_fail())
 
@@ -521,7 +535,7 @@ class SchedulerSteps:
             return None
         req_id = request.request_id
         st = self._reqs.get(req_id)
-        hit = self._reqs.take_lookup(st) if st is not None else None
+        hit = st.lookup if st is not None else None  # taken once the load is pinned (else `refuse_load` reads it)
         if st is None or hit is None or hit.generation != generation_of(request):
             raise LedgerInputError("num_external_tokens", num_external_tokens,
                                    f"no lookup answered an external hit for {req_id!r}")
@@ -537,7 +551,7 @@ class SchedulerSteps:
             raise LedgerInputError("num_external_tokens", num_external_tokens,
                                    f"{req_id!r} has {len(tables[0])} blocks, {len(request.block_hashes)} hashes")
         groups: tuple[int, ...] = ()
-        if self.num_groups == 1:
+        if self.dense_table:
             dest = tuple(tables[0][first:last])
         else:  # a Mamba group loads the one state block at the hit's end (vLLM reads the state there)
             at = [(g, p) for g in range(self.num_groups) for p in range(first, last) if tables[g][p] != 0
@@ -552,6 +566,7 @@ class SchedulerSteps:
         self.num_async_after_failures += (not sync and num_external_tokens <= self.sync_load_max_tokens
                                           and self.loads_mostly_fail())
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
+        self._reqs.take_lookup(st)
         st.load_dest, st.load_first = dest, first
         spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync, groups=groups)
         self._loads_out.append(spec)
@@ -560,6 +575,45 @@ class SchedulerSteps:
             st.loaded_blocks, st.loaded_tail, st.load_pending = last, tail, True
         self.num_loads += 1
         self.stats.add("loaded_tokens", num_external_tokens)
+        return spec
+
+    def refuse_load(self, request: RequestLike, block_ids: Any, num_external_tokens: int, reason: str
+                    ) -> LoadSpec | None:
+        """A load `emit_load` could not plan (an input it cannot serve), after vLLM was told of the hit: its
+        request must neither wait for ever (an async load) nor compute on blocks never loaded. Every block of
+        the request's tables that a load may be pinned to (real, unique, not another load's destination) is
+        pinned and the ranks report each failed without reading the store (`LoadSpec.refused`); vLLM then
+        recomputes them (or fails the request, by its policy). The blocks are those of the hit's positions
+        when its lookup is known (vLLM's local prefix hit before them is other requests' too: reporting it
+        would fail them as well), else every block. None when no block could be pinned."""
+        req_id = request.request_id
+        st = self._reqs.get(req_id)
+        hit = self._reqs.take_lookup(st) if st is not None else None
+        first, last = 0, None
+        if hit is not None and num_external_tokens.__class__ is int:
+            first = hit.num_computed_tokens // self.block_size
+            last = -(-(hit.num_computed_tokens + num_external_tokens) // self.block_size)
+        self.num_refused_loads += 1
+        self.stats.add("refused_loads")
+        self.errors.append(f"load of {req_id!r} ({num_external_tokens} tokens) refused: {reason}")
+        ledger = self._ledger()
+        try:
+            tables = self._tables(block_ids)
+        except LedgerInputError:
+            tables = []
+        dest: list[int] = []
+        for t in tables:
+            for b in list(t)[first:last] if isinstance(t, (list, tuple)) else ():
+                if b.__class__ is int and b > 0 and b not in dest and ledger.load_owner(b) is None:
+                    dest.append(b)
+        sync = not self.load_is_async(req_id, num_external_tokens)
+        try:
+            ledger.pin_load(req_id, dest)
+        except LedgerInputError as e:  # nothing in the pool to pin: the ranks could not report it either
+            self.errors.append(f"refused load of {req_id!r}: no block to report failed: {e}")
+            return None
+        spec = LoadSpec(req_id, tuple(dest), (), sync=sync, refused=reason[:MAX_REFUSAL_CHARS])
+        self._loads_out.append(spec)
         return spec
 
     def _tables(self, block_ids: Any) -> list[Sequence[int]]:
@@ -646,13 +700,30 @@ class SchedulerSteps:
             offers = boundary_states or {}
             for req_id in self._reqs.deferred_ids():
                 if req_id not in scheduled:
-                    self.emit_store(saves, req_id, 0, table_of, offers.get(req_id, ()))
+                    self._emit_store_guarded(saves, req_id, 0, table_of, offers.get(req_id, ()))
             for req_id, n in scheduled.items():
-                self.emit_store(saves, req_id, n, table_of, offers.get(req_id, ()))
+                self._emit_store_guarded(saves, req_id, n, table_of, offers.get(req_id, ()))
         ledger = self._ledger()
         self.stats.gauge("pins_in_flight", ledger.num_inflight_jobs)
         self.stats.gauge("pinned_blocks", ledger.num_pinned_blocks)
         return saves
+
+    def _emit_store_guarded(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
+                            boundary_states: Sequence[tuple[int, int, int]]) -> None:
+        """`emit_store`, where an input it cannot serve (a table or hashes vLLM's scheduler would never hand
+        over) costs that request's save only: given up and counted, the step's other saves go out (every
+        check runs before a job is opened, so nothing is pinned for it)."""
+        try:
+            self.emit_store(saves, req_id, num_scheduled, table_of, boundary_states)
+        except Exception as e:
+            self.errors.append(f"save of {req_id!r} given up: {type(e).__name__}: {e}")
+            self.stats.add("save_errors")
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._reqs.set_deferred(st, False)
+                st.kept_blocks = {}
+                st.prompt_saved = True  # nothing more of this generation: the same input would fail again
+            self._give_up_save()
 
     def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
                     ) -> list[Sequence[int]]:
@@ -768,7 +839,7 @@ class SchedulerSteps:
         tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
         tables, kept = self._with_kept_blocks(st, tables, st.sent_blocks, rng.end)  # freed ones, before the mask
         tables = self._reachable_rows(request, tables, st.sent_blocks, rng.end)
-        if g == 1:
+        if self.dense_table:
             table = tables[0]
             block_ids = list(table[:rng.end])
             tail_ids = list(table[rng.end:rng.reach])
@@ -781,7 +852,8 @@ class SchedulerSteps:
             sent_ids = [tables[k][p] for p in range(st.sent_blocks, rng.reach) for k in range(g)]
             null_before = tuple(_leading_nulls(t, rng.end) for t in tables)
         ledger = self._ledger()
-        if ledger.num_load_pinned_blocks and ledger.any_load_destination(table[:rng.reach] if g == 1 else table):
+        if ledger.num_load_pinned_blocks and ledger.any_load_destination(
+                table[:rng.reach] if self.dense_table else table):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
             self._defer(st, tables, rng.end)
@@ -793,20 +865,21 @@ class SchedulerSteps:
             self._note_prompt_saved(st)
             return
         gen = generation_of(request)
+        sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
+        hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
         job_id = ledger.open_job(req_id, block_ids, tail_ids, generation=gen)
         if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
             if not st.deferred:
                 self.stats.add("deferrals")
             self._defer(st, tables, rng.end)
             return
+        # sent at once: a job opened is pinned until every rank reports it, so it must reach the ranks
+        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,
+                              tail_tokens=rng.tail_tokens, num_groups=g, null_before=null_before))
         self._reqs.set_deferred(st, False)
         if kept:  # this job pins the ones still held (rows above); none is kept past it
             self.stats.add("kept_blocks", kept)
         st.kept_blocks = {}
-        sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
-        hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
-        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,
-                              tail_tokens=rng.tail_tokens, num_groups=g, null_before=null_before))
         st.sent_blocks = rng.end
         if self.events is not None and rng.end > rng.start:  # routers hear of full blocks only
             self.events.job_opened(job_id, request, rng.start, rng.end)

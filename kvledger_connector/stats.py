@@ -13,7 +13,10 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                saves_dropped (given up: the request finished while its save was deferred, or the job could
                never be admitted),
                kept_blocks (blocks vLLM gave back while their job was deferred, saved from its prefix cache:
-               Mamba states, sliding-window blocks), expired_kept_blocks (not saved: evicted first)
+               Mamba states, sliding-window blocks), expired_kept_blocks (not saved: evicted first),
+               hook_errors (an input a scheduler hook could not serve: logged, never raised into vLLM),
+               save_errors (a request's save given up on such an input), refused_loads (a load that could
+               not be planned, reported failed)
                worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
@@ -61,6 +64,7 @@ COUNTERS = (
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "tail_saves", "deferrals", "saves_dropped", "kept_blocks", "expired_kept_blocks",
+    "hook_errors", "save_errors", "refused_loads",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
     "loads", "rejected_loads", "load_errors_reported",
     "put_s", "get_s", "lookup_s",

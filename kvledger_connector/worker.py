@@ -194,10 +194,13 @@ class WorkerSide:
         for nt in meta.drops:
             self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
         for spec in meta.loads:
-            if not spec.sync:
+            if spec.refused:  # the scheduler could not plan it: every block reported failed, nothing read
+                self.steps.reject_load(spec.req_id, spec.block_ids, f"refused by the scheduler: {spec.refused}",
+                                       sync=spec.sync)
+            elif not spec.sync:
                 self._enqueue_load(spec)
         for spec in meta.loads:
-            if spec.sync:
+            if spec.sync and not spec.refused:
                 self._run_sync_load(spec)
 
     def _switch_weights_version(self, version: str) -> None:
