@@ -23,7 +23,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, MambaSpec,
+                                        SlidingWindowMLASpec, SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvledger_connector.config import ConfigError, StoreConfig
@@ -250,6 +251,31 @@ def test_a_hybrid_models_groups_are_served_per_group_and_other_kinds_refused() -
     with pytest.raises(KVLayoutError, match=r"KV cache group \d \(MambaSpec: \['model.layers.2.mixer'\].*"
                                             r"mamba_cache_mode='none'.*'align' mode only"):
         kv_cache_groups(build_kv_cache_config(vc, specs, 4, "LBNHC"))
+
+
+def _one_group(spec: object) -> KVCacheConfig:
+    vc = _cpu_config(16)
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # vLLM keeps a group's own kind then
+    cfg = build_kv_cache_config(vc, {n: spec for n in layer_names(2)}, 4, "LBNHC")  # type: ignore[misc]
+    assert len(cfg.kv_cache_groups) == 1 and type(cfg.kv_cache_groups[0].kv_cache_spec) is type(spec)
+    return cfg
+
+
+def test_one_group_is_served_by_the_rule_of_its_kind_and_other_kinds_are_refused_by_name() -> None:
+    """A single KV cache group follows the same rule as a hybrid model's group: a sliding-window group alone
+    (Mistral-like: every layer the same window) keeps its window; a kind whose manager keeps blocks by
+    another rule is refused at start-up, naming the spec, whether alone or not."""
+    kw = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    (g,) = kv_cache_groups(_one_group(SlidingWindowSpec(**kw, sliding_window=64)))  # type: ignore[arg-type]
+    assert g.window == 64 and not g.state
+    (g,) = kv_cache_groups(_one_group(FullAttentionSpec(**kw)))  # type: ignore[arg-type]
+    assert g.window is None
+    for spec in (ChunkedLocalAttentionSpec(**kw, attention_chunk_size=64),  # type: ignore[arg-type]
+                 SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                      sliding_window=64)):
+        name = type(spec).__name__
+        with pytest.raises(KVLayoutError, match=rf"KV cache group 0 \({name}: .*{name} is not"):
+            kv_cache_groups(_one_group(spec))
 
 
 def test_aliased_views_are_stored_once() -> None:
