@@ -8,7 +8,9 @@ Mooncake master, shared-prefix prompts asked once.
 * Stored vs needed, per KV cache group: keys in the store after the pass, and the keys a hit of each whole
   prompt needs by vLLM's allocation rule (a full group every block; a sliding-window group only the blocks
   vLLM does not null for that hit, those holding positions at or past ``H - W + 1`` for a hit of H tokens),
-  counted once across prompts that share blocks.
+  counted once across prompts that share blocks. One more row: the uniform sliding-window stand-in
+  (``Harness(sliding_window=W, full_every=0)``: every layer the same window, Mistral-like; vLLM plans one
+  SlidingWindowSpec group and runs its sliding-window manager), 2 layers, the same prompts.
 * The same for the Jamba-like Mamba stand-in (``Harness(mamba=True)``, Mamba in "align" mode, the block size
   aligned by vLLM): a Mamba group's hit needs the one state at the hit's end.
 * KV memory per request, hybrid manager on vs off: the sum over the model's layers of vLLM's own
@@ -31,8 +33,11 @@ os.environ.setdefault("GLOG_minloglevel", "3")
 BS = 16
 
 
-def stored_vs_needed(window: int, prompt_len: int
+def stored_vs_needed(window: int, prompt_len: int, *, full_every: int = 2, num_layers: int = 4
                      ) -> tuple[list[tuple[str, int, int]], dict[str, int], int, dict[str, int]]:
+    """The stand-in with every ``full_every``-th layer full attention (0: none, every layer sliding window):
+    per KV cache group, (name, keys stored, keys a hit needs); the connector's deferral counters, its block
+    pin cap, the workers' job counters."""
     from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
     from kvledger_connector.embedded import EmbeddedMooncake
@@ -41,7 +46,8 @@ def stored_vs_needed(window: int, prompt_len: int
     prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=prompt_len - 44, suffix_len=44, seed=3)
     with EmbeddedMooncake() as mc:
         cfg = StoreConfig(global_segment_size=64 << 20).with_addresses(mc.master_address, mc.metadata_server)
-        with Harness(cfg, sliding_window=window, num_layers=4, block_size=BS, num_blocks=400) as h:
+        with Harness(cfg, sliding_window=window, full_every=full_every, num_layers=num_layers, block_size=BS,
+                     num_blocks=400) as h:
             h.run_pass(prompts, 4, tag="a")
             stored = stored_keys(mc.metrics_port)
             rows = []
@@ -54,7 +60,9 @@ def stored_vs_needed(window: int, prompt_len: int
                     first = 0 if w is None else max(0, (hit - w + 1) // BS)
                     needed.update(kb.keys(hashes[first:hit // BS]))
                 mine = {k for k in stored if k.startswith(kb.prefix)}
-                rows.append(("full attention" if w is None else f"sliding window {w}", len(mine), len(needed)))
+                name = ("full attention" if w is None else f"all sliding, W {w}" if full_every == 0
+                        else f"sliding window {w}")
+                rows.append((name, len(mine), len(needed)))
             totals = h.scheduler_connector.stats.totals
             worker = {k: int(sum(w.stats.total(k) for w in h.workers))
                       for k in ("stale_jobs", "skipped_jobs", "failed_jobs", "put_failed_keys")}
@@ -119,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstored vs needed: 12 prompts of {args.prompt_len} tokens (3 shared prefixes), window {args.window}, "
           f"block {BS}, 4 layers (2 per group)")
     print(f"{'group':<20} {'keys stored':>11} {'keys a hit needs':>16} {'stored/needed':>13}")
-    for name, stored, needed in rows:
+    urows, _, _, _ = stored_vs_needed(args.window, args.prompt_len, full_every=0, num_layers=2)
+    for name, stored, needed in rows + urows:
         print(f"{name:<20} {stored:>11} {needed:>16} {stored / needed if needed else float('nan'):>13.2f}")
+    print("(all sliding: the uniform sliding-window stand-in, 2 layers with the same window, one KV cache group)")
     print(f"saves deferred at the pin cap ({pin_cap} blocks): {deferrals['deferrals']}; given up as their request "
           f"finished first (a later miss): {deferrals['saves_dropped']}; window blocks vLLM freed meanwhile, saved "
           f"from its prefix cache: {deferrals['kept_blocks']}, evicted first: {deferrals['expired_kept_blocks']}; "

@@ -22,11 +22,17 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def hybrid_layer_types(num_layers: int, full_every: int = 2) -> list[str]:
-    """A hybrid's layer pattern: every ``full_every``-th layer full attention, the others sliding window
-    (2: gpt-oss, alternating; 6: Gemma 3, five sliding to one full)."""
+    """A sliding-window model's layer pattern: every ``full_every``-th layer full attention, the others
+    sliding window (2: gpt-oss, alternating; 6: Gemma 3, five sliding to one full; 0: no full-attention
+    layer, every layer sliding window, as Mistral-7B-v0.1: the uniform case, one KV cache group)."""
+    if full_every == 0:
+        if num_layers < 1:
+            raise ValueError(f"hybrid_layer_types full_every=0, num_layers={num_layers!r}: needs a layer")
+        return [SLIDING] * num_layers
     if full_every < 2 or num_layers < full_every:
         raise ValueError(f"hybrid_layer_types full_every={full_every!r}, num_layers={num_layers!r}: needs "
-                         f"full_every >= 2 and at least that many layers (one sliding, one full)")
+                         f"full_every >= 2 and at least that many layers (one sliding, one full), or 0 (every "
+                         f"layer sliding)")
     return [FULL if (i + 1) % full_every == 0 else SLIDING for i in range(num_layers)]
 
 
@@ -37,10 +43,13 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
     ``num_attention_heads`` above ``num_kv_heads``: grouped-query attention (vLLM replicates KV heads on
     TP ranks beyond them). ``mla``: a tiny DeepSeek-V2 config instead (``model_config.use_mla``; one latent
     of ``head_size`` = kv_lora_rank + qk_rope_head_dim per token, the same on every TP rank).
-    ``sliding_window``: a hybrid, declared as gpt-oss and Gemma 3 do (`sliding_window` + `layer_types`):
-    every ``full_every``-th layer attends to all tokens, the others to the last ``sliding_window`` (2:
-    gpt-oss-like, 6: Gemma-3-like; the stand-in worker reads both; `testbed.kvcache.attention_specs` gives the
-    same pattern)."""
+    ``sliding_window`` with ``full_every`` >= 2: a hybrid, declared as gpt-oss and Gemma 3 do
+    (`sliding_window` + `layer_types`): every ``full_every``-th layer attends to all tokens, the others to the
+    last ``sliding_window`` (2: gpt-oss-like, 6: Gemma-3-like). ``full_every=0``: no full-attention layer,
+    every layer attends to the last ``sliding_window`` tokens, declared as Mistral-7B-v0.1 does
+    (`sliding_window`, no `layer_types`): vLLM's EngineArgs copies the window into CacheConfig.sliding_window,
+    which every `Attention` layer then takes, and vLLM plans one KV cache group with a `SlidingWindowSpec`.
+    The stand-in worker reads all of them; `testbed.kvcache.attention_specs` gives the same pattern."""
     os.makedirs(path, exist_ok=True)
     heads = num_attention_heads or num_kv_heads
     cfg = {
@@ -61,12 +70,15 @@ def write_model_dir(path: str, *, num_layers: int, num_kv_heads: int, head_size:
                     "moe_layer_freq": 1})
         del cfg["head_dim"]
     if sliding_window is not None:
-        if mla or sliding_window < 1 or num_layers < 2:
+        if mla or sliding_window < 1 or num_layers < (1 if full_every == 0 else 2):
             raise ValueError(f"write_model_dir sliding_window={sliding_window!r}: needs a window >= 1, at least "
-                             f"2 layers and no MLA (num_layers={num_layers}, mla={mla})")
-        # `layer_types` keeps vLLM's EngineArgs from copying the window into CacheConfig.sliding_window, which
-        # it does only for models without per-layer types (all layers sliding)
-        cfg.update({"sliding_window": sliding_window, "layer_types": hybrid_layer_types(num_layers, full_every)})
+                             f"2 layers (1 with full_every=0) and no MLA (num_layers={num_layers}, mla={mla})")
+        types = hybrid_layer_types(num_layers, full_every)  # validates full_every
+        cfg["sliding_window"] = sliding_window
+        if full_every:
+            # `layer_types` keeps vLLM's EngineArgs from copying the window into CacheConfig.sliding_window,
+            # which it does only for models without per-layer types (or all of them sliding)
+            cfg["layer_types"] = types
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

@@ -22,11 +22,16 @@ recomputes from the failure, so the read is counted in `discarded_wrong_reads` i
 checked from 0 again). Outputs are checkable with `emu_model.expected_output`.
 
 A model whose config declares `sliding_window` and `layer_types` (`emu_model.write_model_dir(sliding_window=W)`)
-is a gpt-oss-like hybrid: even layers report a `SlidingWindowSpec`, odd layers a `FullAttentionSpec`, and with
-vLLM's hybrid KV cache manager on there are two KV cache groups, each with its own block table (vLLM's
-`block_ids` carry one list per group). Each layer writes and reads through its group's table; a
-sliding-window layer reads only the last W positions, [start - W + 1, start), since vLLM puts its null block
-(block 0) below the window and frees and reuses the blocks it replaces.
+is a gpt-oss-like (or Gemma-3-like) hybrid: the sliding layers report a `SlidingWindowSpec`, the full ones a
+`FullAttentionSpec`, and with vLLM's hybrid KV cache manager on there are several KV cache groups, each with
+its own block table (vLLM's `block_ids` carry one list per group). A config that declares `sliding_window`
+without `layer_types` (`write_model_dir(sliding_window=W, full_every=0)`, as Mistral-7B-v0.1's does) is a
+uniform sliding-window model: vLLM's EngineArgs copies the window into `CacheConfig.sliding_window`, which
+every layer takes (as vLLM's `Attention` does without a per-layer window), every layer reports a
+`SlidingWindowSpec`, and vLLM plans one KV cache group managed by its sliding-window manager. Each layer writes
+and reads through its group's table; a sliding-window layer reads only the last W positions,
+[start - W + 1, start), since vLLM puts its null block (block 0) below the window and frees and reuses the
+blocks it replaces.
 
 Per-request state follows `GPUModelRunner._update_states`: new requests, cached/resumed requests (block
 ids appended, or replaced on resumption), `num_computed_tokens`, output tokens trimmed to the scheduler's
@@ -94,20 +99,30 @@ class EmuWorkerError(RuntimeError):
     invariants, e.g. a position being computed in the null block)."""
 
 
-def hybrid_window(model_config: Any, num_layers: int) -> tuple[int, int] | None:
-    """(sliding window, full_every) of a hybrid config (`sliding_window` + `layer_types`, every
-    ``full_every``-th layer full attention: `emu_model.hybrid_layer_types`), or None for a model whose layers
-    all attend to everything. Another pattern is refused: the stand-in's specs
-    (`testbed.kvcache.attention_specs`) would not match the config."""
+def hybrid_window(model_config: Any, num_layers: int, cache_config: Any = None) -> tuple[int, int] | None:
+    """(sliding window, full_every) of a sliding-window config, or None for a model whose layers all attend to
+    everything. A hybrid (`sliding_window` + `layer_types`, every ``full_every``-th layer full attention:
+    `emu_model.hybrid_layer_types`) gives its ``full_every`` >= 2. A config without `layer_types`, or with every
+    layer "sliding_attention", is a uniform sliding-window model (Mistral-like): ``full_every`` 0, its window
+    the one each of vLLM's `Attention` layers would take, ``cache_config.sliding_window`` (EngineArgs copies the
+    model's there for such a model; it must agree with the model's). Another pattern is refused: the
+    stand-in's specs (`testbed.kvcache.attention_specs`) would not match the config."""
     window = model_config.get_sliding_window()
     if window is None:
         return None
-    types = list(getattr(model_config.hf_text_config, "layer_types", None) or [])
+    types = getattr(model_config.hf_text_config, "layer_types", None)
+    if types is None or list(types) == hybrid_layer_types(num_layers, 0):
+        layer_window = getattr(cache_config, "sliding_window", None) if cache_config is not None else window
+        if layer_window != window:
+            raise EmuWorkerError(f"EmuWorker: every layer sliding, the model's window {window} but "
+                                 f"cache_config.sliding_window={layer_window} (what vLLM's layers take)")
+        return int(window), 0
+    types = list(types)
     for every in range(2, num_layers + 1):
         if types == hybrid_layer_types(num_layers, every):
             return int(window), every
     raise EmuWorkerError(f"EmuWorker: sliding_window={window} with layer_types={types}; the stand-in emulates "
-                         f"every k-th layer full attention, the others sliding (k >= 2)")
+                         f"every k-th layer full attention, the others sliding (k >= 2), or every layer sliding")
 
 
 def _rpc(fn: Callable[..., _R]) -> Callable[..., _R]:
@@ -179,12 +194,12 @@ class EmuWorker(WorkerBase):
         # chunk writes the state after its last token into the block vLLM's align mode keeps it in
         self.mamba = getattr(mc.hf_config, "model_type", None) == "jamba"
         self.layer_names = mamba_layer_names(mc.hf_config) if self.mamba else layer_names(self.num_layers)
-        # a hybrid (every full_every-th layer full attention, the others sliding window); None: every layer
-        # full attention
-        hybrid = hybrid_window(mc, self.num_layers)
+        # a sliding-window model (every full_every-th layer full attention, the others sliding window; 0:
+        # every layer sliding); None: every layer full attention
+        hybrid = hybrid_window(mc, self.num_layers, self.cache_config)
         self.sliding_window, self.full_every = hybrid if hybrid is not None else (None, 2)
         if self.sliding_window is not None and mc.use_mla:
-            raise EmuWorkerError("EmuWorker: a sliding-window hybrid with MLA is not emulated")
+            raise EmuWorkerError("EmuWorker: a sliding-window model with MLA is not emulated")
         self.content = KVContent(self.num_kv_heads, self.head_size,
                                  total_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads())
         # MLA: one latent of head_size per token (no K/V halves), the same on every TP rank
@@ -299,8 +314,9 @@ class EmuWorker(WorkerBase):
         self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
         groups = kv_cache_config.kv_cache_groups
         self.group_of_layer = {n: g for g, grp in enumerate(groups) for n in grp.layer_names}
-        # with the hybrid manager off vLLM merges sliding-window layers into full attention (one group): the
-        # stand-in then checks every earlier position, which the merged table still holds
+        # with the hybrid manager off vLLM merges a hybrid's sliding-window layers into full attention (one
+        # group): the stand-in then checks every earlier position, which the merged table still holds (a
+        # uniform sliding-window model stays one SlidingWindowSpec group either way)
         self.window_of_group = [grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec)
                                 else None for grp in groups]
         self.group_specs = [type(grp.kv_cache_spec).__name__ for grp in groups]

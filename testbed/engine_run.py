@@ -16,10 +16,13 @@ The spec (all keys but `workdir` and `prompts` optional):
     num_layers, num_kv_heads (all ranks), head_size      the tiny model (default 2, 2, 8)
     kv_kind        "per_rank" (default: the Llama model above), "replicated" (one KV head, which vLLM replicates
                    on every TP rank) or "mla" (a DeepSeek-V2 model: one latent of head_size per token)
-    sliding_window a hybrid (not with "mla"): the config declares this window for its sliding layers and full
-                   attention for every `full_every`-th layer (default 2: gpt-oss-like, alternating; 6: Gemma-3-
-                   like), the worker reports SlidingWindowSpec / FullAttentionSpec, and with vLLM's hybrid KV
-                   cache manager on there are several KV cache groups (default: none)
+    sliding_window a sliding-window model (not with "mla"): the config declares this window for its sliding
+                   layers and full attention for every `full_every`-th layer (default 2: gpt-oss-like,
+                   alternating; 6: Gemma-3-like), the worker reports SlidingWindowSpec / FullAttentionSpec, and
+                   with vLLM's hybrid KV cache manager on there are several KV cache groups (default: none).
+                   `full_every` 0: no full-attention layer, every layer sliding window (Mistral-like: the config
+                   declares `sliding_window` without `layer_types`, vLLM copies it into
+                   CacheConfig.sliding_window and plans one SlidingWindowSpec group)
     mamba          a Jamba-like Mamba hybrid (`emu_model.write_jamba_dir`, Mamba in vLLM's "align" mode): the worker
                    aligns the block size and reports MambaSpec / FullAttentionSpec (two KV cache groups)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)

@@ -38,12 +38,16 @@ the same forward and KV checks, no store) or "upstream" (vLLM's own MooncakeStor
 master, testbed/upstream.py: `store_config` gives it the master's addresses and sizes, `extra` its
 extra config; `check_store` is ours only). bench.scheduler runs the three on the same workloads.
 
-`sliding_window=W` (connector "none" or "ours"): a hybrid stand-in, every `full_every`-th layer attends to all
-tokens and the others to the last W (`full_every` 2: gpt-oss-like, two KV cache groups; 6: Gemma-3-like, five
-sliding layers to one full). vLLM plans the KV cache groups and its hybrid KV cache manager runs
+`sliding_window=W` (connector "none" or "ours"): a sliding-window stand-in, every `full_every`-th layer attends to
+all tokens and the others to the last W (`full_every` 2: gpt-oss-like, two KV cache groups; 6: Gemma-3-like, five
+sliding layers to one full; 0: no full-attention layer, every layer sliding window, a Mistral-like model: one KV
+cache group with a `SlidingWindowSpec`, managed by vLLM's sliding-window manager, and the model config declares
+the window as Mistral-7B-v0.1's does, copied into `CacheConfig.sliding_window` as vLLM's EngineArgs would).
+vLLM plans the KV cache groups and its hybrid KV cache manager runs, as in the real engine on the CPU platform
 (the in-process platform is told it supports it: a labelled test double, `_hybrid_kv_platform`). Every
 layer reads and writes through its own group's block table; a sliding-window layer is checked only over
-the positions its attention reads (vLLM frees and reuses the blocks of older ones).
+the positions its attention reads (vLLM frees and reuses the blocks of older ones and puts its null block in
+their place).
 """
 from __future__ import annotations
 
@@ -171,8 +175,8 @@ class Harness:
         if connector not in ("ours", "upstream", "none"):
             raise ValueError(f"Harness connector={connector!r}: must be 'ours', 'upstream' or 'none'")
         self.connector_kind = connector
-        # sliding_window: a hybrid stand-in, every full_every-th layer full attention and the others sliding
-        # window (this many tokens), with vLLM's hybrid KV cache manager on
+        # sliding_window: every full_every-th layer full attention and the others sliding window (this many
+        # tokens; full_every=0: every layer, one KV cache group), with vLLM's hybrid KV cache manager on
         if sliding_window is not None:
             if connector == "upstream":
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: not with connector='upstream' "
@@ -181,10 +185,16 @@ class Harness:
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: not with kv_kind='mla'")
             if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: must be a token count >= 1")
-            if num_layers < 2:
+            if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every == 1 or full_every < 0:
+                raise ValueError(f"Harness full_every={full_every!r}: must be 0 (no full-attention layer) or >= 2")
+            if num_layers < (1 if full_every == 0 else 2):
                 raise ValueError(f"Harness sliding_window={sliding_window!r}: needs num_layers >= 2 "
-                                 f"(got {num_layers}): one sliding-window and one full-attention layer")
+                                 f"(got {num_layers}): one sliding-window and one full-attention layer "
+                                 f"(full_every=0: every layer sliding, one is enough)")
         self.sliding_window = sliding_window
+        # every layer sliding window (Mistral-like): vLLM plans one KV cache group, a SlidingWindowSpec
+        self.uniform_sliding = sliding_window is not None and full_every == 0
+        self.full_every = full_every
         # mamba: a Jamba-like hybrid (Mamba mixers and attention layers alternating), Mamba in vLLM's "align"
         # mode; vLLM aligns the block size to one page size for both (``block_size`` may grow)
         if mamba and (sliding_window is not None or kv_kind != "per_rank" or connector == "upstream"):
@@ -219,7 +229,11 @@ class Harness:
                                         # one model at every TP size up to 8 (the TP-shared layout's tests
                                         # compare engines of different sizes)
                                         num_attention_heads=8 if kv_kind != "per_rank" else None,
-                                        head_size=head_size, mla=kv_kind == "mla")
+                                        head_size=head_size, mla=kv_kind == "mla",
+                                        # the uniform case declares its window as Mistral's config does; a
+                                        # hybrid's specs come from `attention_specs` alone (unchanged)
+                                        **({"sliding_window": sliding_window, "full_every": 0}
+                                           if self.uniform_sliding else {}))
         upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
         if connector == "ours" and "trace_path" not in extra and Harness.runlog_dir is not None:
@@ -239,7 +253,14 @@ class Harness:
         self.rested = False  # check_at_rest() found nothing (the log must then end at rest too)
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
                          seed=0, max_model_len=max_model_len)
-        cache_extra = {"mamba_cache_mode": "align"} if mamba else {}
+        cache_extra: dict[str, Any] = {"mamba_cache_mode": "align"} if mamba else {}
+        if self.uniform_sliding:
+            # what vLLM's EngineArgs.create_engine_config does for a model whose layers are all sliding window
+            # (no `layer_types`): the window goes to CacheConfig.sliding_window, which each Attention layer takes
+            if mc.get_sliding_window() != sliding_window:
+                raise HarnessSetupError(f"Harness sliding_window={sliding_window}, full_every=0: vLLM's ModelConfig "
+                                        f"reads the stand-in's window as {mc.get_sliding_window()!r}")
+            cache_extra["sliding_window"] = mc.get_sliding_window()
         with _hybrid_kv_platform() if hybrid else contextlib.nullcontext():
             self.vllm_config = VllmConfig(
                 model_config=mc,
@@ -276,7 +297,13 @@ class Harness:
         self.window_of_group: list[int | None] = [
             grp.kv_cache_spec.sliding_window if isinstance(grp.kv_cache_spec, SlidingWindowSpec) else None
             for grp in groups]
-        if sliding_window is not None and {w is None for w in self.window_of_group} != {False, True}:
+        if self.uniform_sliding and self.window_of_group != [sliding_window]:
+            kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+            raise HarnessSetupError(f"Harness sliding_window={sliding_window}, full_every=0: vLLM planned "
+                                    f"{len(groups)} KV cache groups {kinds} (windows {self.window_of_group}), "
+                                    f"expected one SlidingWindowSpec group of window {sliding_window}")
+        if (sliding_window is not None and not self.uniform_sliding
+                and {w is None for w in self.window_of_group} != {False, True}):
             kinds = [type(g.kv_cache_spec).__name__ for g in groups]
             raise HarnessSetupError(f"Harness sliding_window={sliding_window}: vLLM planned {len(groups)} KV cache "
                                     f"groups {kinds}, expected sliding-window groups and full-attention groups")

@@ -45,8 +45,9 @@ def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head
                     cache_dtype_str: str | None = None,
                     sliding_window: int | None = None, full_every: int = 2) -> dict[str, KVCacheSpec]:
     """The per-layer specs a model's attention layers report (`get_kv_cache_spec`). ``sliding_window``:
-    a hybrid, every ``full_every``-th layer full attention and the others attending to the last
-    ``sliding_window`` tokens (`SlidingWindowSpec`; `emu_model.hybrid_layer_types`)."""
+    every ``full_every``-th layer full attention and the others attending to the last ``sliding_window``
+    tokens (`SlidingWindowSpec`; `emu_model.hybrid_layer_types`); ``full_every=0``: every layer sliding window
+    (a Mistral-like model, one KV cache group)."""
     if mla:
         if sliding_window is not None:
             raise ValueError("attention_specs: sliding_window is not supported with mla")
@@ -57,9 +58,9 @@ def attention_specs(num_layers: int, *, block_size: int, num_kv_heads: int, head
                                  dtype=dtype)
     if sliding_window is None:
         return {n: spec for n in layer_names(num_layers)}
-    if sliding_window < 1 or num_layers < 2:
+    if sliding_window < 1 or num_layers < (1 if full_every == 0 else 2):
         raise ValueError(f"attention_specs sliding_window={sliding_window!r}, num_layers={num_layers!r}: "
-                         "need a window >= 1 and at least 2 layers (one sliding, one full)")
+                         "need a window >= 1 and at least 2 layers (one sliding, one full; 1 with full_every=0)")
     sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
                            sliding_window=sliding_window)
     types = hybrid_layer_types(num_layers, full_every)

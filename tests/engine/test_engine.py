@@ -24,7 +24,8 @@ small enough that vLLM preempts and the same request ids added again after they 
 faults injected (`FaultyEmuWorker`: a FAULT-INJECTION TEST DOUBLE around the real store) under both
 `kv_load_failure_policy` values; TP=1 with the Mooncake master killed and restarted between passes; a
 gpt-oss-like hybrid model (sliding-window and full-attention KV cache groups, vLLM's hybrid KV cache manager
-on) at TP=1 in-process (with preemptions and reused request ids) and at TP=2 with worker processes.
+on) at TP=1 in-process (with preemptions and reused request ids) and at TP=2 with worker processes; a
+Mistral-like model whose every layer has one sliding window (one SlidingWindowSpec group) at TP=1 in-process.
 """
 from __future__ import annotations
 
@@ -668,6 +669,33 @@ def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
             "no preemption happened: that part of the scenario is void"
         ids = [f"req-{i}" for i in range(len(HYBRID_PROMPTS))]
         assert [ps["request_ids"] for ps in res["passes"]] == [ids, ids]
+
+
+#: a Mistral-like model: every layer attends to the last UNIFORM_WINDOW tokens (`full_every` 0), one KV cache group
+UNIFORM_WINDOW = 64
+UNIFORM_GROUPS = [{"spec": "SlidingWindowSpec", "sliding_window": UNIFORM_WINDOW, "layers": [0, 1]}]
+
+
+def test_tp1_uniform_sliding_window_engine_loads_its_one_group_from_the_store(
+        mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
+    """A model whose every layer has the same sliding window (Mistral-7B-v0.1-like: the config declares
+    `sliding_window` without `layer_types`, vLLM copies it into CacheConfig.sliding_window) in the real engine,
+    TP=1 in-process: vLLM plans ONE KV cache group with a SlidingWindowSpec, run by its sliding-window
+    manager, which puts its null block in the table wherever a block left the window (a connector that takes
+    the lone group for full attention pins and loads into the null block and crashes at the first store hit).
+    The 300-token prompts
+    are longer than the 64-token window; pass 2 (after reset_prefix_cache) loads from the store, every prompt
+    from at least its 256-token shared prefix; each layer checks the positions its attention reads; outputs
+    are the model's; nothing is left held. The cheapest run that shows it (2 layers, 6 tokens generated)."""
+    trace = tmp_path / "trace.ndjson"
+    res = run_engine(_hybrid_spec(tmp_path, tp=1, mp=0, connector=_connector(mooncake, trace),
+                                  sliding_window=UNIFORM_WINDOW, full_every=0, num_layers=2, num_blocks=64),
+                     timeout_s=180, name="tp1-uniform-sliding")
+    w = res["workers"][0]
+    print(f"tp1 uniform sliding window: start-up {res['startup_s']}s, total {res['total_s']}s, "
+          f"metrics {res['metrics']}, cached {[ps['num_cached_tokens'] for ps in res['passes']]}, "
+          f"counts {w['counts']}, connector {w['connector']}")
+    _check_hybrid_run(res, tp=1, trace=trace, groups=UNIFORM_GROUPS)  # HMA on, the one group, hits, at rest
 
 
 #: the KV cache groups vLLM plans for the Jamba-like stand-in (4 layers: Mamba mixers 0 and 2, attention 1 and 3)
