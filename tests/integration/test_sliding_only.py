@@ -2,8 +2,8 @@
 vLLM 0.32's real Scheduler, a real Mooncake master, the harness's uniform sliding-window stand-in
 (`Harness(sliding_window=W, full_every=0)`: 2 layers, window 64, block 16). vLLM plans ONE KV cache group with a
 `SlidingWindowSpec` and manages it with its sliding-window manager (`UnitaryKVCacheCoordinator`), which puts its
-null block (block 0) in a request's table in place of the blocks that left the window (issue 38: the connector
-once took such a lone group for full attention and crashed at the first store hit).
+null block (block 0) in a request's table in place of the blocks that left the window (a connector that takes
+such a lone group for full attention pins and loads into the null block and crashes at the first store hit).
 
 The stand-in checks every position each layer's attention reads (the last W), so a wrong byte loaded is
 garbage (S7, `h.garbage`); `check_store` reads every stored key back against the model's KV (S1).
