@@ -87,8 +87,10 @@ class SchedulerSide(SchedulerSteps):
         except Exception as e:  # its lookups then answer from a fresh state, or miss
             self._hook_error("on_new_request", e)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
+            if self.requeue_after_failed_load(request):
+                return None, False  # vLLM skips it this step: out of its queue of KV-holding requests
             ext = self.lookup(request, num_computed_tokens)
             return (ext, self.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
         except Exception as e:  # a cache miss

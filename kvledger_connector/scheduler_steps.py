@@ -189,6 +189,7 @@ class _RequestState:
     load_dest: tuple[int, ...] = ()  # the destination blocks of its latest load ...
     load_first: int = 0  # ... the first of them being table block `load_first`
     load_failed_at: int | None = None  # the first block a load of this request failed on: lookups stop there
+    requeue: bool = False  # an async load of it failed under "recompute": its next lookup answers "not yet" once
     # a deferred job's blocks that vLLM may give back before its retry (a Mamba group's offered states, a
     # sliding-window group's blocks): (group, block position) -> (block id, vLLM's prefix-cache record of
     # the block then); at most one per such group and block of the request (this generation)
@@ -202,6 +203,7 @@ class _RequestState:
         self.lookup = None
         self.loaded_blocks = 0
         self.loaded_tail = self.load_pending = self.prompt_saved = False
+        self.requeue = False
 
 
 class _RequestTable:
@@ -398,6 +400,7 @@ class SchedulerSteps:
         self.num_tail_saves = 0  # store jobs that carried a partial tail
         self.num_tail_hits = 0  # lookups answered with a partial tail
         self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
+        self.num_failed_load_requeues = 0  # lookups answered "not yet" after a failed load (requeue_after_failed_load)
         self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
         self.num_refused_loads = 0  # loads `emit_load` could not plan, reported failed (`refuse_load`)
         # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
@@ -432,6 +435,23 @@ class SchedulerSteps:
         return tail
 
     # ------------------------------------------------------------------ Lookup
+    def requeue_after_failed_load(self, request: RequestLike) -> bool:
+        """Whether this lookup must answer "not known yet" (vLLM: ``None``, the request is skipped for this
+        step), once after an async load of the request failed under ``recompute``. vLLM (0.32, 0.33) then
+        frees every block of a request whose load failed as a whole (several KV cache groups; a failure at the
+        hit's first block) but leaves it at the head of its queue of requests holding KV blocks
+        (``kv_holding_waiting``), where it must now fit its whole prompt: when it does not, ``schedule()``
+        stops there every step and never reaches the parked requests behind it whose blocks it would need,
+        though their loads finished (running 0: a stall). Skipped without blocks, vLLM moves it to its
+        ``waiting`` queue, so the parked requests behind it are promoted and go on."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not self._reqs.current(st).requeue:
+            return False
+        st.requeue = False
+        self.num_failed_load_requeues += 1
+        self.stats.add("failed_load_requeues")
+        return True
+
     def lookup(self, request: RequestLike, num_computed_tokens: int) -> int:
         """Lookup: tokens beyond ``num_computed_tokens`` that the store holds for every shard (block aligned
         unless a partial tail hits; never the whole prompt: vLLM must compute at least one token). Same
@@ -926,6 +946,7 @@ class SchedulerSteps:
             if st is not None and st.load_dest:
                 at = st.load_first
                 st.load_failed_at = at if st.load_failed_at is None else min(st.load_failed_at, at)
+                st.requeue = self.kv_load_failure_policy == "recompute"
 
     def note_load_errors(self, invalid_block_ids: Iterable[int] | None) -> None:
         """The blocks vLLM is told failed to load this step (before the loads' pins are collected): each
@@ -945,6 +966,7 @@ class SchedulerSteps:
                 continue  # a load of an earlier request under a reused id
             i = st.load_first + st.load_dest.index(b)
             st.load_failed_at = i if st.load_failed_at is None else min(st.load_failed_at, i)
+            st.requeue = self.kv_load_failure_policy == "recompute"
 
     def _note_load_outcomes(self, req_ids: Iterable[str]) -> None:
         """Each load released by this report counts once in the recent outcomes (`loads_mostly_fail`)."""

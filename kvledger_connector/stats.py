@@ -64,6 +64,7 @@ COUNTERS = (
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "tail_saves", "deferrals", "saves_dropped", "kept_blocks", "expired_kept_blocks",
+    "failed_load_requeues",
     "hook_errors", "save_errors", "refused_loads",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
     "loads", "rejected_loads", "load_errors_reported",

@@ -460,3 +460,90 @@ def run_pass_with_a_failed_get(h: Any, prompts: list[list[int]], max_tokens: int
     steps.store = faulty
     h.run_pass(prompts, max_tokens, tag=tag)
     return faulty
+
+
+@dataclass
+class TamperLog:
+    """What `run_pass_with_a_tampered_store` did: per round, the harness step it ran in, the keys it overwrote
+    and the async loads that step had just parked (pinned, not started)."""
+
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (step, keys overwritten, loads parked)
+
+    @property
+    def keys_overwritten(self) -> int:
+        return sum(n for _, n, _ in self.rounds)
+
+
+def stored_keys_of_requests(h: Any, parts: frozenset[int] | None = None) -> list[str]:
+    """Every key the store may hold for the requests a `testbed.harness.Harness` has seen: each full block's
+    (and, with ``save_partial_tail``, each prompt's partial tail's) key of every rank, KV cache group and
+    part (only the parts in ``parts``, indexes into a rank's key builders, when given), in a stable order,
+    each once."""
+    from kvledger_connector.keys import partial_tail_hash
+    bs = h.block_size
+    tails = h.scheduler_connector.scheduler_side.save_partial_tail
+    out: dict[str, None] = {}
+    for req in h.requests.values():
+        hashes = list(req.block_hashes)
+        k, r = divmod(req.num_prompt_tokens, bs)
+        if tails and r >= 2 and 1 <= k <= len(hashes):
+            hashes.append(partial_tail_hash(hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r]))
+        for w in h.workers:
+            for part, kb in enumerate(w.worker_side.steps.group_keys):
+                if parts is None or part in parts:
+                    out.update(dict.fromkeys(kb.keys(hashes)))
+    return list(out)
+
+
+def run_pass_with_a_tampered_store(h: Any, prompts: list[list[int]], max_tokens: int, tag: str, *,
+                                   rounds: int = 4, seed: int = 0, check_outputs: bool = True,
+                                   parts: frozenset[int] | None = None) -> TamperLog:
+    """FAULT INJECTION: a pass of `testbed.harness.Harness` in which another store client (the harness's
+    checker) overwrites EVERY stored value of the requests seen with same-size random bytes (remove, then
+    put: the store is first-writer-wins), at the first ``rounds`` steps that park a request in
+    WAITING_FOR_REMOTE_KVS: right after that step's ``schedule()`` (the lookup found the keys, the load is
+    pinned) and before any rank starts a load, so every load that step parked reads forged bytes. Which steps
+    it hits and what it writes are deterministic (``seed``); a put a rank has in flight at a round may land
+    before or after it. With ``check_outputs`` the pass is `Harness.run_pass` (outputs, S7 and rest checked),
+    else the requests only run to the end (policy "fail" ends some with an error: the caller checks).
+    ``parts``: forge only these parts of each block (`stored_keys_of_requests`; a block stored as several keys,
+    e.g. the TP-shared layout's head shards). Returns what it did. The integrity tag (the default) turns every
+    forged object a load reads into a load error (and removes it)."""
+    import torch
+    store = h.checker()
+    size = h.workers[0].worker_side.steps.key_bytes
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.empty(size, dtype=torch.uint8)
+    store.register_buffer(buf.data_ptr(), size)
+    h._tamper_buf = buf  # registered with the store: kept alive with the harness
+    log = TamperLog()
+    schedule = h.scheduler.schedule
+
+    def tamper() -> int:
+        buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+        keys = stored_keys_of_requests(h, parts)
+        present = [k for k, c in zip(keys, store.batch_is_exist(keys)) if c == 1]
+        for k in present:
+            store.remove(k, True)
+        res = store.batch_put(present, [[buf.data_ptr()]] * len(present), [[size]] * len(present))
+        return sum(1 for c in res if c == 0)
+
+    def schedule_then_tamper() -> Any:
+        out = schedule()
+        meta = out.kv_connector_metadata
+        parked = sum(1 for s in meta.loads if not s.sync) if meta is not None else 0
+        if parked and len(log.rounds) < rounds:
+            log.rounds.append((h.stats.steps + 1, tamper(), parked))
+        return out
+
+    h.scheduler.schedule = schedule_then_tamper  # on the instance: the class's again below
+    try:
+        if check_outputs:
+            h.run_pass(prompts, max_tokens, tag=tag)
+        else:
+            for i, p in enumerate(prompts):
+                h.add_request(f"{tag}-{i}", p, max_tokens)
+            h.run()
+    finally:
+        del h.scheduler.schedule
+    return log
