@@ -18,6 +18,7 @@ from vllm.v1.core.block_pool import BlockPool
 
 from conformance.kvdriver import DriverRequest
 from conformance.kvprobes import ProbeStore, check
+from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
@@ -430,6 +431,74 @@ def probe_sliding_window_saves_only_reachable_blocks() -> None:
           f"the job sends {job.block_ids}")
 
 
+def _lone_sliding() -> Sched:
+    """One KV cache group with a 2-block sliding window (a Mistral-like model): its table holds vLLM's null
+    block below the window, as a hybrid's sliding group's does."""
+    kb = KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BS, dtype="torch.float32",
+                              kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8,
+                              extra=(("group", "0"), ("window", str(2 * BS)))))
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=32, first_job_id=1)
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[kb], store=ProbeStore(), max_pinned_blocks=32)
+    steps.bind_ledger(led)
+    return Sched(steps, led, pool, steps.store, {})
+
+
+def probe_a_lone_sliding_group_never_pins_or_loads_the_null_block() -> None:
+    """A sliding-window group alone is served by a hybrid's sliding-group rules: a hit's load fills only the
+    blocks vLLM allocated in the window (its table's null blocks are nothing to pin or load), asynchronously
+    (a failed one is reported per request)."""
+    s = _lone_sliding()
+    req = Req("a", 4 * BS + 1)
+    s.steps.on_new_request(req)
+    s.stored(req, 4)
+    n = s.steps.lookup(req, 0)
+    check(n == 4 * BS, f"the lookup answered {n} tokens, the store holds a hit of {4 * BS}")
+    table = [0, 0] + [b.block_id for b in s.pool.get_new_blocks(3)]  # vLLM: null below the window
+    try:
+        spec = s.steps.emit_load(req, table, n)
+    except LedgerInputError as e:
+        check(False, f"the load of a lone sliding group's hit was refused: {e}")
+        return
+    check(spec is not None and 0 not in spec.block_ids and list(spec.block_ids) == table[2:4],
+          f"the load writes {spec and spec.block_ids} of the table {table}")
+    check(spec is not None and not spec.sync, "a lone sliding group's load ran sync (failed by block)")
+
+
+def probe_a_failed_load_is_requeued_once_under_recompute() -> None:
+    """Under "recompute" a request whose async load failed answers its next lookup "not yet" once (vLLM then
+    moves it out of the head of its queue of KV-holding requests, where it would stall the loads parked
+    behind it); under "fail" never (vLLM ends the request)."""
+    for policy in ("recompute", "fail"):
+        s = sched(policy=policy)
+        req = Req("a", 3 * BS + 1)
+        s.steps.on_new_request(req)
+        s.stored(req, 2)
+        n = s.steps.lookup(req, 0)
+        spec = s.steps.emit_load(req, s.alloc("a", 4), n)
+        check(spec is not None, "no load for a stored hit")
+        s.steps.note_load_errors({spec.block_ids[0]} if spec is not None else set())
+        want = policy == "recompute"
+        got = [s.steps.requeue_after_failed_load(req), s.steps.requeue_after_failed_load(req)]
+        check(got == [want, False], f"under {policy!r} the next two lookups requeued {got}")
+
+
+def probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed() -> None:
+    """A load `emit_load` could not plan is pinned on the hit's blocks and sent refused: every rank reports it
+    failed (its request neither waits for ever nor computes on blocks never loaded)."""
+    s = sched()
+    req = Req("a", 3 * BS + 1)
+    s.steps.on_new_request(req)
+    s.stored(req, 2)
+    n = s.steps.lookup(req, 0)
+    table = s.alloc("a", 4)
+    spec = s.steps.refuse_load(req, table, n, "a table vLLM would not hand over")
+    check(spec is not None and bool(spec.refused) and list(spec.block_ids) == table[:2],
+          f"the refused load is {spec}")
+    check(s.ledger.has_pinned_load("a"), "the refused load holds no pin (its report would find none)")
+    check([x.req_id for x in s.steps.take_loads()] == ["a"], "the refused load never reaches the ranks")
+
+
 PROBES: list[Callable[[], None]] = [
     probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
@@ -441,6 +510,8 @@ PROBES: list[Callable[[], None]] = [
     probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
     probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
     probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it,
+    probe_a_lone_sliding_group_never_pins_or_loads_the_null_block, probe_a_failed_load_is_requeued_once_under_recompute,
+    probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed,
 ]
 
 
@@ -607,6 +678,26 @@ def _sliding_saves_every_block(orig):  # a sliding-window group saves every bloc
     return _reachable_rows
 
 
+def _lone_group_as_full_attention(orig):  # one KV cache group is taken for full attention, whatever its window
+    def emit_load(self, request, block_ids, num_external_tokens):
+        self.dense_table = self.num_groups == 1
+        return orig(self, request, block_ids, num_external_tokens)
+    return emit_load
+
+
+def _failed_load_never_requeued(orig):  # a request whose load failed stays where vLLM left it
+    def requeue_after_failed_load(self, request):
+        return False
+    return requeue_after_failed_load
+
+
+def _refused_load_dropped(orig):  # a load that cannot be planned is only logged: nothing pinned, nothing sent
+    def refuse_load(self, request, block_ids, num_external_tokens, reason):
+        self.errors.append(reason)
+        return None
+    return refuse_load
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
@@ -628,6 +719,9 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_sliding_saves_every_block": [(SchedulerSteps, "_reachable_rows", _sliding_saves_every_block)],
     "sched_kept_block_unchecked": [(SchedulerSteps, "_with_kept_blocks", _kept_block_unchecked)],
     "sched_deferral_keeps_no_block": [(SchedulerSteps, "_keep_blocks", _deferral_keeps_no_block)],
+    "sched_lone_group_as_full_attention": [(SchedulerSteps, "emit_load", _lone_group_as_full_attention)],
+    "sched_failed_load_never_requeued": [(SchedulerSteps, "requeue_after_failed_load", _failed_load_never_requeued)],
+    "sched_refused_load_dropped": [(SchedulerSteps, "refuse_load", _refused_load_dropped)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -642,4 +736,6 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_a_mamba_hit_needs_only_the_state_at_its_end, probe_sliding_window_saves_only_reachable_blocks,
     probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
     probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
+    probe_a_lone_sliding_group_never_pins_or_loads_the_null_block, probe_a_failed_load_is_requeued_once_under_recompute,
+    probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed,
 ]))

@@ -14,6 +14,8 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                never be admitted),
                kept_blocks (blocks vLLM gave back while their job was deferred, saved from its prefix cache:
                Mamba states, sliding-window blocks), expired_kept_blocks (not saved: evicted first),
+               failed_load_requeues (a request whose async load failed under recompute skipped once, so vLLM
+               moves it out of the head of its KV-holding queue),
                hook_errors (an input a scheduler hook could not serve: logged, never raised into vLLM),
                save_errors (a request's save given up on such an input), refused_loads (a load that could
                not be planned, reported failed)
