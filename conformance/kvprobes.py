@@ -1,7 +1,9 @@
 """Probes: small deterministic scenarios on the connector's own step functions (kvledger_connector/jobs.py)
 and the ledgers, for what the model's behaviours cannot show: a batch where only some keys fail, a short
 read, a load rotated on rank 1, an exception outside a store call, a copy-on-write tail pin, reports of
-two ranks merged in one step, the exact pin-cap boundary, an aborted request's blocks under its load.
+two ranks merged in one step, the exact pin-cap boundary, an aborted request's blocks under its load, a
+block of several keys (the TP-shared layout) cut short between them, a rank of two KV cache groups resuming
+over blocks vLLM freed (`SentBlocks`' null_before), the removal of an object that failed its integrity tag.
 Each probe raises :class:`ProbeFailed` naming what it saw; the mutant table (conformance/mutants.py) runs
 them under every mutant, and tests/unit/test_jobs.py runs them unmutated. A probe that raises anything
 else crashed: no named check failed (:func:`run_probes` tells the two apart).
@@ -26,7 +28,7 @@ from kvledger.load import LoadLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.jobs import WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.metadata import KVLedgerWorkerMetadata
+from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 
 KEY_BYTES = 64  # one key's object in the probes
 BLOCK_SIZE = 16  # tokens per block
@@ -55,6 +57,7 @@ class ProbeStore:
         self.put_codes: dict[str, int] = {}
         self.get_codes: dict[str, int] = {}
         self.raises: set[str] = set()
+        self.leased: set[str] = set()  # keys a reader holds a lease on (remove without force refused)
         self.calls: list[tuple[str, list[str]]] = []
 
     def _enter(self, fn: str, keys: Sequence[str]) -> None:
@@ -75,6 +78,16 @@ class ProbeStore:
                 self.data.setdefault(k, self.mem[p[0]])
             out.append(code)
         return out
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0 removed, -704 missing, -706 leased (a reader holds it: only ``force`` removes it)."""
+        self._enter("remove", [key])
+        if key not in self.data:
+            return -704
+        if key in self.leased and not force:
+            return -706
+        del self.data[key]
+        return 0
 
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Any) -> list[int]:
         self._enter("batch_get", keys)
@@ -321,6 +334,128 @@ def probe_reports_of_two_ranks_merge() -> None:
     check(again == [{}, {}], f"reports taken twice: {again}")
 
 
+def _layout(**kw: Any) -> KeyLayout:
+    return KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, dtype="torch.float32",
+                     kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, **kw)
+
+
+def parts_rank(store: ProbeStore, layouts: Sequence[KeyLayout], part_groups: Sequence[int] | None = None,
+               sub_batch: int = 2, reads: list[tuple[int, int]] | None = None) -> WorkerSteps:
+    """A rank whose block is several keys, a key builder per part (a head shard of the TP-shared layout, a
+    KV cache group of a hybrid model; ``part_groups`` as WorkerSteps takes it); ``reads``: every (block id,
+    part) its buffers hand to a store call, in order."""
+    def buffers(ids: list[int], parts: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        if reads is not None:
+            reads.extend(zip(ids, parts if parts is not None else [0] * len(ids)))
+        return _buffers(ids)
+    return WorkerSteps(store=store, ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
+                       buffers=buffers, tp_rank=0, block_size=BLOCK_SIZE, key_bytes=KEY_BYTES,
+                       group_keys=[KeyBuilder(lay) for lay in layouts], part_groups=part_groups,
+                       load_sub_batch_keys=sub_batch, lock=no_lock())
+
+
+def tp_shared_rank(store: ProbeStore, sub_batch: int = 3) -> WorkerSteps:
+    """The TP-shared layout: a block is a key per head shard (2 here), one KV cache group."""
+    return parts_rank(store, [_layout(heads=(j, 2)) for j in range(2)], part_groups=[0, 0], sub_batch=sub_batch)
+
+
+def hybrid_rank(store: ProbeStore, reads: list[tuple[int, int]] | None = None) -> WorkerSteps:
+    """Two KV cache groups: 0 full attention, 1 a sliding window of 2 blocks."""
+    return parts_rank(store, [_layout(), _layout(extra=(("group", "1"), ("window", str(2 * BLOCK_SIZE))))],
+                      reads=reads)
+
+
+def probe_a_block_of_several_keys_loads_only_when_every_key_did() -> None:
+    """The TP-shared layout stores a block as a key per head shard (`LoadLedger.begin_load(keys_per_block=k)`):
+    a block is loaded only once every key of it was read whole. A load cut short between a block's keys, or
+    a later key of the block failing (in a later sub-batch or the same one), is a load error of that block."""
+    st = ProbeStore()
+    w = tp_shared_rank(st)  # sub-batches of 3 keys: block 5's two keys fall in two sub-batches
+    shard = [w.group_keys[j].keys(HASHES[:3]) for j in range(2)]
+    check(shard[0][0] != shard[1][0], f"head shards 0 and 1 share the key {shard[0][0]!r}")
+    st.data.update(dict.fromkeys(shard[0] + shard[1], 1))
+    gen = w.load_steps("r", [4, 5], HASHES[:2])
+    lid = next(gen).load_id  # EMIT_LOAD
+    next(gen)  # the first sub-batch: block 4's two keys and block 5's first
+    pend = w.pending(lid)
+    check(pend == [5], f"with 1 of block 5's 2 keys read the load's pending blocks are {pend}, expected [5]")
+    gen.close()  # cut short (abandoned) before block 5's second key
+    errs = w.take_load_errors()
+    check(errs == {5}, f"a load cut short after 1 of block 5's 2 keys reported blocks {sorted(errs)}, expected [5]")
+    check(w.take_finished_loads() == {"r"}, "the load cut short was not finished")
+    del st.data[shard[1][1]]  # block 5's second key (the second sub-batch) missing
+    st.get_codes[shard[1][2]] = KEY_BYTES // 2  # block 6's second key (the same sub-batch as its first) short
+    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    check(res.loaded == {4} and res.failed == {5, 6},
+          f"blocks whose second key failed: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}; "
+          f"expected loaded [4], failed [5, 6]")
+    errs = w.take_load_errors()
+    check(errs == {5, 6}, f"load errors reported {sorted(errs)}, expected [5, 6]")
+
+
+def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() -> None:
+    """Two KV cache groups (0 full attention, 1 a sliding window): a job's ids are group-interleaved per block
+    (`SentBlocks.resolve`: block b, group g at b * 2 + g), and a spec's `null_before` = (n0, n1) nulls
+    group g's ids of blocks below n_g that earlier specs sent (vLLM freed them since). A rank whose put
+    failed (its offset lags) resumes from block 0 and puts group 0's blocks there, never group 1's freed
+    ones."""
+    reads: list[tuple[int, int]] = []
+    st = ProbeStore()
+    w = hybrid_rank(st, reads)
+    st.mem.update({b: b for b in (11, 21, 12, 22, 13, 23)})
+    job = w.receive_save(SaveSpec("r", 1, 0, 0, 2, (11, 21, 12, 22), tuple(HASHES[:2]), num_groups=2))
+    check(job is not None and job.block_ids == (11, 21, 12, 22),
+          f"the first spec resolved to {job and job.block_ids}, expected (11, 21, 12, 22)")
+    st.put_codes[w.group_keys[1].key(HASHES[1])] = -800  # group 1's key of block 1 fails: the offset stays 0
+    assert job is not None
+    w.run_save("r", 1, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block, 2)
+    off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
+    check(off == 0, f"a put with a failed key moved the offset to {off}")
+    st.put_codes.clear()
+    reads.clear()
+    later = SaveSpec("r", 2, 0, 2, 3, (13, 23), (HASHES[2],), num_groups=2, null_before=(0, 2))
+    job = w.receive_save(later)
+    ids = job and job.block_ids
+    check(ids == (11, 0, 12, 0, 13, 23),
+          f"null_before=(0, 2) resolved the job's ids to {ids}, expected (11, 0, 12, 0, 13, 23): group 1's "
+          f"blocks 0 and 1 null, group 0's kept")
+    assert job is not None
+    w.run_save("r", 2, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block, 2)
+    freed = sorted({(21, 1), (22, 1)} & set(reads))
+    check(not freed, f"the resuming rank read blocks {freed} (block id, group) that vLLM freed")
+    check(sorted(reads) == [(13, 0), (23, 1)], f"the resuming put read {reads}, expected [(13, 0), (23, 1)]")
+    off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
+    check(off == 3 * BLOCK_SIZE, f"after the resumed put the offset is {off}, expected {3 * BLOCK_SIZE}")
+    check(w.take_reports() == {1: 1, 2: 1}, "the jobs were not reported once each")
+
+
+def probe_a_mismatched_object_is_removed_and_only_it() -> None:
+    """Integrity on: a get that read a whole object whose tag does not match (block 2's bytes changed after
+    it was tagged) is a load error of that block, and that key, only that one, is removed from the store,
+    by force (a reader's lease must not keep it: while it exists no save replaces it). The good block loads,
+    its key and the others stay."""
+    from conformance.probes_parts import integrity_case
+
+    w, _seal, _kv = integrity_case()
+    st: ProbeStore = w.store
+    st.data.update({"k1": 1, "k2": 2, "k3": 3})  # k3: a key of no load here
+    st.get_codes.update({"k1": w.key_bytes, "k2": w.key_bytes})  # both read whole
+    st.leased.add("k2")
+    lid = w.begin_load("r", [1, 2])
+    w.load_batch(lid, ["k1", "k2"], [1, 2])
+    res = w.finish_load(lid, "done")
+    check(res.loaded == {1} and res.failed == {2},
+          f"block 2 failed its tag: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}")
+    errs = w.take_load_errors()
+    check(errs == {2}, f"load errors reported {sorted(errs)}, expected [2]")
+    removed = [keys[0] for fn, keys in st.calls if fn == "remove"]
+    check(removed == ["k2"], f"after k2's integrity mismatch the worker removed {removed}, expected ['k2']")
+    check("k2" not in st.data, "the mismatched object is still in the store (a reader's lease kept it)")
+    check("k1" in st.data and "k3" in st.data, f"a good object was removed: the store holds {sorted(st.data)}")
+    n = w.stats.total("integrity_mismatches")
+    check(n == 1, f"integrity_mismatches={n}, expected 1")
+
+
 Probe = Callable[[], None]
 PROBES: list[Probe] = [
     probe_partial_put_fails_the_job, probe_an_answer_of_the_wrong_length_fails_the_job,
@@ -329,6 +464,9 @@ PROBES: list[Probe] = [
     probe_exception_in_a_load_reports_every_block, probe_put_resumes_at_the_saved_offset,
     probe_stale_and_skipped_jobs_put_nothing, probe_copy_on_write_tail_is_pinned, probe_pin_cap_boundary,
     probe_reports_of_two_ranks_merge, probe_aborted_load_keeps_its_blocks,
+    probe_a_block_of_several_keys_loads_only_when_every_key_did,
+    probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed,
+    probe_a_mismatched_object_is_removed_and_only_it,
 ]
 
 

@@ -40,7 +40,7 @@ import kvledger_connector.keys
 import kvledger_connector.kvlayout
 import kvledger_connector.reset
 import kvledger_connector.scheduler_steps
-from conformance import kvprobes, probes_parts, probes_sched
+from conformance import kvprobes, probes_edge, probes_parts, probes_sched
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
 from conformance.kvdriver import KVDriver, MooncakeBackend
@@ -51,9 +51,10 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector import rendezvous
 from kvledger_connector.integrity import IntegrityKey
-from kvledger_connector.jobs import SavePlan, WorkerSteps
+from kvledger_connector.jobs import SavePlan, SentBlocks, WorkerSteps
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
+from kvledger_connector.store import StoreCode
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / ".tlc-out"
@@ -65,7 +66,8 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 # two ranks at the pin cap: a count of 2 reports in one Collect, a pin released after one rank's report
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
-PROBES: list[kvprobes.Probe] = kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
+PROBES: list[kvprobes.Probe] = (kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
+                                 + probes_edge.PROBES)
 # what a replay counts as a named check besides a field diff and Refused
 REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
@@ -399,6 +401,87 @@ def _start_time_unread(orig):  # liveness by pid alone: a reused pid keeps a dea
     return _start_time
 
 
+# ---------------------------------------------------------------- worker side: TP-shared blocks, SentBlocks, removal
+def _shared_block_one_key(orig):  # the load begun without the rank's keys per block: a TP-shared block
+    def begin_load(self, req_id, block_ids):  # counts loaded after its first head shard's key
+        parts = self.key_parts
+        self.key_parts = 1
+        try:
+            return orig(self, req_id, block_ids)
+        finally:
+            self.key_parts = parts
+    return begin_load
+
+
+def _record_ok_per_key(orig):  # LoadLedger.record_ok loads a block on any key read, whatever keys_per_block
+    def record_ok(self, load_id, block_ids):
+        ld = self._load(load_id)
+        k, ld.keys_per_block = ld.keys_per_block, 1
+        try:
+            return orig(self, load_id, block_ids)
+        finally:
+            ld.keys_per_block = k
+    return record_ok
+
+
+def _null_before_ignored(orig):  # SentBlocks keeps every id an earlier spec sent (null_before not applied)
+    def resolve(self, spec):
+        return orig(self, dataclasses.replace(spec, null_before=()))
+    return resolve
+
+
+def _null_before_wrong_index(orig):  # null_before applied at ids[b + grp], not ids[b * num_groups + grp]
+    def resolve(self, spec):
+        ids, hashes = orig(self, dataclasses.replace(spec, null_before=()))
+        ids = list(ids)
+        table = self._tables[spec.req_id][1]
+        for grp, below in enumerate(spec.null_before):
+            for b in range(min(below, len(self._tables[spec.req_id][2]))):
+                ids[b + grp] = table[b + grp] = 0
+        return tuple(ids), hashes
+    return resolve
+
+
+class _StoreView:
+    """The rank's store as a mutant's call sees it: ``remove`` replaced, the rest the store's own."""
+
+    def __init__(self, store: Any, remove: Callable[..., int]) -> None:
+        self._store, self.remove = store, remove
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _with_remove(make_remove: Callable[[Any], Callable[..., int]]):
+    def factory(orig):
+        def _verified(self, slot, keys, block_ids, res, groups=None):
+            store = self.store
+            self.store = _StoreView(store, make_remove(store))
+            try:
+                return orig(self, slot, keys, block_ids, res, groups)
+            finally:
+                self.store = store
+        return _verified
+    return factory
+
+
+# a mismatched object is reported and left in the store (the removal forgotten)
+_mismatch_not_removed = _with_remove(lambda store: lambda key, force=False: 0)
+# removed without force: a reader's lease keeps the object, which then fails every later load of its key
+_mismatch_removed_unforced = _with_remove(lambda store: lambda key, force=False: store.remove(key))
+
+
+def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch, the good ones too
+    def _verified(self, slot, keys, block_ids, res, groups=None):
+        out = orig(self, slot, keys, block_ids, res, groups)
+        if any(c == int(StoreCode.INTEGRITY_MISMATCH) for c in out):
+            for k, c in zip(keys, out):
+                if c != int(StoreCode.INTEGRITY_MISMATCH):
+                    self.store.remove(k, True)
+        return out
+    return _verified
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     # scheduler ledger
@@ -450,6 +533,14 @@ MUTANTS: dict[str, list[Patch]] = {
     # integrity tags
     "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
     "integrity_tag_ignores_key": [(IntegrityKey, "pad", _pad_ignores_key)],
+    "integrity_mismatch_not_removed": [(WorkerSteps, "_verified", _mismatch_not_removed)],
+    "integrity_mismatch_removed_unforced": [(WorkerSteps, "_verified", _mismatch_removed_unforced)],
+    "integrity_mismatch_removes_whole_batch": [(WorkerSteps, "_verified", _mismatch_removes_batch)],
+    # the TP-shared layout (a block as a key per head shard), SentBlocks of several KV cache groups
+    "shared_block_loaded_at_first_key": [(WorkerSteps, "begin_load", _shared_block_one_key)],
+    "load_ledger_ignores_keys_per_block": [(LoadLedger, "record_ok", _record_ok_per_key)],
+    "sent_null_before_ignored": [(SentBlocks, "resolve", _null_before_ignored)],
+    "sent_null_before_wrong_group": [(SentBlocks, "resolve", _null_before_wrong_index)],
     # reset_cache's pattern
     "reset_pattern_unanchored": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_unanchored)],
     "reset_pattern_first_shard_only": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_first_shard)],
@@ -461,6 +552,10 @@ MUTANTS: dict[str, list[Patch]] = {
 # the scheduler side's steps (kvledger_connector/scheduler_steps.py): pin choice, tail, deferral, collect,
 # finish notices of a reused req_id, generations, loaded blocks, lookups
 MUTANTS.update(probes_sched.MUTANTS)
+# the edges only integration tests reached before (conformance/probes_edge.py, issue 37): the integrity
+# secret's mode, the replicated KV head's owner, the breaker's backoff, the lookup deadline, the rendezvous
+# metadata URL, the embedded master's supervision, the weights-version switch at reset
+MUTANTS.update(probes_edge.MUTANTS)
 
 
 @contextlib.contextmanager

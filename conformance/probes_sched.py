@@ -17,12 +17,13 @@ from typing import Any, Callable, Sequence
 from vllm.v1.core.block_pool import BlockPool
 
 from conformance.kvdriver import DriverRequest
-from conformance.kvprobes import ProbeStore, check
+from conformance.kvprobes import ProbeFailed, ProbeStore, check
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
+from kvledger_connector import config as connector_config
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
-from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable
+from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable, generation_of, max_job_blocks
 
 BS = 4  # tokens per block
 
@@ -75,7 +76,7 @@ def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: b
     return Sched(steps, led, pool, store, {})
 
 
-def _hybrid(second: str, jobs_cap: int = 4) -> Sched:
+def _hybrid(second: str, jobs_cap: int = 4, pins: int = 32) -> Sched:
     """Two KV cache groups: 0 full attention and 1 ``second`` ("state": a Mamba group in align mode;
     "sliding": a 2-block window); the tables are one list per group, as vLLM hands a hybrid's."""
     extra = {"state": (("group", "1"), ("window", "0"), ("state", "align")),
@@ -83,8 +84,8 @@ def _hybrid(second: str, jobs_cap: int = 4) -> Sched:
     kbs = [_kb(), KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BS, dtype="torch.float32",
                                        kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
-    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=32, first_job_id=1)
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, store=ProbeStore(), max_pinned_blocks=32,
+    led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, store=ProbeStore(), max_pinned_blocks=pins,
                            num_groups=2)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, steps.store, {})
@@ -372,7 +373,9 @@ def probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it() ->
         s.steps.collect({jx: 1})
         if evicted:
             records[state[2]] = b"other"
-        (job,) = s.steps.emit_stores({}, tables.get)
+        jobs = s.steps.emit_stores({}, tables.get)
+        check(len(jobs) == 1, f"after the release the deferred save opened {jobs}")  # a check, not an unpack crash
+        job = jobs[0]
         want = 0 if evicted else state[2]
         check(list(job.block_ids) == [full[0], 0, full[1], 0, full[2], want],
               f"the retried job sends {list(job.block_ids)}; offered state {state[2]}, record "
@@ -396,11 +399,21 @@ def probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it() 
         s.steps.collect({jx: 1})
         if evicted:
             records[win[0]] = b"other"
-        (job,) = s.steps.emit_stores({}, tables.get)
+        jobs = s.steps.emit_stores({}, tables.get)
+        check(len(jobs) == 1, f"after the release the deferred save opened {jobs}")  # a check, not an unpack crash
+        job = jobs[0]
         want = 0 if evicted else win[0]
         check(list(job.block_ids) == [full[0], want, full[1], win[1], full[2], win[2]],
               f"the retried job sends {list(job.block_ids)}; freed window block {win[0]}, record "
               f"{'changed' if evicted else 'unchanged'}")
+
+
+def _lookup(s: Sched, req: DriverRequest, num_computed_tokens: int) -> int:
+    """``lookup``, an exception in it a check failure: a mutated hit rule may index past the store's answers."""
+    try:
+        return s.steps.lookup(req, num_computed_tokens)
+    except Exception as e:  # noqa: BLE001 - what the probe saw
+        raise ProbeFailed(f"the lookup raised {type(e).__name__}: {e}") from e
 
 
 def probe_a_mamba_hit_needs_only_the_state_at_its_end() -> None:
@@ -411,7 +424,7 @@ def probe_a_mamba_hit_needs_only_the_state_at_its_end() -> None:
     full, state = s.steps.key_builders
     for k in full.keys(req.block_hashes[:3]) + state.keys(req.block_hashes[2:3]):
         s.store.data[k] = 1
-    got = s.steps.lookup(req, 0)
+    got = _lookup(s, req, 0)
     check(got == 3 * BS, f"the lookup answered {got} tokens, the store holds a hit of {3 * BS}")
 
 
@@ -499,6 +512,159 @@ def probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed() -> None:
     check([x.req_id for x in s.steps.take_loads()] == ["a"], "the refused load never reaches the ranks")
 
 
+# ---------------------------------------------------------------- outboxes, counters, Mamba hits and loads, pin cap
+def probe_a_finish_notice_is_sent_once() -> None:
+    """A finished request's DropNotice goes out in the next step's metadata only: the outbox of finishes is
+    cleared at each step, so a later step's notices name that step's finishes alone (re-sent, the metadata
+    would grow by every request the engine ever finished)."""
+    s = sched()
+    for rid in ("a", "b"):
+        r = Req(rid, BS + 1)
+        s.steps.on_new_request(r)
+        _run(s, r, BS + 1)
+        s.steps.request_finished(r)
+        drops = s.steps.notices([rid], [])
+        check(drops == [DropNotice(rid, 0, True)], f"the step after {rid!r} finished sends the notices {drops}")
+    again = s.steps.notices([], [])
+    check(again == [], f"a step with no finish re-sends the notices {again}")
+
+
+def probe_the_outboxes_drain_each_step() -> None:
+    """A bound on the metadata per step: after a run of requests (saves, a load, finishes), steps with no new
+    finish or load send no notice and no load, and the outboxes hold nothing (an outbox that only grows is a
+    leak: `_finished_out` is read directly, nothing else shows it)."""
+    s = sched()
+    reqs = [Req(f"r{i}", 2 * BS + 1) for i in range(3)]
+    s.stored(reqs[0], 2)
+    sizes = []
+    for r in reqs:
+        s.steps.on_new_request(r)
+        n = s.steps.lookup(r, 0)
+        if n:
+            s.steps.emit_load(r, s.alloc(r.request_id, 3), n)
+        loads = s.steps.take_loads()
+        jobs = _run(s, r, 2 * BS + 1 - n) if not n else []
+        if n:
+            s.steps.collect_loads([r.request_id])
+        s.steps.request_finished(r)
+        drops = s.steps.notices([r.request_id], [])
+        sizes.append((len(drops), len(loads)))
+        s.steps.collect({j.store_job_id: 1 for j in jobs})
+    check(sizes == [(1, 1), (1, 0), (1, 0)], f"the steps sent (notices, loads) {sizes}; expected one notice each "
+          f"and the first request's one load")
+    for step in range(8):
+        drops, loads, saves = s.steps.notices([], []), s.steps.take_loads(), s.step({})
+        check(drops == [] and loads == [] and saves == [],
+              f"idle step {step} sends {len(drops)} notices, {len(loads)} loads, {len(saves)} saves")
+    left = len(getattr(s.steps, "_finished_out", {}))
+    check(left == 0, f"the outbox of finish notices holds {left} entries after every notice went out")
+    check(s.steps.num_tracked == 0, f"{s.steps.num_tracked} request states tracked after every request finished")
+
+
+def probe_a_save_given_up_is_counted_only_for_a_deferred_finish() -> None:
+    """``saves_dropped`` (and ``num_saves_dropped``) counts a save given up: a request that finishes while its
+    save is deferred adds exactly 1; one that finishes with its save done (its job still pinned), a deferral
+    itself, and steps after it add nothing."""
+    s = sched(jobs_cap=1)
+    a, b = Req("a", BS + 1), Req("b", BS + 1)
+    for r in (a, b):
+        s.steps.on_new_request(r)
+
+    def dropped() -> tuple[int, float]:
+        return s.steps.num_saves_dropped, s.steps.stats.total("saves_dropped")
+
+    (ja,) = _run(s, a, BS + 1)
+    check(_run(s, b, BS + 1) == [] and s.steps.num_deferred == 1, "b's save was not deferred at the cap of 1")
+    check(dropped() == (0, 0), f"a deferral counted as a save given up: {dropped()}")
+    s.steps.request_finished(a)  # its save done: a job, still pinned
+    check(dropped() == (0, 0), f"a request finishing with its save done counted a save given up: {dropped()}")
+    s.steps.request_finished(b)  # deferred: its save is given up
+    check(dropped() == (1, 1), f"a request finishing while deferred counted {dropped()}, expected (1, 1)")
+    s.steps.notices(["a", "b"], [])
+    s.steps.collect({ja.store_job_id: 1})
+    check(s.step({}) == [] and s.steps.num_deferred == 0, "the finished request's deferred save was retried")
+    check(dropped() == (1, 1), f"the steps after the finishes moved the count to {dropped()}")
+
+
+def probe_a_mamba_hit_ends_at_its_last_state_key() -> None:
+    """A Mamba hybrid's hit of H blocks needs the state key of block H - 1 (the state after H * bs tokens):
+    with full-attention keys for blocks [0, F) the hit is the last block below F holding a state key, plus
+    one; from a local prefix of 1 block, a state key below it makes no hit."""
+    # (full-attention keys [0, F), state keys at, lookup from block, hit in blocks from block 0)
+    cases = [(2, (1,), 0, 2), (3, (1,), 0, 2), (3, (0,), 0, 1), (3, (2,), 0, 3), (3, (0, 1), 0, 2),
+             (3, (), 0, 0), (3, (1,), 1, 2), (3, (0,), 1, 1), (2, (2,), 0, 0)]
+    for nfull, states, start, want in cases:
+        s = _hybrid("state")
+        req = Req("a", 3 * BS + 1)
+        full, state = s.steps.key_builders
+        for k in full.keys(req.block_hashes[:nfull]) + state.keys([req.block_hashes[i] for i in states]):
+            s.store.data[k] = 1
+        got = _lookup(s, req, start * BS)
+        want_tokens = max(want - start, 0) * BS
+        check(got == want_tokens, f"full-attention keys of blocks [0, {nfull}), state keys at blocks "
+              f"{list(states)}, from block {start}: the lookup hit {got} tokens, expected {want_tokens}")
+
+
+def probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end() -> None:
+    """A Mamba hybrid's load fills, of the state group, only the block at the hit's end (vLLM reads the state
+    there), with the state key of that block, and every full-attention block of the hit; from a local
+    prefix of 1 block, none before it. No other state block is pinned as a load's."""
+    for start in (0, 1):
+        s = _hybrid("state")
+        req = Req("a", 3 * BS + 1)
+        fkb, skb = s.steps.key_builders
+        for k in fkb.keys(req.block_hashes[:3]) + skb.keys(req.block_hashes[:3]):
+            s.store.data[k] = 1
+        s.steps.on_new_request(req)
+        n = _lookup(s, req, start * BS)
+        check(n == (3 - start) * BS, f"from block {start} the lookup hit {n} tokens, expected {(3 - start) * BS}")
+        full, state = _hybrid_tables(s, 4)
+        try:
+            spec = s.steps.emit_load(req, (full, state), n)
+        except Exception as e:  # noqa: BLE001 - what the probe saw
+            raise ProbeFailed(f"the load of a Mamba hybrid's hit raised {type(e).__name__}: {e}") from e
+        want = full[start:3] + [state[2]]
+        got = list(spec.block_ids) if spec is not None else None
+        check(got == want and spec is not None and list(spec.groups) == [0] * (3 - start) + [1],
+              f"from block {start} the load fills {got} (groups {spec and spec.groups}); expected full {full[start:3]}"
+              f" and the end's state block {state[2]} of the row {state}")
+        check(spec is not None and spec.block_hashes[-1] == req.block_hashes[2],
+              "the state block loads another block's key")
+        stray = [b for b in state[:2] + full[:start] if s.ledger.load_owner(b) is not None]
+        check(stray == [], f"blocks {stray} outside the load are pinned as its destinations")
+
+
+def probe_the_pin_cap_holds_a_job_of_every_kv_group() -> None:
+    """The derived ``max_pinned_blocks`` of a model with g KV cache groups is at least g times the longest
+    request's table (its job pins a block per group), through `derive_pin_cap` and `ConnectorConfig`; a
+    hybrid's longest prompt under that cap opens its job (below it the save is given up: never admitted)."""
+    cc = connector_config  # through the module: the patched function is the one ConnectorConfig calls
+    longest = max_job_blocks(4 * BS, BS)
+
+    def derived(make: Callable[[], int]) -> int:
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001 - a ConfigError here is what the probe saw
+            raise ProbeFailed(f"deriving the pin cap raised {type(e).__name__}: {e}") from e
+    for g in (1, 2, 3):
+        for blocks in (None, 16, 1 << 12):
+            cap = derived(lambda: cc.derive_pin_cap(max_model_len=4 * BS, block_size=BS, num_gpu_blocks=blocks,
+                                                    max_inflight_jobs=1, num_kv_groups=g))
+            check(cap >= g * longest, f"derive_pin_cap with {g} KV cache groups, pool {blocks}: {cap} < "
+                  f"{g} x {longest} blocks")
+    cap = derived(lambda: cc.ConnectorConfig(store=cc.StoreConfig(), block_size=BS, max_model_len=4 * BS,
+                                             num_gpu_blocks=16, max_inflight_jobs=1, num_kv_groups=2
+                                             ).max_pinned_blocks)
+    check(cap >= 2 * longest, f"ConnectorConfig with 2 KV cache groups derives a cap of {cap} < 2 x {longest}")
+    s = _hybrid("sliding", pins=cap)
+    req = Req("a", 4 * BS)
+    s.steps.on_new_request(req)
+    full, win = _hybrid_tables(s, 4)
+    jobs = s.steps.emit_stores({"a": 4 * BS}, {"a": (full, win)}.get)
+    check(len(jobs) == 1 and s.steps.num_saves_dropped == 0,
+          f"the longest prompt of a 2-group model under the derived cap {cap} opened {jobs}")
+
+
 PROBES: list[Callable[[], None]] = [
     probe_second_job_pins_from_block_0, probe_tail_only_once_the_prompt_is_computed,
     probe_deferred_save_is_retried, probe_collect_frees_in_job_order, probe_finish_notice_keeps_a_reused_id,
@@ -512,6 +678,9 @@ PROBES: list[Callable[[], None]] = [
     probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it,
     probe_a_lone_sliding_group_never_pins_or_loads_the_null_block, probe_a_failed_load_is_requeued_once_under_recompute,
     probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed,
+    probe_a_finish_notice_is_sent_once, probe_the_outboxes_drain_each_step,
+    probe_a_save_given_up_is_counted_only_for_a_deferred_finish, probe_a_mamba_hit_ends_at_its_last_state_key,
+    probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
 ]
 
 
@@ -698,6 +867,92 @@ def _refused_load_dropped(orig):  # a load that cannot be planned is only logged
     return refuse_load
 
 
+def _finish_notices_resent(orig):  # the notices come from the outbox of finishes, never cleared: all re-sent
+    def notices(self, finished_req_ids, preempted_req_ids):
+        outbox = dict(self._finished_out)
+        ids = list(outbox) + [r for r in finished_req_ids if r not in outbox]
+        try:
+            return orig(self, ids, preempted_req_ids)
+        finally:
+            self._finished_out.update(outbox)
+    return notices
+
+
+def _finish_outbox_never_cleared(orig):  # the outbox of finishes is never cleared (notices right, a leak)
+    def notices(self, finished_req_ids, preempted_req_ids):
+        outbox = dict(self._finished_out)
+        try:
+            return orig(self, finished_req_ids, preempted_req_ids)
+        finally:
+            self._finished_out.update(outbox)
+    return notices
+
+
+def _load_outbox_never_drained(orig):  # take_loads hands the outbox out without emptying it: loads re-sent
+    def take_loads(self):
+        return list(self._loads_out)
+    return take_loads
+
+
+def _every_finish_counted_dropped(orig):  # a save given up counted at every finish, deferred or not
+    def request_finished(self, request):
+        st = self._reqs.drop(request.request_id)
+        if st is not None:
+            self._give_up_save()
+        self._finished_out[request.request_id] = generation_of(request)
+    return request_finished
+
+
+def _deferred_finish_not_counted(orig):  # a request finishing while deferred gives its save up uncounted
+    def request_finished(self, request):
+        self._reqs.drop(request.request_id)
+        self._finished_out[request.request_id] = generation_of(request)
+    return request_finished
+
+
+def _state_key_one_block_late(orig):  # the Mamba state key asked at block start + h, not start + h - 1
+    def _hit_run(self, res, start, n, m):
+        late = list(res)  # each state builder's answers moved one block on: the shipped rule then reads h
+        for s, kb in enumerate(self.key_builders):
+            if kb.layout.is_state:
+                late[s * m:(s + 1) * m] = list(res[s * m + 1:(s + 1) * m]) + [0]
+        return orig(self, late, start, n, m)
+    return _hit_run
+
+
+def _state_load_fills_every_block(orig):  # a Mamba group loads every state block of the hit, as full attention
+    def emit_load(self, request, block_ids, num_external_tokens):
+        groups, self.state_groups = self.state_groups, frozenset()
+        try:
+            return orig(self, request, block_ids, num_external_tokens)
+        finally:
+            self.state_groups = groups
+    return emit_load
+
+
+def _state_load_fills_the_first_block(orig):  # the end's state loaded into the hit's first state block
+    def emit_load(self, request, block_ids, num_external_tokens):
+        st = self._reqs.get(request.request_id)
+        hit = st.lookup if st is not None else None
+        if hit is not None and self.state_groups and num_external_tokens > 0:
+            first = hit.num_computed_tokens // self.block_size
+            last = -(-(hit.num_computed_tokens + num_external_tokens) // self.block_size)
+            tables = [list(t) for t in block_ids]
+            for g in self.state_groups:
+                if last <= len(tables[g]):
+                    tables[g][last - 1] = tables[g][first]
+            block_ids = tuple(tables)
+        return orig(self, request, block_ids, num_external_tokens)
+    return emit_load
+
+
+def _pin_cap_ignores_kv_groups(orig):  # the derived cap sized for one group's table, whatever the groups
+    def derive_pin_cap(*, max_model_len, block_size, num_gpu_blocks, max_inflight_jobs, num_kv_groups=1):
+        return orig(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                    max_inflight_jobs=max_inflight_jobs)
+    return derive_pin_cap
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
@@ -722,6 +977,15 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_lone_group_as_full_attention": [(SchedulerSteps, "emit_load", _lone_group_as_full_attention)],
     "sched_failed_load_never_requeued": [(SchedulerSteps, "requeue_after_failed_load", _failed_load_never_requeued)],
     "sched_refused_load_dropped": [(SchedulerSteps, "refuse_load", _refused_load_dropped)],
+    "sched_finish_notices_resent": [(SchedulerSteps, "notices", _finish_notices_resent)],
+    "sched_finish_outbox_never_cleared": [(SchedulerSteps, "notices", _finish_outbox_never_cleared)],
+    "sched_load_outbox_never_drained": [(SchedulerSteps, "take_loads", _load_outbox_never_drained)],
+    "sched_every_finish_counted_dropped": [(SchedulerSteps, "request_finished", _every_finish_counted_dropped)],
+    "sched_deferred_finish_not_counted": [(SchedulerSteps, "request_finished", _deferred_finish_not_counted)],
+    "sched_state_key_one_block_late": [(SchedulerSteps, "_hit_run", _state_key_one_block_late)],
+    "sched_state_load_fills_every_block": [(SchedulerSteps, "emit_load", _state_load_fills_every_block)],
+    "sched_state_load_fills_the_first_block": [(SchedulerSteps, "emit_load", _state_load_fills_the_first_block)],
+    "sched_pin_cap_ignores_kv_groups": [(connector_config, "derive_pin_cap", _pin_cap_ignores_kv_groups)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -738,4 +1002,10 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_a_deferred_job_saves_a_kept_state_offer_only_while_vllm_caches_it,
     probe_a_lone_sliding_group_never_pins_or_loads_the_null_block, probe_a_failed_load_is_requeued_once_under_recompute,
     probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed,
+    probe_a_finish_notice_is_sent_once, probe_the_outboxes_drain_each_step, probe_the_outboxes_drain_each_step,
+    probe_a_save_given_up_is_counted_only_for_a_deferred_finish,
+    probe_a_save_given_up_is_counted_only_for_a_deferred_finish, probe_a_mamba_hit_ends_at_its_last_state_key,
+    probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end,
+    probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
 ]))
+assert len(SHOWS) == len(MUTANTS), "a mutant without its shows-probe"

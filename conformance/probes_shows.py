@@ -17,8 +17,9 @@ import kvledger.codes as codes
 import kvledger_connector.jobs as jobs
 import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
-from conformance import probes_sched
-from conformance.kvprobes import HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank
+from conformance import probes_edge, probes_sched
+from conformance.kvprobes import (HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
+                                  tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
                                      replicas_of, reset_case, runtime_dir_env)
 from kvledger.errors import LedgerInputError, LedgerInvariantError
@@ -27,7 +28,7 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector import rendezvous
 from kvledger_connector.jobs import SavePlan
-from kvledger_connector.metadata import KVLedgerWorkerMetadata
+from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 
 SHOWS: dict[str, Callable[[], None]] = {}
 
@@ -342,5 +343,71 @@ def _() -> None:
     check(rendezvous._alive(os.getpid()), "this very process counts as dead")
 
 
+# ---------------------------------------------------------------- worker side: removal, TP-shared blocks, SentBlocks
+def _mismatch_removal() -> tuple[list[str], ProbeStore]:
+    """WorkerSteps._verified on k1 (good) and k2 (changed after its tag, leased by a reader): the keys it
+    removed, and the store."""
+    w, _seal, _kv = integrity_case()
+    st = w.store
+    st.data.update({"k1": 1, "k2": 2})
+    st.leased.add("k2")
+    w._verified(0, ["k1", "k2"], [1, 2], [w.key_bytes, w.key_bytes])
+    return [k[0] for fn, k in st.calls if fn == "remove"], st
+
+
+@shows("integrity_mismatch_not_removed")
+def _() -> None:
+    removed, _st = _mismatch_removal()
+    check(removed == ["k2"], f"WorkerSteps._verified removed {removed} after k2's mismatch, expected ['k2']")
+
+
+@shows("integrity_mismatch_removed_unforced")
+def _() -> None:
+    _removed, st = _mismatch_removal()
+    check("k2" not in st.data, "WorkerSteps._verified left a leased mismatched object in the store")
+
+
+@shows("integrity_mismatch_removes_whole_batch")
+def _() -> None:
+    _removed, st = _mismatch_removal()
+    check("k1" in st.data, "WorkerSteps._verified removed k1, whose tag matched")
+
+
+@shows("shared_block_loaded_at_first_key")
+def _() -> None:
+    w = tp_shared_rank(ProbeStore())
+    lid = w.begin_load("r", [4])
+    w.loads.record_ok(lid, [4])
+    check(w.pending(lid) == [4], "a TP-shared block (2 keys) counts loaded after its first key")
+
+
+@shows("load_ledger_ignores_keys_per_block")
+def _() -> None:
+    ll = LoadLedger(0, max_inflight_loads=2)
+    lid = ll.begin_load("r", [4], keys_per_block=2)
+    ll.record_ok(lid, [4])
+    check(ll.pending(lid) == [4], "LoadLedger.record_ok loaded a block of 2 keys after one")
+
+
+def _resolved_with_null_before() -> tuple[int, ...]:
+    sent = jobs.SentBlocks(4)
+    sent.resolve(SaveSpec("r", 1, 0, 0, 2, (11, 21, 12, 22), (b"h0", b"h1"), num_groups=2))
+    return sent.resolve(SaveSpec("r", 2, 0, 2, 3, (13, 23), (b"h2",), num_groups=2, null_before=(0, 2)))[0]
+
+
+@shows("sent_null_before_ignored")
+def _() -> None:
+    ids = _resolved_with_null_before()
+    check(ids[1] == ids[3] == 0, f"null_before=(0, 2) left group 1's freed ids in {ids}")
+
+
+@shows("sent_null_before_wrong_group")
+def _() -> None:
+    ids = _resolved_with_null_before()
+    check(ids == (11, 0, 12, 0, 13, 23), f"null_before=(0, 2) resolved {ids}, expected (11, 0, 12, 0, 13, 23)")
+
+
 # the scheduler side's mutants are shown by their own probes (conformance/probes_sched.py)
 SHOWS.update(probes_sched.SHOWS)
+# the edges' mutants likewise (conformance/probes_edge.py)
+SHOWS.update(probes_edge.SHOWS)
