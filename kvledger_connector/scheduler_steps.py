@@ -731,8 +731,8 @@ class SchedulerSteps:
     def _emit_store_guarded(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
                             boundary_states: Sequence[tuple[int, int, int]]) -> None:
         """`emit_store`, where an input it cannot serve (a table or hashes vLLM's scheduler would never hand
-        over) costs that request's save only: given up and counted, the step's other saves go out (every
-        check runs before a job is opened, so nothing is pinned for it)."""
+        over) costs that request's save only: given up and counted, the step's other saves go out. A job,
+        once opened, is in ``saves`` before anything else can raise: no pin is left without its report."""
         try:
             self.emit_store(saves, req_id, num_scheduled, table_of, boundary_states)
         except Exception as e:
