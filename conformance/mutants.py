@@ -552,7 +552,7 @@ MUTANTS: dict[str, list[Patch]] = {
 # the scheduler side's steps (kvledger_connector/scheduler_steps.py): pin choice, tail, deferral, collect,
 # finish notices of a reused req_id, generations, loaded blocks, lookups
 MUTANTS.update(probes_sched.MUTANTS)
-# the edges only integration tests reached before (conformance/probes_edge.py, issue 37): the integrity
+# the edges only integration tests reached before (conformance/probes_edge.py): the integrity
 # secret's mode, the replicated KV head's owner, the breaker's backoff, the lookup deadline, the rendezvous
 # metadata URL, the embedded master's supervision, the weights-version switch at reset
 MUTANTS.update(probes_edge.MUTANTS)

@@ -1,4 +1,4 @@
-"""Probes of the connector's edges that only integration tests reached before (issue 37): the integrity
+"""Probes of the connector's edges that only integration tests reached before: the integrity
 secret's privacy, the owner of a replicated KV head under the TP-shared layout, the store breaker's probe
 backoff, the lookup deadline behind an abandoned call, the rendezvous metadata URL, the embedded master's
 supervision, and the weights-version switch at reset. Each calls the shipped function through the module
@@ -433,8 +433,8 @@ def probe_reset_switches_the_weights_version() -> None:
     """reset_cache with a new weights version (as the connector calls `reset_scheduler_side`): a successful
     removal switches the scheduler side's weights version and key builders together, and every later lookup
     asks the new version's keys (a block stored under them hits, one under the old version's misses). A
-    failed removal returns False and, as the code orders it today, switches nothing (issue 33 will move the
-    switch first: then this half changes with it); either way version and key builders never disagree."""
+    failed removal returns False and, as the code orders it today, switches nothing (a reset that switches the
+    version first changes this half with it); either way version and key builders never disagree."""
     s = sched()
     old_kbs = list(s.steps.key_builders)
     new_kbs = [KeyBuilder(dataclasses.replace(kb.layout, model="probe-weights-v2")) for kb in old_kbs]
