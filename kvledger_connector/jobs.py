@@ -45,7 +45,7 @@ from kvledger import codes
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger, put_positions
-from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.keys import KeyBuilder, dense_table
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import StoreCode
 
@@ -247,11 +247,10 @@ class WorkerSteps:
             raise LedgerInputError("part_groups", parts, f"each KV cache group's parts together, as many per group, "
                                    f"one per key builder ({len(self.group_keys)})")
         self.part_groups = parts
-        # one full-attention group (`SchedulerSteps.dense_table`): a job's ids are its every block and a failed
-        # load is reported by block; else null ids (below a sliding window) are nothing to put and a failed
+        # one full-attention group (`keys.dense_table`, the scheduler side's rule too): a job's ids are its
+        # every block and a failed load is reported by block; else null ids are nothing to put and a failed
         # load is reported per request
-        self.dense_table = self.num_kv_groups == 1 and not any(
-            kb.layout.window is not None or kb.layout.is_state for kb in self.group_keys)
+        self.dense_table = self.num_kv_groups == 1 and dense_table(kb.layout for kb in self.group_keys)
         if stripe is None:
             kb0 = keys if keys is not None else (self.group_keys[0] if self.group_keys else None)
             stripe = (kb0.layout.replica, kb0.layout.kv_replicas) if kb0 is not None else (0, 1)

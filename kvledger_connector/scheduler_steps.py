@@ -81,7 +81,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
-from kvledger_connector.keys import KeyBuilder, partial_tail_hash
+from kvledger_connector.keys import KeyBuilder, dense_table, partial_tail_hash
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 from kvledger_connector.stats import StatsRecorder
 
@@ -356,12 +356,9 @@ class SchedulerSteps:
         # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
         self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
         self.sliding_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.window is not None)
-        # one full-attention group: a request's table is its every block (none null) and vLLM takes a failed
-        # load's blocks (`invalid_block_ids`). Else (several groups, or one sliding-window group, whose table
-        # holds vLLM's null block below the window) every group's rule applies: null ids are nothing to pin,
-        # load or put, and a failed load is failed per request (vLLM recomputes it from its first token;
-        # a block-level cut inside a window would leave the window's older blocks null)
-        self.dense_table = num_groups == 1 and not (self.state_groups or self.sliding_groups)
+        # one full-attention group (`keys.dense_table`): a table is the request's every block; else every
+        # group's rule applies (null ids nothing to pin or load, loads async and failed per request)
+        self.dense_table = num_groups == 1 and dense_table(kb.layout for kb in self.key_builders)
         # vLLM's own rule for which of a sliding-window group's blocks a later hit can use (the blocks its
         # local prefix cache keeps: `reachable_block_mask`): (request, group, start block, end block) -> a
         # mask of blocks [start, end), or None for all. Set by the connector from vLLM's KV cache manager;
