@@ -262,22 +262,8 @@ class Probe:
 
 def _wrap_raw(h: Any, **kw: Any) -> list[Any]:
     """Put RawClientFaults under every worker rank's store calls (ours or upstream)."""
-    from testbed.faults import RawClientFaults
-    wrapped = []
-    for w in h.workers:
-        if h.connector_kind == "ours":
-            store = w.worker_side.steps.store
-            store._raw = RawClientFaults(store._raw, **kw)
-            wrapped.append(store._raw)
-        else:
-            cw = w.connector_worker
-            raw = RawClientFaults(cw.store, **kw)
-            cw.store = raw
-            cw.kv_send_thread.store = raw
-            for t in cw.kv_recv_threads:
-                t.store = raw
-            wrapped.append(raw)
-    return wrapped
+    from testbed.faults import wrap_raw_clients
+    return wrap_raw_clients(h, **kw)
 
 
 def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,

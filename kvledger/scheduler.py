@@ -385,6 +385,10 @@ class SchedulerLedger:
     def inflight_jobs(self) -> list[int]:
         return list(self._pinned)
 
+    def is_job_pinned(self, job_id: int) -> bool:
+        """The job still holds its pins: some rank has not reported it."""
+        return job_id in self._pinned
+
     def stats(self) -> dict[str, int]:
         return {
             "inflight_jobs": len(self._pinned), "pinned_blocks": self._num_pins,

@@ -319,6 +319,12 @@ KEYS: tuple[Key, ...] = (
     Key("max_inflight_jobs", "int", 64, "connector",
         "cap on store jobs holding pinned blocks; beyond it the scheduler defers saves (retried, not dropped)",
         lo=1, hi=1 << 16, tests="test_connector_e2e.py::test_cap_defers_saves_and_everything_still_drains"),
+    Key("max_held_requests", "int", 64, "connector",
+        "finished requests whose save the caps deferred, kept by vLLM (`request_finished` delays the free) "
+        "until that save is stored: their blocks stay allocated meanwhile. Past it a finishing request's "
+        "deferred save is given up (`saves_dropped`); 0: never hold (every such save given up)",
+        lo=0, hi=1 << 16, tests="test_held_saves.py::test_a_save_deferred_past_its_finish_is_stored_and_hits, "
+                                "::test_held_requests_are_bounded"),
     Key("load_sub_batch_keys", "int", 64, "store", "keys per `batch_get_into_multi_buffers` call", lo=1, hi=1 << 12,
         tests="test_connector_worker.py::test_failing_first_sub_batch_at_rank_gt0_reports_every_unloaded_block"),
     Key("max_key_bytes", "int", 512, "store",
@@ -735,6 +741,7 @@ class ConnectorConfig:
     max_kv_events: int = 10_000
     trace_path: str | None = None
     max_inflight_jobs: int = 64
+    max_held_requests: int = 64
     max_pinned_blocks: int = DERIVED
     integrity: str = "checksum"
     integrity_secret_file: str | None = None

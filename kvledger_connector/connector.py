@@ -213,8 +213,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's hook under its hybrid KV cache manager: the same, never delaying the free (every store
-        job pinned its own blocks of every group)."""
+        """vLLM's hook under its hybrid KV cache manager: the same (a held request keeps every group's
+        blocks; every store job pinned its own blocks of every group)."""
         return self._sched().request_finished(request)
 
     def has_pending_push_work(self) -> bool:
@@ -273,11 +273,13 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().end_step(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self._worker().take_finished_loads()
-        return None, (done or None)
+        worker = self._worker()
+        done = worker.take_finished_loads()
+        return (worker.take_released() or None), (done or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Finished async loads; unless the model is one full-attention group (`WorkerSteps.dense_table`), also
+        """Held requests released this step (finished_sending: vLLM frees their blocks), finished async
+        loads; unless the model is one full-attention group (`WorkerSteps.dense_table`), also
         the failed ones, per request (vLLM takes no block-level load error with several groups, and a cut
         inside a sliding window would leave its older blocks null: a failed load's request recomputes or
         fails whole)."""
@@ -286,7 +288,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         failed: set[str] = set()
         if not worker.steps.dense_table:
             failed = worker.take_failed_loads(done)
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=worker.take_released(), finished_recving=done,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._worker()

@@ -72,6 +72,9 @@ class DropNotice:
     req_id: str
     generation: int | None
     finished: bool
+    # a held request's notice (`SchedulerSteps.release_held`): every rank answers it in finished_sending, so
+    # vLLM frees the blocks it kept for the request's deferred save
+    release: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ Per engine step, in vLLM's order::
                                              collect_loads(finished_recving)   CollectLoad (async)
                                              collect_sync_loads(completed_loads) CollectLoad (sync)
                                              collect(completed_saves)          Collect
-      request_finished(req, ..)           -> request_finished(req)             never delays the free
-    has_requests() -> has_pending_push_work()  while any pin is held
+                                             note_freed(finished_sending)       held requests freed
+      request_finished(req, ..)           -> request_finished(req)             delays the free only while
+                                                                               the caps defer its save (held)
+    has_requests() -> has_pending_push_work()  while any pin is held or a request is held
 
 No hook raises into vLLM's step (binding, at start-up, does): an input the steps cannot serve becomes a
 cache miss (a lookup), a load reported failed (`SchedulerSteps.refuse_load`), a save given up (per request,
@@ -53,7 +55,8 @@ class SchedulerSide(SchedulerSteps):
                          max_lookup_cache=config.max_lookup_cache,
                          sync_load_max_tokens=config.sync_load_max_tokens,
                          kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace,
-                         weights_version=weights_version, num_groups=config.num_kv_groups)
+                         weights_version=weights_version, num_groups=config.num_kv_groups,
+                         max_held_requests=config.max_held_requests)
         self.config = config
         self.max_inflight_jobs = config.max_inflight_jobs
         self._kv_cache_manager: Any = None
@@ -155,6 +158,7 @@ class SchedulerSide(SchedulerSteps):
             ("invalid_block_ids", self.note_load_errors, getattr(connector_output, "invalid_block_ids", None)),
             ("failed_recving", self.note_failed_loads, getattr(connector_output, "failed_recving", None)),
             ("finished_recving", self.collect_loads, getattr(connector_output, "finished_recving", None)),
+            ("finished_sending", self.note_freed, getattr(connector_output, "finished_sending", None)),
         ]
         if meta is not None:
             steps += [("completed_loads", self.collect_sync_loads, meta.completed_loads),
@@ -166,9 +170,10 @@ class SchedulerSide(SchedulerSteps):
                 self._hook_error(f"update_connector_output {name}", e)
 
     def request_finished(self, request: Any) -> tuple[bool, None]:  # type: ignore[override]
-        """Never delays the free: every store job pinned its own blocks."""
+        """Delays the free only for a request held for its deferred save (`SchedulerSteps.request_finished`):
+        every store job pinned its own blocks."""
         try:
-            SchedulerSteps.request_finished(self, request)
+            return SchedulerSteps.request_finished(self, request), None
         except Exception as e:
             self._hook_error("request_finished", e)
         return False, None

@@ -181,6 +181,7 @@ class _RequestState:
     tail_done: bool = False  # the prompt's partial tail was saved, loaded or given up (this generation)
     tail_stored: bool = False  # ... and it is in the store (saved or loaded): the model's chunk NumChunks
     deferred: bool = False  # the cap deferred its next save: retried in later steps
+    defers: int = 0  # times a save of it was deferred (a held request's retry tells "deferred again" by it)
     lookup: _Lookup | None = None
     loaded_blocks: int = 0  # blocks [0, n) of a load from block 0 (this generation); see `load_done`
     loaded_tail: bool = False  # ... whose last block was the prompt's partial tail
@@ -330,13 +331,14 @@ class SchedulerSteps:
                  save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
                  sync_load_max_tokens: int = 0, kv_load_failure_policy: str = "fail",
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
-                 weights_version: str = "", num_groups: int = 1) -> None:
+                 weights_version: str = "", num_groups: int = 1, max_held_requests: int = 0) -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
                 raise LedgerInputError(name, v, "must be an int >= 1")
-        if sync_load_max_tokens.__class__ is not int or sync_load_max_tokens < 0:
-            raise LedgerInputError("sync_load_max_tokens", sync_load_max_tokens, "must be an int >= 0")
+        for name, v in (("sync_load_max_tokens", sync_load_max_tokens), ("max_held_requests", max_held_requests)):
+            if v.__class__ is not int or v < 0:
+                raise LedgerInputError(name, v, "must be an int >= 0")
         if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise LedgerInputError("kv_load_failure_policy", kv_load_failure_policy,
                                    f"must be one of {LOAD_FAILURE_POLICIES}")
@@ -385,6 +387,14 @@ class SchedulerSteps:
         # outboxes, drained once per step
         self._loads_out: list[LoadSpec] = []  # loads pinned since the last step
         self._finished_out: dict[str, int] = {}  # req_id -> generation, finished since the last step
+        # Held requests: finished while the caps deferred their save, kept by vLLM (`request_finished` delayed
+        # the free) until that save is stored. req_id -> the store job of it (None: still deferred; -1:
+        # nothing left in flight). Then released: its finish notice goes out with ``release`` (every rank
+        # answers finished_sending, vLLM frees the blocks), and it waits in ``_freeing`` until vLLM reports
+        # it so. Both bounded together by ``max_held_requests``.
+        self.max_held_requests = max_held_requests
+        self._held: dict[str, int | None] = {}
+        self._freeing: dict[str, None] = {}
         # whole-run counters (demo report, tests)
         self.num_lookups = 0
         self.num_match_calls = 0  # lookups asked (repeats for a waiting request are answered from the cache)
@@ -396,7 +406,9 @@ class SchedulerSteps:
         self._failed_loads: set[str] = set()  # req_ids of pinned loads with a noted load error
         self.num_tail_saves = 0  # store jobs that carried a partial tail
         self.num_tail_hits = 0  # lookups answered with a partial tail
-        self.num_saves_dropped = 0  # saves given up: request finished while deferred, or job > cap
+        self.num_saves_dropped = 0  # saves given up: request finished while deferred past the hold bound, or job > cap
+        self.num_held = 0  # requests held past their finish for a deferred save (`request_finished`)
+        self.peak_held_requests = 0  # most held (deferred, or released and not yet freed) at once
         self.num_failed_load_requeues = 0  # lookups answered "not yet" after a failed load (requeue_after_failed_load)
         self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
         self.num_refused_loads = 0  # loads `emit_load` could not plan, reported failed (`refuse_load`)
@@ -683,10 +695,14 @@ class SchedulerSteps:
         trace = self.trace
         drops: list[DropNotice] = []
         for req_id in finished_req_ids:
+            if req_id in self._held or req_id in self._freeing:
+                continue  # held: its notice goes out when it is released (ranks still take its save)
             drops.append(DropNotice(req_id, self._finished_out.get(req_id), True))
             if trace is not None:  # the notice every rank gets (a DropGeneration each)
                 trace.emit("sched", "Finish", {"req_id": req_id, "generation": drops[-1].generation})
         self._finished_out.clear()
+        for req_id in self.held_release_due():
+            drops.append(self.release_held(req_id))
         for req_id in preempted_req_ids:
             st = self._reqs.get(req_id)
             drops.append(DropNotice(req_id, max(generation_of(st.request) - 1, 0) if st is not None else None,
@@ -696,14 +712,56 @@ class SchedulerSteps:
             self._reqs.new_generation(req_id)
         return drops
 
-    def request_finished(self, request: RequestLike) -> None:
-        """Forget the request; its notice goes out with the next step. Never delays the free: every store
-        job pinned its own blocks."""
+    def request_finished(self, request: RequestLike) -> bool:
+        """Finish: True when vLLM must keep the request's blocks (delay their free): the caps deferred its
+        save, and fewer than ``max_held_requests`` are held. It is then held (`held_release_due`) until that
+        save is stored or given up. Otherwise it is forgotten and its notice goes out with the next step; its
+        store jobs pinned their own blocks. Past the bound the deferred save is given up (counted)."""
         req_id = request.request_id
+        st = self._reqs.get(req_id)
+        if (st is not None and st.deferred and req_id not in self._held
+                and len(self._held) + len(self._freeing) < self.max_held_requests):
+            self._held[req_id] = None
+            self.num_held += 1
+            self.peak_held_requests = max(self.peak_held_requests, self.num_held_requests)
+            self.stats.add("held_requests")
+            return True
         st = self._reqs.drop(req_id)
         if st is not None and st.deferred:
             self._give_up_save()
         self._finished_out[req_id] = generation_of(request)
+        return False
+
+    def held_release_due(self) -> list[str]:
+        """ReleaseHeld is due for these held requests: their save was opened and every rank reported it
+        (its job's pins released), or nothing of it is left to save."""
+        ledger = self._ledger()
+        return [req_id for req_id, job in self._held.items()
+                if job is not None and (job < 0 or not ledger.is_job_pinned(job))]
+
+    def release_held(self, req_id: str) -> DropNotice:
+        """ReleaseHeld: the held request's finish notice, with ``release``: every rank answers it in
+        finished_sending, and vLLM frees the blocks it kept (`note_freed` hears of it)."""
+        job = self._held.get(req_id)
+        if job is None or (job >= 0 and self._ledger().is_job_pinned(job)):
+            raise LedgerInputError("req_id", req_id, "is not a held request whose save is done")
+        del self._held[req_id]
+        st = self._reqs.drop(req_id)
+        gen = generation_of(st.request) if st is not None else None
+        self._freeing[req_id] = None
+        if self.trace is not None:
+            self.trace.emit("sched", "Finish", {"req_id": req_id, "generation": gen})
+        return DropNotice(req_id, gen, True, release=True)
+
+    def note_freed(self, finished_sending: Iterable[str] | None) -> None:
+        """vLLM's merged ``finished_sending``: these released requests' blocks are freed now."""
+        for req_id in finished_sending or ():
+            self._freeing.pop(req_id, None)
+
+    @property
+    def num_held_requests(self) -> int:
+        """Held requests, deferred or released and not yet freed by vLLM."""
+        return len(self._held) + len(self._freeing)
 
     # ------------------------------------------------------------------ EmitStore
     def emit_stores(self, scheduled: Mapping[str, int], table_of: TableOf,
@@ -717,7 +775,12 @@ class SchedulerSteps:
             offers = boundary_states or {}
             for req_id in self._reqs.deferred_ids():
                 if req_id not in scheduled:
+                    held = self._reqs.get(req_id) if req_id in self._held else None
+                    n, defers = len(saves), held.defers if held is not None else 0
                     self._emit_store_guarded(saves, req_id, 0, table_of, offers.get(req_id, ()))
+                    if held is not None and held.defers == defers:  # not deferred again: opened, or nothing left
+                        self._reqs.set_deferred(held, False)
+                        self._held[req_id] = saves[-1].store_job_id if len(saves) > n else -1
             for req_id, n in scheduled.items():
                 self._emit_store_guarded(saves, req_id, n, table_of, offers.get(req_id, ()))
         ledger = self._ledger()
@@ -786,6 +849,7 @@ class SchedulerSteps:
     def _defer(self, st: _RequestState, tables: list[Sequence[int]], end: int) -> None:
         """DEFER: the save is retried in a later step, keeping what vLLM may give back meanwhile."""
         self._reqs.set_deferred(st, True)
+        st.defers += 1
         self._keep_blocks(st, tables, st.sent_blocks, end)
 
     def _keep_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int) -> None:
@@ -994,7 +1058,8 @@ class SchedulerSteps:
 
     # ------------------------------------------------------------------ queries, shutdown
     def has_pending_push_work(self) -> bool:
-        return self.ledger is not None and self.ledger.has_pending_work()
+        """vLLM keeps stepping while this holds: pins, or held requests not yet freed."""
+        return bool(self._held or self._freeing) or (self.ledger is not None and self.ledger.has_pending_work())
 
     def release_all(self) -> None:
         """Shutdown (workers stopped first): drop every store and load pin."""

@@ -10,8 +10,9 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
     counters   store calls: puts, put_keys, put_bytes, put_failed_keys, gets, get_keys, get_bytes,
                store_exceptions (a store call raised; its keys count as CLIENT_EXCEPTION)
                scheduler: lookups, lookup_hit_tokens, loaded_tokens, store_jobs, tail_saves, deferrals,
-               saves_dropped (given up: the request finished while its save was deferred, or the job could
-               never be admitted),
+               saves_dropped (given up: the request finished while its save was deferred and
+               `max_held_requests` were held, or the job could never be admitted), held_requests (a
+               request finished while its save was deferred: vLLM keeps its blocks until that save is stored),
                kept_blocks (blocks vLLM gave back while their job was deferred, saved from its prefix cache:
                Mamba states, sliding-window blocks), expired_kept_blocks (not saved: evicted first),
                failed_load_requeues (a request whose async load failed under recompute skipped once, so vLLM
@@ -65,7 +66,7 @@ COUNTERS = (
     "puts", "put_keys", "put_bytes", "put_failed_keys",
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
-    "store_jobs", "tail_saves", "deferrals", "saves_dropped", "kept_blocks", "expired_kept_blocks",
+    "store_jobs", "tail_saves", "deferrals", "saves_dropped", "held_requests", "kept_blocks", "expired_kept_blocks",
     "failed_load_requeues",
     "hook_errors", "save_errors", "refused_loads",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",

@@ -91,6 +91,8 @@ class WorkerSide:
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
+        # held requests released by this step's notices (model-runner thread only): finished_sending
+        self._released: set[str] = set()
         self._closed = False  # shutdown begun (guarded by _shutdown_lock)
         self._shutdown_lock = threading.Lock()
         self._shutdown_done = threading.Event()
@@ -193,6 +195,8 @@ class WorkerSide:
             self._switch_weights_version(meta.weights_version)
         for nt in meta.drops:
             self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
+            if nt.release:  # a held request: its save is stored, vLLM may free its blocks
+                self._released.add(nt.req_id)
         for spec in meta.loads:
             if spec.refused:  # the scheduler could not plan it: every block reported failed, nothing read
                 self.steps.reject_load(spec.req_id, spec.block_ids, f"refused by the scheduler: {spec.refused}",
@@ -257,6 +261,11 @@ class WorkerSide:
 
     def take_finished_loads(self) -> set[str]:
         return self.steps.take_finished_loads()
+
+    def take_released(self) -> set[str]:
+        """Held requests released since the last call: this rank's finished_sending."""
+        out, self._released = self._released, set()
+        return out
 
     def take_load_errors(self) -> set[int]:
         return self.steps.take_load_errors()  # HandleLoadErrors

@@ -117,7 +117,8 @@ def _metrics(llm: Any) -> dict[str, float]:
     want = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
             "vllm:external_prefix_cache_hits", "vllm:num_preemptions",
             # the connector's own counters (Prometheus drops a counter's "_total" suffix from its name)
-            "vllm:kvledger_deferrals", "vllm:kvledger_saves_dropped", "vllm:kvledger_expired_kept_blocks")
+            "vllm:kvledger_deferrals", "vllm:kvledger_saves_dropped", "vllm:kvledger_expired_kept_blocks",
+            "vllm:kvledger_held_requests")
     out: dict[str, float] = {}
     for m in llm.get_metrics():
         if m.name in want:

@@ -409,6 +409,26 @@ def faulty_mooncake_store(config: StoreConfig, *, embedded: EmbeddedMooncake | A
     return MooncakeStore(client, config, embedded, clock=clock), client
 
 
+def wrap_raw_clients(h: Any, **kw: Any) -> list[RawClientFaults]:
+    """FAULT INJECTION: put `RawClientFaults` (``kw``: its faults) under every worker rank's store calls of a
+    `testbed.harness.Harness`, ours or upstream's; returns the wrappers (their counts)."""
+    wrapped = []
+    for w in h.workers:
+        if h.connector_kind == "ours":
+            store = w.worker_side.steps.store
+            store._raw = RawClientFaults(store._raw, **kw)
+            wrapped.append(store._raw)
+        else:
+            cw = w.connector_worker
+            raw = RawClientFaults(cw.store, **kw)
+            cw.store = raw
+            cw.kv_send_thread.store = raw
+            for t in cw.kv_recv_threads:
+                t.store = raw
+            wrapped.append(raw)
+    return wrapped
+
+
 class RawClientFaults:
     """THIS IS A TEST DOUBLE: the raw Mooncake client under either connector (ours: `MooncakeStore`'s client;
     upstream MooncakeStoreConnector: its worker's and threads' `store`), forwarding every call to the real

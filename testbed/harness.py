@@ -152,6 +152,10 @@ class Harness:
     # registers in `opened`; the conftest checks each log with TLC after the test.
     runlog_dir: str | None = None
     opened: list[Harness] = []
+    # The connector's `lookup_timeout_ms` for harnesses not given one (None: the connector's default). The
+    # integration conftest raises it: on a busy machine a lookup past the production deadline is a miss and
+    # trips the breaker, which a test of something else must not depend on; deadline tests set their own.
+    lookup_timeout_ms: int | None = None
 
     def __init__(self, store_config: StoreConfig, *, tp_size: int = 1, num_blocks: int = 32,
                  block_size: int = 16, num_layers: int = 2, num_kv_heads: int = 2, head_size: int = 8,
@@ -236,6 +240,8 @@ class Harness:
                                            if self.uniform_sliding else {}))
         upstream_extra = extra
         extra = {**_store_extra(store_config), **(extra or {})}
+        if connector == "ours" and Harness.lookup_timeout_ms is not None:
+            extra.setdefault("lookup_timeout_ms", Harness.lookup_timeout_ms)
         if connector == "ours" and "trace_path" not in extra and Harness.runlog_dir is not None:
             extra["trace_path"] = os.path.join(Harness.runlog_dir, f"harness-{len(Harness.opened)}.ndjson")
         self.trace_path: str | None = extra.get("trace_path") if connector == "ours" else None

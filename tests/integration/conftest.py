@@ -92,6 +92,11 @@ def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: p
             f"{c['at_rest']} also checked at rest)")
 
 
+# Every harness's lookup deadline unless its test sets one (`Harness.lookup_timeout_ms`): generous, so a
+# loaded machine never turns a lookup into a miss in a test of something else.
+TEST_LOOKUP_TIMEOUT_MS = 5000
+
+
 @pytest.fixture(autouse=True)
 def runlog_checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every Harness of the test logs its run (connector `trace_path`); after the test, TLC checks each
@@ -100,10 +105,12 @@ def runlog_checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     from testbed.harness import Harness
     Harness.runlog_dir = str(tmp_path_factory.mktemp("runlog"))
     Harness.opened = []
+    Harness.lookup_timeout_ms = TEST_LOOKUP_TIMEOUT_MS
     try:
         yield
     finally:
         opened, Harness.opened, Harness.runlog_dir = Harness.opened, [], None
+        Harness.lookup_timeout_ms = None
     marker = request.node.get_closest_marker("runlog_unchecked")
     if marker is not None or request.node.stash.get(_CALL_FAILED, True):
         return
