@@ -65,13 +65,14 @@ class Sched:
 
 
 def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False,
-          sync_load_max_tokens: int = 0, policy: str = "fail") -> Sched:
+          sync_load_max_tokens: int = 0, policy: str = "fail", held: int = 0) -> Sched:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
     store = ProbeStore()
     steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
                            store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail,
-                           sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy)
+                           sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy,
+                           max_held_requests=held)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, store, {})
 
@@ -586,6 +587,51 @@ def probe_a_save_given_up_is_counted_only_for_a_deferred_finish() -> None:
     check(dropped() == (1, 1), f"the steps after the finishes moved the count to {dropped()}")
 
 
+def probe_a_deferred_save_holds_its_finished_request_until_it_is_stored() -> None:
+    """A request that finishes while the cap defers its save is held: `request_finished` asks vLLM to keep its
+    blocks, no finish notice goes out (the ranks must take its job), the save is opened once the cap admits
+    it, and only after every rank reported that job does its notice go out, with ``release`` (the ranks
+    answer finished_sending); the steps keep vLLM stepping until vLLM reports the blocks freed."""
+    s = sched(jobs_cap=1, held=2)
+    a, b = Req("a", BS + 1), Req("b", BS + 1)
+    for r in (a, b):
+        s.steps.on_new_request(r)
+    (ja,) = _run(s, a, BS + 1)
+    check(_run(s, b, BS + 1) == [] and s.steps.num_deferred == 1, "b's save was not deferred at the cap of 1")
+    check(s.steps.request_finished(b) is True, "a request finishing while its save is deferred is not held")
+    check(s.steps.notices(["b"], []) == [], "a held request's finish notice went out before its save")
+    check(s.step({}) == [], "a held request's save was opened past the cap")
+    s.steps.collect({ja.store_job_id: 1})
+    (jb,) = s.step({})
+    check(jb.req_id == "b" and list(jb.block_ids) == s.table["b"][:1], f"the held save opened {jb}")
+    check(s.steps.held_release_due() == [], "a held request is due for release while its save's job is pinned")
+    check(s.steps.notices([], []) == [], "a held request was released while its save's job is pinned")
+    s.steps.collect({jb.store_job_id: 1})
+    drops = s.steps.notices([], [])
+    check([(d.req_id, d.finished, d.release) for d in drops] == [("b", True, True)],
+          f"after its save was stored the held request's notices are {drops}")
+    check(s.steps.has_pending_push_work(), "vLLM may stop stepping before it freed the held request's blocks")
+    s.steps.note_freed(["b"])
+    check(not s.steps.has_pending_push_work() and s.steps.num_held_requests == 0,
+          "the held request is still counted after vLLM freed its blocks")
+    check(s.steps.num_saves_dropped == 0 and s.steps.notices([], []) == [], "a held save was given up or re-sent")
+
+
+def probe_held_requests_are_bounded() -> None:
+    """At most ``max_held_requests`` are held (deferred, or released and not yet freed by vLLM); a request
+    finishing while deferred past that gives its save up (counted) and is freed at once."""
+    s = sched(jobs_cap=1, held=1)
+    reqs = [Req(n, BS + 1) for n in "abc"]
+    for r in reqs:
+        s.steps.on_new_request(r)
+    for r in reqs:
+        _run(s, r, BS + 1)  # a opens the one job; b and c are deferred
+    held = [s.steps.request_finished(r) for r in reqs[1:]]
+    check(held == [True, False], f"with max_held_requests 1 the deferred finishes were held {held}")
+    check(s.steps.num_held_requests == 1 and s.steps.num_saves_dropped == 1,
+          f"{s.steps.num_held_requests} held, {s.steps.num_saves_dropped} given up; expected 1 and 1")
+
+
 def probe_a_mamba_hit_ends_at_its_last_state_key() -> None:
     """A Mamba hybrid's hit of H blocks needs the state key of block H - 1 (the state after H * bs tokens):
     with full-attention keys for blocks [0, F) the hit is the last block below F holding a state key, plus
@@ -681,6 +727,7 @@ PROBES: list[Callable[[], None]] = [
     probe_a_finish_notice_is_sent_once, probe_the_outboxes_drain_each_step,
     probe_a_save_given_up_is_counted_only_for_a_deferred_finish, probe_a_mamba_hit_ends_at_its_last_state_key,
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
+    probe_a_deferred_save_holds_its_finished_request_until_it_is_stored, probe_held_requests_are_bounded,
 ]
 
 
@@ -953,6 +1000,29 @@ def _pin_cap_ignores_kv_groups(orig):  # the derived cap sized for one group's t
     return derive_pin_cap
 
 
+def _held_free_not_delayed(orig):  # held, yet vLLM is told to free the blocks its deferred save will read
+    def request_finished(self, request):
+        orig(self, request)
+        return False
+    return request_finished
+
+
+def _held_bound_ignored(orig):  # every deferred finish held, past max_held_requests
+    def request_finished(self, request):
+        bound, self.max_held_requests = self.max_held_requests, 1 << 30
+        try:
+            return orig(self, request)
+        finally:
+            self.max_held_requests = bound
+    return request_finished
+
+
+def _held_released_once_opened(orig):  # released when its save's job opens, not when every rank reported it
+    def held_release_due(self):
+        return [req_id for req_id, job in self._held.items() if job is not None]
+    return held_release_due
+
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
@@ -986,6 +1056,9 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_state_load_fills_every_block": [(SchedulerSteps, "emit_load", _state_load_fills_every_block)],
     "sched_state_load_fills_the_first_block": [(SchedulerSteps, "emit_load", _state_load_fills_the_first_block)],
     "sched_pin_cap_ignores_kv_groups": [(connector_config, "derive_pin_cap", _pin_cap_ignores_kv_groups)],
+    "sched_held_free_not_delayed": [(SchedulerSteps, "request_finished", _held_free_not_delayed)],
+    "sched_held_bound_ignored": [(SchedulerSteps, "request_finished", _held_bound_ignored)],
+    "sched_held_released_once_opened": [(SchedulerSteps, "held_release_due", _held_released_once_opened)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -1007,5 +1080,7 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_a_save_given_up_is_counted_only_for_a_deferred_finish, probe_a_mamba_hit_ends_at_its_last_state_key,
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end,
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
+    probe_a_deferred_save_holds_its_finished_request_until_it_is_stored, probe_held_requests_are_bounded,
+    probe_a_deferred_save_holds_its_finished_request_until_it_is_stored,
 ]))
 assert len(SHOWS) == len(MUTANTS), "a mutant without its shows-probe"
