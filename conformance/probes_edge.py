@@ -1,8 +1,9 @@
 """Probes of the connector's edges that only integration tests reached before: the integrity
-secret's privacy, the owner of a replicated KV head under the TP-shared layout, the store breaker's probe
-backoff, the lookup deadline behind an abandoned call, the rendezvous metadata URL, the embedded master's
-supervision, and the weights-version switch at reset. Each calls the shipped function through the module
-(or class) the connector looks it up in, so a patched function (a mutant) is the one probed, and raises
+secret's privacy, the embedded default's generated secret and mode, a seal's comparison of tags, the
+owner of a replicated KV head under the TP-shared layout, the store breaker's probe backoff, the lookup
+deadline behind an abandoned call, the rendezvous metadata URL, the embedded master's supervision, and
+the weights-version switch at reset. Each calls the shipped function through the module (or class) the
+connector looks it up in, so a patched function (a mutant) is the one probed, and raises
 :class:`ProbeFailed` naming what it saw. Every probe runs in milliseconds (the VllmConfig of the head-shard
 probe is built once per process, ~2 s); waits are short real timeouts (tens of ms) or controllable clocks.
 
@@ -90,6 +91,84 @@ def _private_checks_others_only(orig):  # the private check looks at the "others
                 raise LedgerInputError(field_, path, f"has mode {mode:04o}: others may read it; chmod 600")
         return orig(field_, path, max_bytes=max_bytes, private=False)
     return read_own_file
+
+
+def probe_embedded_default_runs_mac_under_one_private_generated_secret() -> None:
+    """Where the connector starts the store, an unset `integrity` is 'mac' under the engine's generated
+    secret (IntegrityKey.resolve, as the connector calls it); beside a configured master, 'checksum'. The
+    secret (rendezvous.engine_secret) is generated once and read by every later call of the engine, 32
+    bytes of mode 0600; a group-readable secret file, or a runtime directory others may enter, is refused
+    by name."""
+    made = b"g" * 32
+    key = integrity.IntegrityKey.resolve(None, None, embedded=True, generated=lambda: made)
+    check((key.mode, key.secret) == ("mac", made), f"the embedded default resolved to {key.mode!r}, not 'mac' "
+                                                   f"under the generated secret")
+    key = integrity.IntegrityKey.resolve(None, None, embedded=False, generated=lambda: made)
+    check(key.mode == "checksum", f"beside a configured master and no secret file: {key.mode!r}, not 'checksum'")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = os.path.join(tmp, "run")
+        os.mkdir(run, 0o700)
+        with runtime_dir_env(run):
+            first = rendezvous.engine_secret("probe")
+            check(len(first) == rendezvous.SECRET_BYTES and rendezvous.engine_secret("probe") == first,
+                  "a second process of the engine read another secret than the first one generated")
+            path = rendezvous.secret_path("probe")
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            check(mode == 0o600, f"the generated secret has mode {mode:04o}, not 0600")
+            for what, fix, undo, field_ in (
+                    ("a group-readable secret (0640)", lambda: os.chmod(path, 0o640), lambda: os.chmod(path, 0o600),
+                     "engine_secret"),
+                    ("a runtime dir others may enter (0711)", lambda: os.chmod(run, 0o711),
+                     lambda: os.chmod(run, 0o700), rendezvous.RUNTIME_DIR_ENV)):
+                fix()
+                try:
+                    rendezvous.engine_secret("probe")
+                except LedgerInputError as e:
+                    check(e.field == field_, f"the refusal of {what} names {e.field!r}: {e}")
+                else:
+                    raise ProbeFailed(f"{what} was accepted as holding the engine's secret")
+                finally:
+                    undo()
+
+
+def probe_a_seal_verifies_every_tag_it_is_asked_for() -> None:
+    """BlockSeal.verify compares each block's tag: a block changed after its seal, or a trailer read under
+    another key, is False (what the worker's load path turns into a load error)."""
+    from conformance.probes_parts import integrity_case
+
+    _w, seal, _kv = integrity_case()
+    got = seal.verify(0, ["k1", "k2"], [1, 2])
+    check(got == [True, False], f"block 2 changed after its tag: verify said {got}, not [True, False]")
+    got = seal.verify(0, ["k2", "k1"], [1, 2])
+    check(got == [False, False], f"trailers read under each other's key: verify said {got}")
+
+
+def _embedded_default_checksum(orig):  # the embedded default keeps the unkeyed tag a local client can forge
+    def integrity_mode(mode, secret_file, *, embedded):
+        return "checksum" if mode is None and secret_file is None else orig(mode, secret_file, embedded=embedded)
+    return integrity_mode
+
+
+def _secret_per_process(orig):  # each process of the engine generates its own: their tags never verify
+    def engine_secret(engine_id, **kw):
+        try:
+            os.remove(rendezvous.secret_path(engine_id))
+        except OSError:
+            pass
+        return orig(engine_id, **kw)
+    return engine_secret
+
+
+def _dir_privacy_unchecked(orig):  # a runtime dir others may enter is taken to hold the secret
+    def private_dir(d):
+        return d
+    return private_dir
+
+
+def _verify_skipped(orig):  # the tags are never compared: every block read is taken as verified
+    def verify(self, slot, keys, block_ids, kv_groups=None):
+        return [True] * len(keys)
+    return verify
 
 
 # ---------------------------------------------------------------- 2. the owner of a replicated KV head
@@ -482,6 +561,8 @@ def _switch_keeps_old_key_builders(orig):  # the version is recorded, the key bu
 
 PROBES: list[Callable[[], None]] = [
     probe_integrity_secret_must_be_private, probe_replicated_kv_head_owner,
+    probe_embedded_default_runs_mac_under_one_private_generated_secret,
+    probe_a_seal_verifies_every_tag_it_is_asked_for,
     probe_breaker_backoff_doubles_to_its_cap, probe_lookup_deadline_behind_an_abandoned_call,
     probe_attached_process_uses_the_published_metadata_url, probe_supervisor_restarts_a_dead_master,
     probe_reset_switches_the_weights_version,
@@ -491,6 +572,13 @@ Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
     # read_secret looks read_own_file up in its own module (imported by name from ownfile)
     "integrity_secret_group_readable": [(integrity, "read_own_file", _private_checks_others_only)],
+    # the embedded default's generated secret (rendezvous looks read_own_file up in its own module too), its
+    # mode (integrity looks integrity_mode up in its own module), and the comparison of tags
+    "engine_secret_group_readable": [(rendezvous, "read_own_file", _private_checks_others_only)],
+    "engine_secret_dir_others_may_enter": [(rendezvous, "private_dir", _dir_privacy_unchecked)],
+    "engine_secret_per_process": [(rendezvous, "engine_secret", _secret_per_process)],
+    "embedded_default_checksum": [(integrity, "integrity_mode", _embedded_default_checksum)],
+    "integrity_verify_skipped": [(integrity.BlockSeal, "verify", _verify_skipped)],
     "tp_shared_head_owner_modulo": [(engine_facts, "kv_head_shard", _head_owner_modulo)],
     "breaker_backoff_never_doubles": [(MooncakeStore, "backoff_s", _backoff_never_doubles)],
     "lookup_waits_behind_abandoned_call": [(DeadlineStore, "batch_is_exist", _waits_behind_abandoned_call)],
@@ -506,6 +594,11 @@ MUTANTS: dict[str, list[Patch]] = {
 #: the shows-probe of each mutant: the probe that observes the patched function directly
 SHOWS: dict[str, Callable[[], None]] = {
     "integrity_secret_group_readable": probe_integrity_secret_must_be_private,
+    "engine_secret_group_readable": probe_embedded_default_runs_mac_under_one_private_generated_secret,
+    "engine_secret_dir_others_may_enter": probe_embedded_default_runs_mac_under_one_private_generated_secret,
+    "engine_secret_per_process": probe_embedded_default_runs_mac_under_one_private_generated_secret,
+    "embedded_default_checksum": probe_embedded_default_runs_mac_under_one_private_generated_secret,
+    "integrity_verify_skipped": probe_a_seal_verifies_every_tag_it_is_asked_for,
     "tp_shared_head_owner_modulo": probe_replicated_kv_head_owner,
     "breaker_backoff_never_doubles": probe_breaker_backoff_doubles_to_its_cap,
     "lookup_waits_behind_abandoned_call": probe_lookup_deadline_behind_an_abandoned_call,

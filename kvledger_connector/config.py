@@ -254,6 +254,31 @@ def _parse_integrity(key: Key, field: str, raw: Any, source: str) -> str:
     return raw
 
 
+def integrity_mode(mode: str | None, secret_file: str | None, *, embedded: bool) -> str:
+    """The integrity an engine runs with: the one rule for an unset `integrity` and the secret's source.
+
+        integrity        integrity_secret_file   store        ->
+        unset or mac     set                     any          mac, the operator's secret
+        unset or mac     unset                   embedded     mac, a secret generated for the engine
+                                                              (kvledger_connector/rendezvous.py `engine_secret`)
+        unset            unset                   configured   checksum (logged at start-up: no forger is stopped)
+        mac              unset                   configured   refused: engines that share a store need one secret
+        checksum or off  set                     any          refused: only mac uses a secret
+    """
+    if secret_file is not None:
+        if mode not in (None, "mac"):
+            raise ConfigError("integrity_secret_file", secret_file,
+                              f"set with integrity={mode!r}; a secret is used only by 'mac'", "connector")
+        return "mac"
+    if mode is None:
+        return "mac" if embedded else "checksum"
+    if mode == "mac" and not embedded:
+        raise ConfigError("integrity_secret_file", None, "required by integrity 'mac' with a configured "
+                          "master_server_address: every engine that shares the store must read the same secret",
+                          "connector")
+    return mode
+
+
 def _parse_path(key: Key, field: str, raw: Any, source: str) -> str | None:
     if raw is None or raw == "":  # off
         return None
@@ -384,18 +409,24 @@ KEYS: tuple[Key, ...] = (
         "vLLM collects them every step, so the cap only bites when one step collects more",
         lo=1, hi=1 << 22, tests="test_kv_events.py::test_max_kv_events_refuses_bad_values, "
                                 "::test_pending_events_are_bounded_oldest_dropped"),
-    Key("integrity", "integrity", "checksum", "connector",
+    Key("integrity", "integrity", None, "connector",
         "a tag over every stored block's bytes, in an 80-byte trailer of its object, computed where the KV "
         "cache lives and checked before a load reports the block loaded (a mismatch is a load error). "
-        "\"checksum\": anyone can compute it (catches corruption, a block under another key, a careless "
-        "overwrite); \"mac\": keyed by `integrity_secret_file`, so a store client without the secret cannot "
-        "make a value that loads; \"off\": no trailer. In every key's layout digest",
+        "\"mac\": keyed by a secret, so a store client without it cannot make a value that loads (the "
+        "default: with the embedded store a secret generated per engine in the private runtime directory, "
+        "else `integrity_secret_file`); \"checksum\": anyone can compute it (catches corruption, a block "
+        "under another key, a careless overwrite; the default with a configured master and no secret file, "
+        "logged at start-up); \"off\": no trailer. In every key's layout digest",
+        shown_default="mac (embedded store or a secret file), else checksum",
         tests="test_integrity.py::test_a_same_size_overwrite_is_a_load_error_never_loaded, "
-              "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key"),
+              "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key, "
+              "::test_the_embedded_default_refuses_a_recomputed_checksum_tag"),
     Key("integrity_secret_file", "path", None, "connector",
         "the deployment secret for integrity \"mac\" (16-4096 bytes, a regular file of this user, mode 0600; "
-        "opened without following links); the same file on every engine that shares the store",
-        shown_default="none", tests="test_integrity.py::test_the_secret_file_is_refused_unless_private"),
+        "opened without following links); the same file on every engine that shares the store. Unset with "
+        "the embedded store: a secret generated for the engine",
+        shown_default="none", tests="test_integrity.py::test_the_secret_file_is_refused_unless_private, "
+                                    "test_rendezvous.py::test_a_generated_secret_is_refused_unless_private"),
     Key("trace_path", "path", None, "connector",
         "NDJSON trace of the shared-vocabulary events (schema: `kvledger.trace.EVENTS`), one file per process "
         "(checked by `python -m conformance.runlog`)", shown_default="off",
@@ -743,7 +774,7 @@ class ConnectorConfig:
     max_inflight_jobs: int = 64
     max_held_requests: int = 64
     max_pinned_blocks: int = DERIVED
-    integrity: str = "checksum"
+    integrity: str | None = None  # None: by the store (`integrity_mode`)
     integrity_secret_file: str | None = None
     # KV cache groups (a hybrid model under vLLM's hybrid KV cache manager: a job pins a block per group)
     num_kv_groups: int = 1
@@ -767,10 +798,7 @@ class ConnectorConfig:
             raise ConfigError("kv_load_failure_policy", self.kv_load_failure_policy,
                               f"must be one of {LOAD_FAILURE_POLICIES}", "vllm kv_transfer_config")
         _check_fields(self, "connector")
-        if (self.integrity == "mac") != (self.integrity_secret_file is not None):
-            raise ConfigError("integrity_secret_file", self.integrity_secret_file,
-                              f"required by integrity 'mac' and used only by it (integrity={self.integrity!r})",
-                              "connector")
+        integrity_mode(self.integrity, self.integrity_secret_file, embedded=self.store.embedded)
         if self.num_kv_groups.__class__ is not int or self.num_kv_groups < 1:
             raise ConfigError("num_kv_groups", self.num_kv_groups, "must be an int >= 1", "vllm kv_cache_config")
         if self.key_parts.__class__ is not int or self.key_parts < 1:

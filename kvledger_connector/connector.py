@@ -17,7 +17,8 @@ Embedded default: with no ``master_server_address`` the first connector of the e
 `mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`); the engine's other connectors, in
 this process (reference counted) or in its other processes (kvledger_connector/rendezvous.py: one file per engine
 id), attach to it. The servers stop with the connector that started them (or die with its process). A
-multi-node engine configures a master.
+multi-node engine configures a master. Where the connector starts the store it also protects it: integrity
+'mac' under a secret generated for the engine in the same private directory (rendezvous.engine_secret).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from kvledger_connector.engine_facts import (
     resolved_layout,
 )
 from kvledger_connector.events import StoreEvents, spec_metadata
-from kvledger_connector.integrity import IntegrityKey
+from kvledger_connector.integrity import CHECKSUM_ONLY, IntegrityKey
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
 from kvledger_connector.rendezvous import AttachedMooncake
@@ -91,7 +92,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         is_scheduler = role == KVConnectorRole.SCHEDULER
         # everything is read and checked before anything is started or connected
         settings = read_settings(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.integrity = IntegrityKey.of(settings.get("integrity"), settings.get("integrity_secret_file"))
+        self.integrity = self._integrity(settings, is_scheduler)
         self._weights_version_file: str | None = settings.get("weights_version_file")
         self.engine = facts = EngineFacts.of(vllm_config, kv_cache_config, scheduler=is_scheduler,
                                              tp_rank=settings.get("tp_rank"), pp_rank=settings.get("pp_rank"),
@@ -113,6 +114,22 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         except BaseException:
             self._stop(quiet=True)  # what was started before the failure (store client, embedded servers, trace)
             raise
+
+    def _integrity(self, settings: Any, is_scheduler: bool) -> IntegrityKey:
+        """The engine's integrity key (`IntegrityKey.resolve`): with the embedded store, 'mac' under a secret
+        generated for this engine id and read by each of its processes (rendezvous.engine_secret), before
+        anything starts, since the key's tag is in every key. The scheduler (one per engine) says once when
+        the tags stop no forger."""
+        try:
+            embedded = settings.store().embedded
+            engine_id = str(self._kv_transfer_config.engine_id)
+            ikey = IntegrityKey.resolve(settings.get("integrity"), settings.get("integrity_secret_file"),
+                                        embedded=embedded, generated=lambda: rendezvous.engine_secret(engine_id))
+        except ConfigError as e:
+            raise settings.sourced(e) from None
+        if is_scheduler and ikey.mode == "checksum":
+            logger.warning(CHECKSUM_ONLY)
+        return ikey
 
     def _first_weights_version(self, settings: Any, is_scheduler: bool) -> str:
         """`weights_version`, or the scheduler's reading of `weights_version_file`. Workers do not read the

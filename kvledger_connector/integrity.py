@@ -19,10 +19,13 @@ the deployment secret; ``pad`` is HMAC-SHA512(secret, key || nonce), a fresh one
 nonce is random), so equal keys written twice with bit-different KV (GPU kernels need not be bitwise
 deterministic) never reuse a pad, and a tag holds only under its own key.
 
-* ``checksum`` (the default): the secret is empty, so anyone can compute a tag. It catches bytes changed
+* ``checksum`` (the default only with a configured master and no secret file, said once at start-up):
+  the secret is empty, so anyone can compute a tag. It catches bytes changed
   in the store, a torn transfer, a block stored under another block's key, and a client that overwrites
   a value with bytes of its own, unless it recomputes the tag on purpose.
-* ``mac``: a secret from ``integrity_secret_file``. A client without it cannot make a value that loads:
+* ``mac`` (the default where the connector starts the store; `IntegrityKey.resolve`): a secret from
+  ``integrity_secret_file``, or one generated per engine in its private runtime directory
+  (kvledger_connector/rendezvous.py `engine_secret`). A client without it cannot make a value that loads:
   for a changed value under an existing nonce it must guess, per lane, a first-level hash that is zero
   with probability at most 2**-8 or the second-level sum mod 2**64; for a new nonce, the pad. About
   2**-64 per attempt. Bytes are not encrypted: the store still shows them to whoever can read it.
@@ -43,7 +46,7 @@ import hashlib
 import hmac
 import os
 import queue
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,7 @@ import numpy as np
 import torch
 
 from kvledger.errors import LedgerError, LedgerInputError
+from kvledger_connector.config import integrity_mode
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.ownfile import read_own_file
 
@@ -64,6 +68,10 @@ TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + 8 * LANES
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
 FEW_BLOCKS = 16  # up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
 _MASK = (1 << 64) - 1
+#: said once at start-up when an engine runs 'checksum' (`IntegrityKey.resolve` chose it or the operator did)
+CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption and a block under another key, "
+                 "but not a forger: any client of this Mooncake master can recompute it. Set integrity_secret_file "
+                 "(16-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
 
 
 class IntegrityError(LedgerError):
@@ -103,6 +111,16 @@ class IntegrityKey:
             raise LedgerInputError("integrity_secret_file", secret_file,
                                    f"set with integrity={mode!r}; a secret is used only by 'mac'")
         return cls(mode, read_secret(secret_file) if secret_file else b"")
+
+    @classmethod
+    def resolve(cls, mode: str | None, secret_file: str | None, *, embedded: bool,
+                generated: Callable[[], bytes]) -> IntegrityKey:
+        """The engine's key by `config.integrity_mode`: the operator's secret file, else under 'mac' the
+        engine's generated secret (``generated()``, asked only then), else no secret."""
+        mode = integrity_mode(mode, secret_file, embedded=embedded)
+        if mode != "mac":
+            return cls(mode)
+        return cls(mode, read_secret(secret_file) if secret_file is not None else generated())
 
     @property
     def enabled(self) -> bool:

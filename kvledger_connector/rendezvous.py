@@ -22,7 +22,17 @@ The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created
 another user owns it or others may write to it. Nothing in it is trusted: files are opened without
 following symlinks, a file not owned by this user, writable by others, larger than `MAX_FILE_BYTES` or not
 naming servers on 127.0.0.1 by decimal ports is not joined (it is swept like a dead owner's), and files
-are written with O_EXCL, mode 0600. Within one process the connectors of an engine share one handle, reference counted
+are written with O_EXCL, mode 0600. The engine's integrity secret (`engine_secret`) lives there too::
+
+    <runtime dir>/secret-<engine_id>.key        32 random bytes, O_EXCL|O_NOFOLLOW, mode 0600
+
+    the first process of the engine to ask generates it under the lock, the others read it; every reading
+    (the generator's too) is checked like an operator's file (kvledger_connector/ownfile.py) in a directory
+    no one else may enter (0700). The owner removes it with the engine's file at shutdown, and a sweep
+    removes it with a dead owner's file (a start-up that fails before it publishes servers leaves it for
+    the next process of the same engine id: it stays private and is still a secret).
+
+Within one process the connectors of an engine share one handle, reference counted
 (`acquire_shared` / `release_shared`). Only processes on this host can attach: a multi-node engine must configure
 `master_server_address` (the connector refuses the embedded default when `parallel_config.nnodes > 1`).
 """
@@ -40,10 +50,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvledger.errors import LedgerInputError
 from kvledger_connector.embedded import LOOPBACK, EmbeddedMooncake, port_accepts
+from kvledger_connector.ownfile import read_own_file
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
 MAX_FILE_BYTES = 4096  # a rendezvous file is ~120 bytes
+SECRET_BYTES = 32  # a generated integrity secret: the key size of HMAC-SHA256 and BLAKE3
 LOCK_TIMEOUT_S = 300.0  # the holder may be starting the servers (each waits up to 30 s to accept, with retries)
 _LOCK_POLL_S = 0.05
 _MASTER_RE = re.compile(rf"{re.escape(LOOPBACK)}:([0-9]{{1,5}})")  # what EmbeddedMooncake publishes, exactly
@@ -183,15 +196,77 @@ def _sweep(d: str) -> None:
             path = os.path.join(d, name)
             info = _read(path)
             if info is None or not owner_alive(info):
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
+                for dead in (path, os.path.join(d, f"secret-{name[len('embedded-'):-len('.json')]}.key")):
+                    try:
+                        os.remove(dead)
+                    except OSError:
+                        pass
+
+
+def _safe(engine_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", engine_id)[:120]
 
 
 def rendezvous_path(engine_id: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", engine_id)[:120]
-    return os.path.join(runtime_dir(), f"embedded-{safe}.json")
+    return os.path.join(runtime_dir(), f"embedded-{_safe(engine_id)}.json")
+
+
+def secret_path(engine_id: str) -> str:
+    return os.path.join(runtime_dir(), f"secret-{_safe(engine_id)}.key")
+
+
+def _open_lock(d: str) -> tuple[int, str]:
+    lock_path = os.path.join(d, ".lock")
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), lock_path
+    except OSError as e:  # a symlink planted there (ELOOP), a directory, ...
+        raise RendezvousError(f"{lock_path!r}: cannot open the rendezvous lock ({e.strerror or e}); remove it "
+                              f"or set {RUNTIME_DIR_ENV} to a private directory") from None
+
+
+def read_engine_secret(path: str) -> bytes:
+    """A generated secret: exactly SECRET_BYTES of this user's regular file, mode 0600 or stricter, opened
+    without following a link (`read_own_file`), else `LedgerInputError("engine_secret", path)`."""
+    blob = read_own_file("engine_secret", path, max_bytes=SECRET_BYTES, private=True)
+    if len(blob) != SECRET_BYTES:
+        raise LedgerInputError("engine_secret", path, f"holds {len(blob)} bytes, a generated secret "
+                               f"{SECRET_BYTES}; remove it and the next start generates one")
+    return blob
+
+
+def private_dir(d: str) -> str:
+    """`d` when no other user may enter it; a secret's directory must be 0700, not only unwritable by others
+    (a directory others may list and enter leaves the secret to its own mode alone)."""
+    mode = stat.S_IMODE(os.lstat(d).st_mode)
+    if mode & 0o077:
+        raise LedgerInputError(RUNTIME_DIR_ENV, d, f"has mode {mode:04o}: other users may enter it, and it holds "
+                               f"the engine's integrity secret; chmod 700 or set {RUNTIME_DIR_ENV} to a private "
+                               f"directory")
+    return d
+
+
+def engine_secret(engine_id: str, *, lock_timeout_s: float = LOCK_TIMEOUT_S) -> bytes:
+    """This engine's integrity secret (module doc): generated by the first process of the engine that asks,
+    read by the others, under the directory's lock (two that arrive together never make two)."""
+    path = secret_path(engine_id)
+    d = private_dir(os.path.dirname(path))
+    lock, lock_path = _open_lock(d)
+    try:
+        _lock_within(lock, lock_path, lock_timeout_s)
+        _sweep(d)  # a dead engine's secret of this id goes with its file, not into this engine
+        if not os.path.lexists(path):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                if os.write(fd, os.urandom(SECRET_BYTES)) != SECRET_BYTES:
+                    raise OSError(f"{path!r}: short write")
+            except BaseException:
+                os.close(fd)
+                os.remove(path)
+                raise
+            os.close(fd)
+        return read_engine_secret(path)  # the one we wrote too: checked like any other reading
+    finally:
+        os.close(lock)
 
 
 def _lock_within(fd: int, path: str, timeout_s: float) -> None:
@@ -216,12 +291,7 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
     (`start()`) and publish their addresses. Held under the directory's lock, so two processes that
     arrive together never both start servers."""
     path = rendezvous_path(engine_id)
-    lock_path = os.path.join(os.path.dirname(path), ".lock")
-    try:
-        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:  # a symlink planted there (ELOOP), a directory, ...
-        raise RendezvousError(f"{lock_path!r}: cannot open the rendezvous lock ({e.strerror or e}); remove it "
-                              f"or set {RUNTIME_DIR_ENV} to a private directory") from None
+    lock, lock_path = _open_lock(os.path.dirname(path))
     try:
         _lock_within(lock, lock_path, lock_timeout_s)
         _sweep(os.path.dirname(path))
@@ -246,14 +316,15 @@ def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
 
 
 def release(engine_id: str) -> None:
-    """The owner's shutdown: withdraw the file (only if this process published it)."""
+    """The owner's shutdown: withdraw the file and the engine's secret (only if this process published it)."""
     path = rendezvous_path(engine_id)
     info = _read(path)
     if info is not None and info["pid"] == os.getpid():
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        for mine in (path, secret_path(engine_id)):
+            try:
+                os.remove(mine)
+            except OSError:
+                pass
 
 
 _SHARED_LOCK = threading.Lock()

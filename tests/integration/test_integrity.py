@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig
+from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, integrity_mode
 from kvledger_connector.integrity import (LANES, NONCE_BYTES, TRAILER_BYTES, BlockSeal, IntegrityError,
                                           IntegrityKey, reference_digest, trailer)
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
@@ -112,6 +112,33 @@ def test_a_checksum_tag_can_be_forged_by_a_client_that_knows_the_algorithm(tmp_p
         assert h.workers[0].worker_side.steps.stats.totals.data.get("integrity_mismatches", 0) == 0
 
 
+def test_the_embedded_default_refuses_a_recomputed_checksum_tag(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """The embedded default (no master configured, no integrity setting): the connectors start the store and
+    run 'mac' under a secret generated for the engine; a local client that plants bytes with a recomputed
+    'checksum' tag (what it can do against 'checksum') gets a load error, never its bytes loaded. TP 2 in
+    one process: both ranks read the one secret."""
+    rdir = tmp_path / "run"
+    rdir.mkdir(mode=0o700)
+    monkeypatch.setenv("KVLEDGER_RUNTIME_DIR", str(rdir))
+    cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
+    prompts = shared_prefix_prompts(4, num_prefixes=1, prefix_len=48, suffix_len=8, seed=23)
+    with Harness(cfg, workdir=str(tmp_path / "m"), tp_size=2) as h:
+        ikeys = [w.integrity for w in h.workers] + [h.scheduler_connector.integrity]
+        assert {k.mode for k in ikeys} == {"mac"} and len({k.secret for k in ikeys}) == 1, ikeys
+        [secret] = rdir.glob("secret-*.key")
+        assert secret.read_bytes() == ikeys[0].secret and secret.stat().st_mode & 0o777 == 0o600
+        h.run_pass(prompts, MAX_TOKENS, tag="p1")
+        keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
+        _overwrite(h, keys[1], IntegrityKey("checksum"))
+        h.reset_prefix_cache_when_idle()
+        h.run_pass(prompts, MAX_TOKENS, tag="p2")  # outputs right: the planted block was not loaded
+        steps = h.workers[0].worker_side.steps
+        assert steps.stats.totals.data.get("integrity_mismatches", 0) >= 1
+        assert h.stats.load_error_blocks >= 1 and h.garbage == []
+    assert list(rdir.glob("secret-*.key")) == []  # the owner's shutdown takes the secret with its servers
+
+
 def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_path: Path):
     tags = {IntegrityKey("off").key_tag, IntegrityKey().key_tag, IntegrityKey("mac", b"a" * 16).key_tag,
             IntegrityKey("mac", b"b" * 16).key_tag}
@@ -125,9 +152,21 @@ def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_pa
         IntegrityKey("sha1")
     with pytest.raises(ConfigError, match="integrity.*'crc'"):
         ConnectorConfig(store=StoreConfig(), block_size=16, integrity="crc")
-    with pytest.raises(ConfigError, match="integrity_secret_file"):
-        ConnectorConfig(store=StoreConfig(), block_size=16, integrity="mac")
-    assert ConnectorConfig(store=StoreConfig(), block_size=16).integrity == "checksum"  # on by default
+    master = StoreConfig().with_addresses("127.0.0.1:50051", "http://127.0.0.1:8080/metadata")
+    with pytest.raises(ConfigError, match="integrity_secret_file.*master_server_address"):
+        ConnectorConfig(store=master, block_size=16, integrity="mac")  # engines sharing a store need one secret
+    with pytest.raises(ConfigError, match="integrity_secret_file.*'checksum'"):
+        ConnectorConfig(store=StoreConfig(), block_size=16, integrity="checksum", integrity_secret_file="/s")
+    # the default: mac where the connector starts the store (a generated secret), checksum beside a master
+    assert integrity_mode(None, None, embedded=True) == "mac" == integrity_mode("mac", None, embedded=True)
+    assert integrity_mode(None, None, embedded=False) == "checksum"
+    assert integrity_mode(None, "/s", embedded=False) == "mac"
+    asked: list[int] = []
+    gen = lambda: asked.append(1) or b"g" * 32  # noqa: E731
+    assert IntegrityKey.resolve(None, None, embedded=True, generated=gen) == IntegrityKey("mac", b"g" * 32)
+    assert IntegrityKey.resolve(None, None, embedded=False, generated=gen) == IntegrityKey("checksum")
+    assert IntegrityKey.resolve("off", None, embedded=True, generated=gen) == IntegrityKey("off")
+    assert asked == [1]  # generated only for the mac it serves
     # two engines with different secrets: one's tags never verify under the other's key
     body = os.urandom(3 * 512 + 7)
     a, b = IntegrityKey("mac", b"a" * 16), IntegrityKey("mac", b"b" * 16)

@@ -288,3 +288,78 @@ def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdi
     got = rendezvous.acquire("ns-engine", _Started)  # type: ignore[arg-type]  (its master is gone with it)
     assert isinstance(got, _Started)
     rendezvous.release("ns-engine")
+
+
+# one process of a TP 2 engine as the connector starts it: the engine's secret, then its servers
+SECRET_CHILD = """
+import hashlib, json, sys
+from kvledger_connector.rendezvous import acquire_shared, engine_secret, release_shared
+s = engine_secret(sys.argv[1])
+h = acquire_shared(sys.argv[1], 2000)
+print(json.dumps({"secret": hashlib.sha256(s).hexdigest(), "master": h.master_address}), flush=True)
+sys.stdin.readline()
+release_shared(sys.argv[1])
+print("released", flush=True)
+"""
+
+
+def test_every_process_of_an_engine_reads_one_generated_secret(env: dict[str, str]) -> None:
+    """The scheduler's process and two workers' (TP 2) start together: one secret, generated once, read
+    by all; another engine gets its own; the owner's shutdown removes it with the rendezvous file."""
+    eid = f"engine-{uuid.uuid4().hex[:8]}"
+    run = Path(env["KVLEDGER_RUNTIME_DIR"])
+
+    def spawn(engine_id: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", SECRET_CHILD, engine_id], cwd=ROOT, env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    procs = [spawn(eid) for _ in range(3)]
+    try:
+        hellos = [_hello(p) for p in procs]
+        assert len({h["secret"] for h in hellos}) == 1 and len({h["master"] for h in hellos}) == 1, hellos
+        [key] = run.glob("secret-*.key")
+        assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size == 32
+        other = spawn(f"engine-{uuid.uuid4().hex[:8]}")
+        try:
+            assert _hello(other)["secret"] != hellos[0]["secret"]
+        finally:
+            other.communicate("release\n", timeout=60)
+        for p in procs:
+            p.communicate("release\n", timeout=60)
+        assert list(run.glob("secret-*.key")) == [] and list(run.glob("embedded-*.json")) == []
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+@pytest.mark.parametrize("what", ["group-readable file", "a symlink", "short file", "a directory",
+                                  "directory others may enter"])
+def test_a_generated_secret_is_refused_unless_private(rdir: Path, what: str) -> None:
+    """A secret file that is not this user's private regular file of 32 bytes, or a runtime directory
+    others may enter, stops start-up with a named error (never a secret read from it, never a new one
+    written over it)."""
+    from kvledger.errors import LedgerInputError
+    from kvledger_connector import rendezvous
+    path = Path(rendezvous.secret_path("e"))
+    good = rendezvous.engine_secret("e")
+    assert len(good) == 32 and rendezvous.engine_secret("e") == good  # generated once, then read
+    field = "engine_secret"
+    if what == "group-readable file":
+        path.chmod(0o640)
+    elif what == "a symlink":
+        path.unlink()
+        (rdir.parent / "planted").write_bytes(b"p" * 32)
+        (rdir.parent / "planted").chmod(0o600)
+        path.symlink_to(rdir.parent / "planted")
+    elif what == "short file":
+        path.write_bytes(b"s" * 16)
+    elif what == "a directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        rdir.chmod(0o711)
+        field = rendezvous.RUNTIME_DIR_ENV
+    with pytest.raises(LedgerInputError) as e:
+        rendezvous.engine_secret("e")
+    assert e.value.field == field, e.value
+    rdir.chmod(0o700)
