@@ -262,6 +262,8 @@ class KVDriver:
         consts = dict(consts or {})
         self.max_gen = int(consts.get("MaxGen", 2))
         self.pin_cap = int(consts.get("PinCap", 1))
+        # finished requests held for a save the cap deferred (the connector's max_held_requests)
+        self.max_held = int(consts.get("MaxHeld", 0))
         self.sub_batch = int(consts.get("SubBatch", 1))
         self.cfg_max_jobs = consts.get("MaxJobs")
         self.late_notices = bool(consts.get("LateNotices", False))
@@ -349,7 +351,7 @@ class KVDriver:
         self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
                                  store=self.store, max_pinned_blocks=self.pin_cap * self.num_blocks,
                                  save_partial_tail=self.partial_tail, sync_load_max_tokens=SYNC_LOAD_MAX_TOKENS,
-                                 trace=tr)
+                                 trace=tr, max_held_requests=self.max_held)
         self.ss.bind_ledger(self.sched)
         self.specs: dict[int, SaveSpec] = {}  # the SaveSpec of each emitted job
         # each rank's received job, its blocks resolved by the rank (WorkerSteps.receive_save)
@@ -500,14 +502,21 @@ class KVDriver:
         self.requests[r].num_computed_tokens = self.tokens(r, c)
         self._emit("sched", "Compute", req_id=r, chunk=c, block=blk.block_id)
 
+    def _table_of(self, q: str) -> list[int]:
+        return [b.block_id for b in self.table[q]]
+
     def do_EmitStore(self, a: dict[str, Any]) -> None:
-        """vLLM's build_connector_meta with r scheduled: the connector's EmitStore step decides the job."""
+        """vLLM's build_connector_meta with r scheduled (or r held: its deferred save retried): the
+        connector's EmitStore step decides the job."""
         r = a["r"]
-        self._running_done(r)
+        if self.status[r] == "held":
+            self._engine_synced()
+        else:
+            self._running_done(r)
         if self.sched.next_job_id > self.max_jobs:
             raise Refused(f"the model has only {self.max_jobs} job ids")
         lo = self.ss.emitted_blocks(r) + 1  # the model's emitted[r] + 1
-        saves = self.ss.emit_stores({r: 0}, lambda q: [b.block_id for b in self.table[q]])
+        saves = self.ss.emit_stores({r: 0}, self._table_of)
         if len(saves) != 1:
             raise Refused(f"the connector's EmitStore step opened {len(saves)} jobs for {r}")
         (spec,) = saves
@@ -547,14 +556,38 @@ class KVDriver:
             self._engine_synced()  # an abort during the async load: the load's pins keep its blocks
         else:
             self._running_done(r)
-            if self.ncomp[r] != self.num_chunks or (self.ss.emitted_blocks(r) != self.ncomp[r]
-                                                    and self.sched.next_job_id <= self.max_jobs):
-                raise Refused(f"{r} has work left")
+            if self.ncomp[r] != self.num_chunks:
+                raise Refused(f"{r} has chunks left to compute")
+            if self.ss.emitted_blocks(r) != self.ncomp[r] and self.sched.next_job_id <= self.max_jobs:
+                # a save left: only one the cap defers (the model's ~CapOK), as the connector's step this
+                # step found it (deferred); the request is then held, or its save given up past MaxHeld
+                if self.sched.num_inflight_jobs < self.pin_cap:
+                    raise Refused(f"{r} has a save left that the cap does not defer")
+                if self.ss.emit_stores({r: 0}, self._table_of):
+                    raise Refused(f"the connector opened a job for {r} at the cap")
+        emitted = self.ss.emitted_blocks(r)
+        if self.ss.request_finished(self.requests[r]):  # held: vLLM keeps the blocks, no notice yet
+            self.status[r] = "held"
+            return
         self._free_table(r)
         self.status[r] = "finished"
-        self.emitted_at_finish[r] = self.ss.emitted_blocks(r)  # the model keeps it; vLLM forgets the request
-        self.ss.request_finished(self.requests[r])
+        self.emitted_at_finish[r] = emitted  # the model keeps it; vLLM forgets the request
         (nt,) = self.ss.notices([r], [])  # the connector's notice (and its Finish event)
+        for w in self.ranks:
+            self.notice[w].add((r, nt.generation, "finish"))
+
+    def do_ReleaseHeld(self, a: dict[str, Any]) -> None:
+        """The held request's save is stored (every rank reported its job): its notice goes out with
+        ``release``; every rank answers finished_sending and vLLM frees the blocks it kept."""
+        r = a["r"]
+        self._engine_synced()
+        if self.status[r] != "held" or r not in self.ss.held_release_due():
+            raise Refused(f"{r} is {self.status[r]}, not a held request whose save is done")
+        self.emitted_at_finish[r] = self.ss.emitted_blocks(r)
+        nt = self.ss.release_held(r)
+        self._free_table(r)
+        self.status[r] = "finished"
+        self.ss.note_freed([r])  # the ranks' finished_sending, merged by vLLM, then vLLM's free
         for w in self.ranks:
             self.notice[w].add((r, nt.generation, "finish"))
 

@@ -9,6 +9,7 @@ Per engine step, in vLLM's order::
       get_num_new_matched_tokens(req, n)  -> lookup(req, n), load_is_async      Lookup
       update_state_after_alloc(req, ..)   -> emit_load(req, block ids, n)      EmitLoad (pinned)
       build_connector_meta(out)           -> notices(finished, preempted)      DropGeneration notices
+                                             releases()                        ReleaseHeld (held requests)
                                              take_loads(), emit_stores(..)     EmitStore (pinned) / DEFER
     update_from_output()
       update_connector_output(out)        -> note_load_errors(invalid_block_ids) later lookups stop there
@@ -120,7 +121,7 @@ class SchedulerSide(SchedulerSteps):
         self._step += 1
         meta = KVLedgerConnectorMetadata(step=self._step, weights_version=self.weights_version)
         meta.drops = self.notices(sorted(scheduler_output.finished_req_ids),
-                                  sorted(scheduler_output.preempted_req_ids or ()))
+                                  sorted(scheduler_output.preempted_req_ids or ())) + self.releases()
         meta.loads = self.take_loads()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         manager = self._kv_cache_manager

@@ -701,8 +701,6 @@ class SchedulerSteps:
             if trace is not None:  # the notice every rank gets (a DropGeneration each)
                 trace.emit("sched", "Finish", {"req_id": req_id, "generation": drops[-1].generation})
         self._finished_out.clear()
-        for req_id in self.held_release_due():
-            drops.append(self.release_held(req_id))
         for req_id in preempted_req_ids:
             st = self._reqs.get(req_id)
             drops.append(DropNotice(req_id, max(generation_of(st.request) - 1, 0) if st is not None else None,
@@ -731,6 +729,10 @@ class SchedulerSteps:
             self._give_up_save()
         self._finished_out[req_id] = generation_of(request)
         return False
+
+    def releases(self) -> list[DropNotice]:
+        """ReleaseHeld for every held request due (`held_release_due`): their notices, after the step's others."""
+        return [self.release_held(req_id) for req_id in self.held_release_due()]
 
     def held_release_due(self) -> list[str]:
         """ReleaseHeld is due for these held requests: their save was opened and every rank reported it
@@ -775,12 +777,7 @@ class SchedulerSteps:
             offers = boundary_states or {}
             for req_id in self._reqs.deferred_ids():
                 if req_id not in scheduled:
-                    held = self._reqs.get(req_id) if req_id in self._held else None
-                    n, defers = len(saves), held.defers if held is not None else 0
                     self._emit_store_guarded(saves, req_id, 0, table_of, offers.get(req_id, ()))
-                    if held is not None and held.defers == defers:  # not deferred again: opened, or nothing left
-                        self._reqs.set_deferred(held, False)
-                        self._held[req_id] = saves[-1].store_job_id if len(saves) > n else -1
             for req_id, n in scheduled.items():
                 self._emit_store_guarded(saves, req_id, n, table_of, offers.get(req_id, ()))
         ledger = self._ledger()
@@ -792,7 +789,11 @@ class SchedulerSteps:
                             boundary_states: Sequence[tuple[int, int, int]]) -> None:
         """`emit_store`, where an input it cannot serve (a table or hashes vLLM's scheduler would never hand
         over) costs that request's save only: given up and counted, the step's other saves go out. A job,
-        once opened, is in ``saves`` before anything else can raise: no pin is left without its report."""
+        once opened, is in ``saves`` before anything else can raise: no pin is left without its report. A held
+        request's retry that is not deferred again opened its job (released once that is reported) or has
+        nothing left to save (released at the next step)."""
+        held = self._reqs.get(req_id) if req_id in self._held else None
+        n, defers = len(saves), held.defers if held is not None else 0
         try:
             self.emit_store(saves, req_id, num_scheduled, table_of, boundary_states)
         except Exception as e:
@@ -804,6 +805,9 @@ class SchedulerSteps:
                 st.kept_blocks = {}
                 st.prompt_saved = True  # nothing more of this generation: the same input would fail again
             self._give_up_save()
+        if held is not None and held.defers == defers:
+            self._reqs.set_deferred(held, False)
+            self._held[req_id] = saves[-1].store_job_id if len(saves) > n else -1
 
     def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
                     ) -> list[Sequence[int]]:
