@@ -8,10 +8,14 @@ takes FORWARD_S per step, a stand-in for the model's time; the ranks' start_load
   none        no kv_transfer_config
   ours        KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool; loads of
               at most `sync_load_max_tokens` = 256 tokens inside the step that schedules the request, as
-              under vLLM's default kv_load_failure_policy "fail")
+              under vLLM's default kv_load_failure_policy "fail"; beside this configured master, integrity
+              "checksum", with the tag construction for host KV: kvledger_connector/integrity.py)
   ours-async  the same with `sync_load_max_tokens` 0: every load asynchronous, the request waiting in
               WAITING_FOR_REMOTE_KVS (what ours did before sync loads, what upstream does, and what ours
               does under kv_load_failure_policy "recompute", where no load is sync)
+  ours-mac    ours with integrity "mac" (a secret file written for the run, as an operator configures it
+              beside a master; the embedded store's default)
+  ours-off    ours with integrity "off" (no tag)
   upstream  vLLM 0.32's MooncakeStoreConnector (testbed/upstream.py: configured by its MOONCAKE_CONFIG_PATH
             file; test doubles there only: each rank's identity in vLLM's distributed groups for its
             constructor, and testbed/cuda_event_stub.py's no-op torch.cuda.Event)
@@ -27,6 +31,9 @@ kv_load_failure_policy "fail":
   evict-fail   120 prompts x 2 passes, 48 blocks, every key a pass-2 load asks for removed just before
                the load (testbed.faults.RawClientFaults under both connectors): the requests end in errors
   slow-put     120 prompts x 2 passes, 48 blocks, every batch put call 20 ms slower (the same test double)
+  loadbound28  200 prompts x 2 passes, 28-block pool, prompts of 4-24 blocks (up to ~85% of the pool) over the
+               4 prefixes: a pass-2 request finds room for little besides itself, so it waits for its own
+               load and load latency sets the wall time; ways none, ours, ours-mac, ours-off, upstream
 
 Per way: engine steps, wall time (both passes' step loops), steps in which requests waited while blocks were
 held only by save pins ("pin-wait steps"; with the mean of such blocks), store jobs and their pin hold time
@@ -41,12 +48,13 @@ Each workload runs `--rounds` times (default 3), the ways in a rotating order wi
 of load on a shared machine lands on one way's round, not on one way. Steps and wall are the medians over
 the rounds (with the range); the other columns are the median-wall round's; the ratios are of the medians.
 
-    python -m bench.scheduler [--quick] [--rounds N] [--only WORKLOAD ...]
+    python -m bench.scheduler [--quick | --prompts N] [--rounds N] [--only WORKLOAD ...] [--ways WAY ...]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -60,11 +68,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-WAYS = ("none", "ours", "ours-async", "upstream")
-CONNECTOR = {"ours-async": "ours"}  # what vLLM loads for a way (default: its name)
-OURS_EXTRA = {"ours-async": {"sync_load_max_tokens": 0}}
+WAYS = ("none", "ours", "ours-async", "ours-mac", "ours-off", "upstream")
+DEFAULT_WAYS = ("none", "ours", "ours-async", "upstream")
+CONNECTOR = {"ours-async": "ours", "ours-mac": "ours", "ours-off": "ours"}  # what vLLM loads (default: its name)
+OURS_EXTRA = {"ours-async": {"sync_load_max_tokens": 0}, "ours-off": {"integrity": "off"}}
+#: same-run targets, printed, never asserted: ours's wall / upstream's per way
+WALL_TARGETS = {"ours": 1.00, "ours-mac": 1.05}
 FORWARD_S = 0.004  # the stand-in forward's time per step (a small model's decode step on a GPU)
 MAX_TOKENS = 40
+BLOCK_SIZE = 16
 PROMPT = {"num_prefixes": 4, "prefix_len": 48, "suffix_len": 20}
 
 
@@ -77,6 +89,8 @@ class Workload:
     policy: str = "fail"  # vLLM's default kv_load_failure_policy
     fault: str | None = None  # "evict" (pass 2's loads) or "slow" (every put)
     seed: int = 0
+    prompt_blocks: tuple[int, int] | None = None  # prompts of lo..hi blocks (default: PROMPT's fixed length)
+    ways: tuple[str, ...] = DEFAULT_WAYS
 
 
 WORKLOADS = (
@@ -84,6 +98,8 @@ WORKLOADS = (
     Workload("storm28", 200, 40, 28, seed=2),
     Workload("evict-fail", 120, 24, 48, fault="evict", seed=3),
     Workload("slow-put", 120, 24, 48, fault="slow", seed=4),
+    Workload("loadbound28", 200, 24, 28, seed=5, prompt_blocks=(4, 24),
+             ways=("none", "ours", "ours-mac", "ours-off", "upstream")),
 )
 SLOW_PUT_S = 0.020
 
@@ -266,16 +282,41 @@ def _wrap_raw(h: Any, **kw: Any) -> list[Any]:
     return wrap_raw_clients(h, **kw)
 
 
+def prompts_of(wl: Workload, n: int) -> list[list[int]]:
+    """The workload's prompts: PROMPT's shared-prefix prompts, or with ``prompt_blocks`` each of PROMPT's
+    prefixes followed by a unique suffix to a length drawn uniformly from lo..hi blocks (deterministic)."""
+    from testbed.harness import shared_prefix_prompts
+    if wl.prompt_blocks is None:
+        return shared_prefix_prompts(n, seed=wl.seed, **PROMPT)
+    lo, hi = (b * BLOCK_SIZE for b in wl.prompt_blocks)
+    rng = random.Random(wl.seed)
+    base = shared_prefix_prompts(n, seed=wl.seed, **{**PROMPT, "suffix_len": hi - PROMPT["prefix_len"]})
+    return [p[:rng.randint(lo, hi)] for p in base]
+
+
+def _extra(way: str, workdir: str) -> dict[str, Any] | None:
+    """The way's kv_connector_extra_config (ours-mac: a secret file written into the run's private workdir)."""
+    if way == "upstream":
+        return {"cache_prefix": uuid.uuid4().hex[:8]}  # upstream's keys: this run's
+    if way == "ours-mac":
+        path = os.path.join(workdir, "integrity.secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+        return {"integrity_secret_file": path}
+    return OURS_EXTRA.get(way)
+
+
 def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             reuse_ids: bool = False) -> dict[str, Any]:
-    from testbed.harness import Harness, expected_output, shared_prefix_prompts
-    prompts = shared_prefix_prompts(n, seed=wl.seed, **PROMPT)
-    extra = {"cache_prefix": uuid.uuid4().hex[:8]} if way == "upstream" else OURS_EXTRA.get(way)  # upstream's
-    res: dict[str, Any] = {"way": way}  # keys: this run's
+    from testbed.harness import Harness, expected_output
+    prompts = prompts_of(wl, n)
+    extra = _extra(way, workdir)
+    res: dict[str, Any] = {"way": way}
     connector = CONNECTOR.get(way, way)
     with Harness(store_config, tp_size=2, num_blocks=wl.num_blocks, policy=wl.policy, max_num_seqs=8,
                  max_num_batched_tokens=128, connector=connector, extra=extra, workdir=workdir,
-                 stall_timeout_s=60, forward_s=FORWARD_S) as h:
+                 stall_timeout_s=60, forward_s=FORWARD_S, block_size=BLOCK_SIZE) as h:
         probe = Probe(h).install()
         raws = _wrap_raw(h, put_delay_s=SLOW_PUT_S) if wl.fault == "slow" and way != "none" else []
         wall = 0.0
@@ -302,7 +343,10 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
         ms, steps = probe.hold()
         qw, run, rel = probe.queue_wait_ms(), probe.run_ms(), probe.report_to_release_ms()
         ours = connector == "ours"
+        ikey = h.scheduler_connector.integrity if ours else None
         res.update({
+            "integrity": f"{ikey.mode}, {ikey.construction}" if ikey is not None and ikey.enabled else
+            ("off" if ours else None),
             "steps": h.stats.steps, "wall": wall, "empty_steps": probe.empty_steps,
             "pin_wait_steps": probe.pin_wait_steps,
             "pin_wait_blocks": probe.pin_wait_blocks / probe.pin_wait_steps if probe.pin_wait_steps else 0.0,
@@ -348,7 +392,9 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
     rounds = max((r.get("rounds", 1) for r in rows.values()), default=1)
-    print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, policy {wl.policy}"
+    lengths = ("prompts of %d-%d blocks" % wl.prompt_blocks if wl.prompt_blocks else
+               f"prompts of {PROMPT['prefix_len'] + PROMPT['suffix_len']} tokens")
+    print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, {lengths}, policy {wl.policy}"
           + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step; "
           f"steps and wall: medians of {rounds} rounds)")
     hdr = (f"{'way':<11}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
@@ -383,22 +429,28 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
         if r.get("rounds", 1) > 1:
             print(f"   {way}: over {r['rounds']} rounds steps {r['steps_range'][0]}-{r['steps_range'][1]}, "
                   f"wall {r['wall_range'][0]:.1f}-{r['wall_range'][1]:.1f} s")
+        if r.get("integrity"):
+            print(f"   {way}: integrity {r['integrity']}")
         if r["at_rest"]:
             print(f"   {way} not at rest: {r['at_rest'][:3]}")
     u = rows.get("upstream")
-    for name in ("ours", "ours-async"):
+    for name in WAYS:
         o = rows.get(name)
-        if o and u and "failed" not in o and "failed" not in u:
+        if CONNECTOR.get(name, name) == "ours" and o and u and "failed" not in o and "failed" not in u:
+            target = WALL_TARGETS.get(name)
             print(f"{name}/upstream: steps {o['steps'] / u['steps']:.2f}, wall {o['wall'] / u['wall']:.2f}"
-                  + (f" (target <= 1.0); ours pin cap {o['pin_cap']} blocks" if name == "ours" else ""))
+                  + (f" (target <= {target:.2f})" if target is not None else "")
+                  + (f"; ours pin cap {o['pin_cap']} blocks" if name == "ours" else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer prompts per workload")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per workload (overrides --quick)")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
-    ap.add_argument("--ways", nargs="*", default=list(WAYS))
+    ap.add_argument("--ways", nargs="*", default=None, choices=WAYS,
+                    help="only these ways (default: each workload's own)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each way per workload (medians)")
     ap.add_argument("--reuse-ids", action="store_true",
                     help="the same request ids in both passes (upstream then hangs in pass 2, bench/engine.py)")
@@ -412,9 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, wl in enumerate(WORKLOADS):
             if args.only and wl.name not in args.only:
                 continue
-            n = wl.quick_prompts if args.quick else wl.prompts
+            n = args.prompts or (wl.quick_prompts if args.quick else wl.prompts)
             runs: dict[str, list[dict[str, Any]]] = {}
-            ways = [w for w in WAYS if w in args.ways]
+            ways = [w for w in wl.ways if args.ways is None or w in args.ways]
+            if not ways:
+                continue
             for rnd in range(max(1, args.rounds)):
                 s = (k + rnd) % len(ways)
                 for way in ways[s:] + ways[:s]:  # rotate: drift spreads over the ways

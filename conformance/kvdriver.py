@@ -583,6 +583,7 @@ class KVDriver:
         self._engine_synced()
         if self.status[r] != "held" or r not in self.ss.held_release_due():
             raise Refused(f"{r} is {self.status[r]}, not a held request whose save is done")
+        self._emit("sched", "ReleaseHeld", req_id=r, generation=self.gen[r])
         self.emitted_at_finish[r] = self.ss.emitted_blocks(r)
         nt = self.ss.release_held(r)
         self._free_table(r)

@@ -432,8 +432,9 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
 def probe_a_mismatched_object_is_removed_and_only_it() -> None:
     """Integrity on: a get that read a whole object whose tag does not match (block 2's bytes changed after
     it was tagged) is a load error of that block, and that key, only that one, is removed from the store,
-    by force (a reader's lease must not keep it: while it exists no save replaces it). The good block loads,
-    its key and the others stay."""
+    by force (a reader's lease must not keep it: while it exists no save replaces it), by the store's own
+    thread (`remove_mismatched`), never inline by the load (a sync load runs on the model runner's thread).
+    The good block loads, its key and the others stay."""
     from conformance.probes_parts import integrity_case
 
     w, _seal, _kv = integrity_case()
@@ -448,6 +449,10 @@ def probe_a_mismatched_object_is_removed_and_only_it() -> None:
           f"block 2 failed its tag: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}")
     errs = w.take_load_errors()
     check(errs == {2}, f"load errors reported {sorted(errs)}, expected [2]")
+    inline = [keys[0] for fn, keys in st.calls if fn == "remove"]
+    check(inline == [], f"the load itself removed {inline} (on the loading thread: the model runner's for a "
+                        f"sync load), not the store thread")
+    w.remove_mismatched()  # what the store thread runs
     removed = [keys[0] for fn, keys in st.calls if fn == "remove"]
     check(removed == ["k2"], f"after k2's integrity mismatch the worker removed {removed}, expected ['k2']")
     check("k2" not in st.data, "the mismatched object is still in the store (a reader's lease kept it)")
@@ -479,9 +484,10 @@ class ProbeRun:
 
 
 @contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """The step functions' error log silenced: the probes' injected handler errors are expected, not news."""
-    log = logging.getLogger("kvledger_connector.jobs")
+def quiet(logger: str = "kvledger_connector.jobs") -> Iterator[None]:
+    """A module's log (default the step functions') silenced: the probes' injected failures are expected,
+    not news."""
+    log = logging.getLogger(logger)
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:

@@ -96,6 +96,8 @@ class Normalizer:
             raise tc.TraceCheckError(f"event seq {ev.get('seq')} ({a}) lacks the field {e}") from None
 
     def _map(self, a: str, actor: str, ev: dict[str, Any]) -> dict[str, Any] | None:
+        if a == "ReleaseHeld":
+            return None  # TraceKVLedger matches ReleaseHeld with the connector's Finish event of the step
         if a in ("Admit", "Preempt", "Finish"):
             return {"action": a, "r": self.r(ev["req_id"]), "g": ev["generation"]}
         if a == "Compute":

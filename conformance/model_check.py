@@ -50,8 +50,9 @@ CI: list[Check] = [
     Check("MC_lag", "fixed", 0, None, "lagging rank offsets, late notices, pin cap 2 of 3 blocks (ABA)"),
     Check("MC_nonotice", "fixed", 0, None, "reset_prefix_cache path: no preemption notices, 2 blocks"),
     Check("MC_stripe", "fixed", 0, None, "identical KV stored once: each key put by one rank, loaded by all"),
+    Check("MC_held", "fixed", 0, None, "held requests: saves deferred at the cap as they finish, MaxHeld 1 of 3"),
     Check("MC_live", "fixed", 0, None, "PinsReleased NoLeakAtRest LoadsFinish Progress, 2 req"),
-    Check("MC_live_faults", "fixed", 0, None, "the same liveness with store faults, 1 req"),
+    Check("MC_live_faults", "fixed", 0, None, "the same liveness + HeldReleased with store faults, 1 req, held"),
     Check("MC_legacy_pollution", "legacy", 12, "NoPollution", "vLLM #52360", deadlock=False),
     Check("MC_legacy_aba", "legacy", 13, "NoStaleEffect", "vLLM #51637 (ABA)", deadlock=False),
     Check("MC_legacy_load", "legacy", 12, "LoadErrorsReported", "load path stops at failing sub-batch",
@@ -66,6 +67,8 @@ CI: list[Check] = [
           "load pins dropped at the first rank's report (abort mid-load)", deadlock=False),
     Check("MC_mutant_NoTailPin", "mutant", 12, "DmaReadsPinned",
           "partial tail not pinned (finish frees it under the read)", deadlock=False),
+    Check("MC_mutant_FreeAtFinish", "mutant", 12, "DmaReadsPinned",
+          "held request's table freed at finish (its deferred job reads reused blocks)", deadlock=False),
 ]
 
 DEEP: list[Check] = [

@@ -40,7 +40,7 @@ import kvledger_connector.keys
 import kvledger_connector.kvlayout
 import kvledger_connector.reset
 import kvledger_connector.scheduler_steps
-from conformance import kvprobes, probes_edge, probes_parts, probes_sched
+from conformance import kvprobes, probes_edge, probes_parts, probes_sched, probes_specs
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
 from conformance.kvdriver import KVDriver, MooncakeBackend
@@ -67,7 +67,7 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
 PROBES: list[kvprobes.Probe] = (kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
-                                 + probes_edge.PROBES)
+                                 + probes_edge.PROBES + probes_specs.PROBES)
 # what a replay counts as a named check besides a field diff and Refused
 REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
@@ -388,10 +388,10 @@ def _mismatch_loaded(orig):  # the tag is computed and compared, and a mismatchi
     return _verified
 
 
-def _pad_ignores_key(orig):  # the tag binds the bytes and the nonce, not the key: a block loads under any key
-    def pad(self, key, nonce):
+def _bind_ignores_key(orig):  # the tag binds the bytes and the nonce, not the key: a block loads under any key
+    def bind(self, key, nonce):
         return orig(self, "", nonce)
-    return pad
+    return bind
 
 
 def _start_time_unread(orig):  # liveness by pid alone: a reused pid keeps a dead owner's file
@@ -454,14 +454,14 @@ class _StoreView:
 
 def _with_remove(make_remove: Callable[[Any], Callable[..., int]]):
     def factory(orig):
-        def _verified(self, slot, keys, block_ids, res, groups=None):
+        def remove_mismatched(self):
             store = self.store
             self.store = _StoreView(store, make_remove(store))
             try:
-                return orig(self, slot, keys, block_ids, res, groups)
+                return orig(self)
             finally:
                 self.store = store
-        return _verified
+        return remove_mismatched
     return factory
 
 
@@ -477,7 +477,15 @@ def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch,
         if any(c == int(StoreCode.INTEGRITY_MISMATCH) for c in out):
             for k, c in zip(keys, out):
                 if c != int(StoreCode.INTEGRITY_MISMATCH):
-                    self.store.remove(k, True)
+                    self.queue_removal(k)
+        return out
+    return _verified
+
+
+def _mismatch_removed_inline(orig):  # the loading thread removes the object (a sync load: the model runner's)
+    def _verified(self, slot, keys, block_ids, res, groups=None):
+        out = orig(self, slot, keys, block_ids, res, groups)
+        self.remove_mismatched()
         return out
     return _verified
 
@@ -532,10 +540,11 @@ MUTANTS: dict[str, list[Patch]] = {
                                   _tail_hash_without_tokens)],
     # integrity tags
     "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
-    "integrity_tag_ignores_key": [(IntegrityKey, "pad", _pad_ignores_key)],
-    "integrity_mismatch_not_removed": [(WorkerSteps, "_verified", _mismatch_not_removed)],
-    "integrity_mismatch_removed_unforced": [(WorkerSteps, "_verified", _mismatch_removed_unforced)],
+    "integrity_tag_ignores_key": [(IntegrityKey, "bind", _bind_ignores_key)],
+    "integrity_mismatch_not_removed": [(WorkerSteps, "remove_mismatched", _mismatch_not_removed)],
+    "integrity_mismatch_removed_unforced": [(WorkerSteps, "remove_mismatched", _mismatch_removed_unforced)],
     "integrity_mismatch_removes_whole_batch": [(WorkerSteps, "_verified", _mismatch_removes_batch)],
+    "integrity_mismatch_removed_inline": [(WorkerSteps, "_verified", _mismatch_removed_inline)],
     # the TP-shared layout (a block as a key per head shard), SentBlocks of several KV cache groups
     "shared_block_loaded_at_first_key": [(WorkerSteps, "begin_load", _shared_block_one_key)],
     "load_ledger_ignores_keys_per_block": [(LoadLedger, "record_ok", _record_ok_per_key)],
@@ -556,6 +565,8 @@ MUTANTS.update(probes_sched.MUTANTS)
 # secret's mode, the replicated KV head's owner, the breaker's backoff, the lookup deadline, the rendezvous
 # metadata URL, the embedded master's supervision, the weights-version switch at reset
 MUTANTS.update(probes_edge.MUTANTS)
+# what a rank accepts (conformance/probes_specs.py): every spec checked whole before anything of it runs
+MUTANTS.update(probes_specs.MUTANTS)
 
 
 @contextlib.contextmanager

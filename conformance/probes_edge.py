@@ -2,7 +2,8 @@
 secret's privacy, the embedded default's generated secret and mode, a seal's comparison of tags, the
 owner of a replicated KV head under the TP-shared layout, the store breaker's probe backoff, the lookup
 deadline behind an abandoned call, the rendezvous metadata URL, the embedded master's supervision, and
-the weights-version switch at reset. Each calls the shipped function through the module (or class) the
+the reset: the weights-version switch first, the removal after it off the engine thread (bounded retries),
+lookups missing while a removal of the keys they read is owed. Each calls the shipped function through the module (or class) the
 connector looks it up in, so a patched function (a mutant) is the one probed, and raises
 :class:`ProbeFailed` naming what it saw. Every probe runs in milliseconds (the VllmConfig of the head-shard
 probe is built once per process, ~2 s); waits are short real timeouts (tens of ms) or controllable clocks.
@@ -31,7 +32,8 @@ from typing import Any, Callable
 import kvledger_connector.connector as connector_mod
 import kvledger_connector.engine_facts as engine_facts
 import kvledger_connector.integrity as integrity
-from conformance.kvprobes import ProbeFailed, check
+import kvledger_connector.reset as reset_mod
+from conformance.kvprobes import ProbeFailed, check, quiet
 from conformance.probes_parts import runtime_dir_env
 from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError
@@ -100,10 +102,10 @@ def probe_embedded_default_runs_mac_under_one_private_generated_secret() -> None
     bytes of mode 0600; a group-readable secret file, or a runtime directory others may enter, is refused
     by name."""
     made = b"g" * 32
-    key = integrity.IntegrityKey.resolve(None, None, embedded=True, generated=lambda: made)
+    key = integrity.IntegrityKey.resolve(None, None, embedded=True, generated=lambda: made, device="cpu")
     check((key.mode, key.secret) == ("mac", made), f"the embedded default resolved to {key.mode!r}, not 'mac' "
                                                    f"under the generated secret")
-    key = integrity.IntegrityKey.resolve(None, None, embedded=False, generated=lambda: made)
+    key = integrity.IntegrityKey.resolve(None, None, embedded=False, generated=lambda: made, device="cpu")
     check(key.mode == "checksum", f"beside a configured master and no secret file: {key.mode!r}, not 'checksum'")
     with tempfile.TemporaryDirectory() as tmp:
         run = os.path.join(tmp, "run")
@@ -508,45 +510,133 @@ class _RemovingStore:
         return self.rc
 
 
+class _Waits:
+    """THIS IS A TEST DOUBLE: `StoreRemovals.wait` that records each backoff and returns at once (not stopped)."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def __call__(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return False
+
+
+def _reset_log_quiet() -> Any:
+    """The removals' warnings silenced: the failures are the probes' own doing."""
+    return quiet(reset_mod.__name__)
+
+
+def _reset_rig(store: _RemovingStore) -> tuple[SchedulerSteps, reset_mod.StoreRemovals, _Waits]:
+    """A scheduler side whose lookups go through the reset gate to `store`, as the connector wires them, and
+    its removals without a thread (the probe runs them)."""
+    waits = _Waits()
+    removals = reset_mod.StoreRemovals(store, background=False, wait=waits)
+    side = sched().steps
+    side.store = reset_mod.ResetGate(store, removals)
+    return side, removals, waits
+
+
 def probe_reset_switches_the_weights_version() -> None:
-    """reset_cache with a new weights version (as the connector calls `reset_scheduler_side`): a successful
-    removal switches the scheduler side's weights version and key builders together, and every later lookup
-    asks the new version's keys (a block stored under them hits, one under the old version's misses). A
-    failed removal returns False and, as the code orders it today, switches nothing (a reset that switches the
-    version first changes this half with it); either way version and key builders never disagree."""
-    s = sched()
-    old_kbs = list(s.steps.key_builders)
-    new_kbs = [KeyBuilder(dataclasses.replace(kb.layout, model="probe-weights-v2")) for kb in old_kbs]
+    """reset_cache with a new weights version (as the connector calls `reset_scheduler_side`), the store
+    failing every removal: the reset returns True having switched the weights version and key builders
+    together before any removal was tried (nothing in flight reads the old keys, so their removal is
+    best-effort), every later lookup asks the new version's keys (a block stored under them hits, one under
+    the old version's misses), and the old keys' removal is then tried REMOVAL_ATTEMPTS times with waits
+    doubling to their cap, given up and counted, the version staying switched."""
+    old_layouts = [kb.layout for kb in sched().steps.key_builders]
+    new_kbs = [KeyBuilder(dataclasses.replace(lay, model="probe-weights-v2")) for lay in old_layouts]
+    old_kbs = [KeyBuilder(lay) for lay in old_layouts]
     a, b = Req("a", 2 * BS + 1), Req("b", 2 * BS + 1)
     store = _RemovingStore({k for kb in new_kbs for k in kb.keys(a.block_hashes)}
                            | {k for kb in old_kbs for k in kb.keys(b.block_hashes)})
-    s.steps.store = store
-    side = s.steps
     store.rc = int(StoreCode.RPC_FAIL)
-    ok = connector_mod.reset_scheduler_side(side, store, ("v2", new_kbs))
-    check(ok is False, f"a reset whose removal failed returned {ok}")
-    check(side.weights_version == "" and side.key_builders == old_kbs,
-          f"a failed reset left weights version {side.weights_version!r} with "
-          f"{'the new' if side.key_builders == new_kbs else 'the old'} key builders (today's order: nothing "
-          f"switched before the removal succeeds)")
-    store.rc = 3
-    ok = connector_mod.reset_scheduler_side(side, store, ("v2", new_kbs))
-    check(ok is True, f"a reset whose removal succeeded returned {ok}")
-    check(side.weights_version == "v2", f"after the reset the weights version is {side.weights_version!r}, not 'v2'")
+    side, removals, waits = _reset_rig(store)
+    old_regex = reset_mod.engine_key_regex(side.key_builders)
+    with _reset_log_quiet():
+        ok = connector_mod.reset_scheduler_side(side, removals, ("v2", new_kbs))
+    check(ok is True, f"a reset with a new weights version returned {ok} (the store fails every removal)")
+    check(side.weights_version == "v2", f"after the reset the weights version is {side.weights_version!r}, not "
+                                        f"'v2' (store calls so far: {store.removals})")
     check([kb.prefix for kb in side.key_builders] == [kb.prefix for kb in new_kbs],
           f"after the switch to 'v2' keys are built under {[kb.prefix for kb in side.key_builders]}, not the "
           f"new version's {[kb.prefix for kb in new_kbs]}")
+    check(store.removals == [], f"the reset called the store on the engine thread: {store.removals}")
     for req in (a, b):
         side.on_new_request(req)
     hit_a, hit_b = side.lookup(a, 0), side.lookup(b, 0)
     check(hit_a == 2 * BS, f"a prompt stored under the new version's keys hits {hit_a} tokens, not {2 * BS}")
     check(hit_b == 0, f"a prompt stored only under the old version's keys hits {hit_b} tokens after the switch")
+    with _reset_log_quiet():
+        removals.run_pending()
+    n = reset_mod.REMOVAL_ATTEMPTS
+    want = [reset_mod.removal_backoff_s(i) for i in range(1, n)]
+    check(store.removals == [old_regex] * n, f"the old keys' removal was tried {len(store.removals)} times "
+                                             f"({store.removals[:2]}...), not {n} times {old_regex!r}")
+    check(waits.waits == want, f"failed removals were retried after {waits.waits} s, not {want}")
+    check(removals.num_given_up == 1 and side.weights_version == "v2",
+          f"after {n} failed tries: {removals.num_given_up} removals given up, weights version "
+          f"{side.weights_version!r}")
+
+
+def probe_reset_keeping_the_version_misses_until_the_removal_is_done() -> None:
+    """A reset that keeps the weights version (the keys it reads stay where they are): until a removal begun
+    after it succeeds, every lookup misses, though the store still holds the prompt; a removal given up
+    keeps it so; the next reset whose removal succeeds lets lookups hit again."""
+    a = Req("a", 2 * BS + 1)
+    s = sched()
+    store = _RemovingStore({k for kb in s.steps.key_builders for k in kb.keys(a.block_hashes)})
+    side, removals, _ = _reset_rig(store)
+    side.on_new_request(a)
+    check(side.lookup(a, 0) == 2 * BS, "before the reset the stored prompt does not hit")
+    store.rc = int(StoreCode.RPC_FAIL)
+    with _reset_log_quiet():
+        ok = connector_mod.reset_scheduler_side(side, removals)
+    check(ok is True, f"a reset keeping the version returned {ok}")
+    hit = side.lookup(a, 0)
+    check(hit == 0, f"after the reset, its removal not yet run, the stored prompt hits {hit} tokens")
+    with _reset_log_quiet():
+        removals.run_pending()
+    hit = side.lookup(a, 0)
+    check(removals.num_given_up == 1 and hit == 0,
+          f"with the removal given up ({removals.num_given_up}) the stored prompt hits {hit} tokens")
+    store.rc = 2
+    with _reset_log_quiet():
+        check(connector_mod.reset_scheduler_side(side, removals) is True, "the second reset was refused")
+        removals.run_pending()
+    hit = side.lookup(a, 0)
+    check(hit == 2 * BS, f"after a removal succeeded the prompt (the double removes nothing) hits {hit} tokens, "
+                         f"not {2 * BS}: lookups stay off")
 
 
 def _switch_skipped_at_reset(orig):  # the reset removes the old keys but never moves to the new version
-    def reset_scheduler_side(side, store, new_keys=None):
-        return orig(side, store, None)
+    def reset_scheduler_side(side, removals, new_keys=None):
+        return orig(side, removals, None)
     return reset_scheduler_side
+
+
+def _switch_after_removal(orig):  # the old order: remove on the engine thread, switch only once that succeeded
+    def reset_scheduler_side(side, removals, new_keys=None):
+        if reset_mod.refusal(side) is None:
+            if int(removals.store.remove_by_regex(reset_mod.engine_key_regex(side.key_builders), True)) < 0:
+                return False
+        return orig(side, removals, new_keys)
+    return reset_scheduler_side
+
+
+def _gate_always_open(orig):  # the reset's keys answer from the store while their removal is owed
+    def batch_is_exist(self, keys):
+        return object.__getattribute__(self, "_kvl_store").batch_is_exist(keys)
+    return batch_is_exist
+
+
+def _removal_never_retried(orig):  # one failed try gives the removal up
+    def _remove(self, regex, seq):
+        wait, self.wait = self.wait, lambda s: True  # the first backoff wait ends it
+        try:
+            return orig(self, regex, seq)
+        finally:
+            self.wait = wait
+    return _remove
 
 
 def _switch_keeps_old_key_builders(orig):  # the version is recorded, the key builders stay the old ones
@@ -565,7 +655,7 @@ PROBES: list[Callable[[], None]] = [
     probe_a_seal_verifies_every_tag_it_is_asked_for,
     probe_breaker_backoff_doubles_to_its_cap, probe_lookup_deadline_behind_an_abandoned_call,
     probe_attached_process_uses_the_published_metadata_url, probe_supervisor_restarts_a_dead_master,
-    probe_reset_switches_the_weights_version,
+    probe_reset_switches_the_weights_version, probe_reset_keeping_the_version_misses_until_the_removal_is_done,
 ]
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
@@ -589,6 +679,10 @@ MUTANTS: dict[str, list[Patch]] = {
     # the connector calls reset_scheduler_side through its own binding (imported by name from reset)
     "reset_weights_switch_skipped": [(connector_mod, "reset_scheduler_side", _switch_skipped_at_reset)],
     "weights_switch_keeps_old_keys": [(SchedulerSteps, "switch_weights_version", _switch_keeps_old_key_builders)],
+    # the reset's order (switch first, remove after, off the engine thread), its gate and its retries
+    "reset_switch_after_removal": [(connector_mod, "reset_scheduler_side", _switch_after_removal)],
+    "reset_gate_always_open": [(reset_mod.ResetGate, "batch_is_exist", _gate_always_open)],
+    "reset_removal_never_retried": [(reset_mod.StoreRemovals, "_remove", _removal_never_retried)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -607,4 +701,7 @@ SHOWS: dict[str, Callable[[], None]] = {
     "embedded_master_not_restarted": probe_supervisor_restarts_a_dead_master,
     "reset_weights_switch_skipped": probe_reset_switches_the_weights_version,
     "weights_switch_keeps_old_keys": probe_reset_switches_the_weights_version,
+    "reset_switch_after_removal": probe_reset_switches_the_weights_version,
+    "reset_gate_always_open": probe_reset_keeping_the_version_misses_until_the_removal_is_done,
+    "reset_removal_never_retried": probe_reset_switches_the_weights_version,
 }

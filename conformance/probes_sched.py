@@ -632,6 +632,20 @@ def probe_held_requests_are_bounded() -> None:
           f"{s.steps.num_held_requests} held, {s.steps.num_saves_dropped} given up; expected 1 and 1")
 
 
+def probe_a_request_ended_by_an_error_is_never_held() -> None:
+    """A request vLLM ends with an error (``may_hold`` False: e.g. its blocks' load failed under "fail") is
+    never held for its deferred save: those blocks may hold what the failed load left. The save is given up."""
+    s = sched(jobs_cap=1, held=2)
+    a, b = Req("a", BS + 1), Req("b", BS + 1)
+    for r in (a, b):
+        s.steps.on_new_request(r)
+    _run(s, a, BS + 1)
+    _run(s, b, BS + 1)  # deferred at the cap
+    check(s.steps.request_finished(b, may_hold=False) is False and s.steps.num_held_requests == 0,
+          "a request ended by an error was held for its deferred save")
+    check(s.steps.num_saves_dropped == 1, f"{s.steps.num_saves_dropped} saves given up; expected 1")
+
+
 def probe_a_mamba_hit_ends_at_its_last_state_key() -> None:
     """A Mamba hybrid's hit of H blocks needs the state key of block H - 1 (the state after H * bs tokens):
     with full-attention keys for blocks [0, F) the hit is the last block below F holding a state key, plus
@@ -728,6 +742,7 @@ PROBES: list[Callable[[], None]] = [
     probe_a_save_given_up_is_counted_only_for_a_deferred_finish, probe_a_mamba_hit_ends_at_its_last_state_key,
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
     probe_a_deferred_save_holds_its_finished_request_until_it_is_stored, probe_held_requests_are_bounded,
+    probe_a_request_ended_by_an_error_is_never_held,
 ]
 
 
@@ -1017,6 +1032,12 @@ def _held_bound_ignored(orig):  # every deferred finish held, past max_held_requ
     return request_finished
 
 
+def _held_despite_an_error(orig):  # a request ended by an error held like any other
+    def request_finished(self, request, *, may_hold=True):
+        return orig(self, request)
+    return request_finished
+
+
 def _held_released_once_opened(orig):  # released when its save's job opens, not when every rank reported it
     def held_release_due(self):
         return [req_id for req_id, job in self._held.items() if job is not None]
@@ -1059,6 +1080,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_held_free_not_delayed": [(SchedulerSteps, "request_finished", _held_free_not_delayed)],
     "sched_held_bound_ignored": [(SchedulerSteps, "request_finished", _held_bound_ignored)],
     "sched_held_released_once_opened": [(SchedulerSteps, "held_release_due", _held_released_once_opened)],
+    "sched_held_despite_an_error": [(SchedulerSteps, "request_finished", _held_despite_an_error)],
 }
 
 #: the shows-probe of each mutant: the probe that observes the patched function directly
@@ -1081,6 +1103,6 @@ SHOWS: dict[str, Callable[[], None]] = dict(zip(MUTANTS, [
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end,
     probe_a_mamba_load_fills_only_the_state_block_at_the_hit_end, probe_the_pin_cap_holds_a_job_of_every_kv_group,
     probe_a_deferred_save_holds_its_finished_request_until_it_is_stored, probe_held_requests_are_bounded,
-    probe_a_deferred_save_holds_its_finished_request_until_it_is_stored,
+    probe_a_deferred_save_holds_its_finished_request_until_it_is_stored, probe_a_request_ended_by_an_error_is_never_held,
 ]))
 assert len(SHOWS) == len(MUTANTS), "a mutant without its shows-probe"

@@ -17,7 +17,7 @@ import kvledger.codes as codes
 import kvledger_connector.jobs as jobs
 import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
-from conformance import probes_edge, probes_sched
+from conformance import probes_edge, probes_sched, probes_specs
 from conformance.kvprobes import (HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
                                   tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
@@ -304,7 +304,7 @@ def _() -> None:
 def _() -> None:
     from kvledger_connector.integrity import IntegrityKey
     ik = IntegrityKey("mac", b"s" * 16)
-    check((ik.pad("a", b"n" * 8) != ik.pad("b", b"n" * 8)).any(), "IntegrityKey.pad is the same for keys a and b")
+    check(ik.bind("a", b"n" * 8) != ik.bind("b", b"n" * 8), "IntegrityKey.bind is the same for keys a and b")
 
 
 # ---------------------------------------------------------------- reset_cache's pattern
@@ -345,32 +345,43 @@ def _() -> None:
 
 # ---------------------------------------------------------------- worker side: removal, TP-shared blocks, SentBlocks
 def _mismatch_removal() -> tuple[list[str], ProbeStore]:
-    """WorkerSteps._verified on k1 (good) and k2 (changed after its tag, leased by a reader): the keys it
-    removed, and the store."""
+    """WorkerSteps._verified on k1 (good) and k2 (changed after its tag, leased by a reader), then
+    remove_mismatched (the store thread's): the keys removed, and the store."""
     w, _seal, _kv = integrity_case()
     st = w.store
     st.data.update({"k1": 1, "k2": 2})
     st.leased.add("k2")
     w._verified(0, ["k1", "k2"], [1, 2], [w.key_bytes, w.key_bytes])
+    w.remove_mismatched()
     return [k[0] for fn, k in st.calls if fn == "remove"], st
+
+
+@shows("integrity_mismatch_removed_inline")
+def _() -> None:
+    w, _seal, _kv = integrity_case()
+    st = w.store
+    st.data.update({"k2": 2})
+    w._verified(0, ["k2"], [2], [w.key_bytes])
+    inline = [k[0] for fn, k in st.calls if fn == "remove"]
+    check(inline == [], f"WorkerSteps._verified removed {inline} itself, on the loading thread")
 
 
 @shows("integrity_mismatch_not_removed")
 def _() -> None:
     removed, _st = _mismatch_removal()
-    check(removed == ["k2"], f"WorkerSteps._verified removed {removed} after k2's mismatch, expected ['k2']")
+    check(removed == ["k2"], f"WorkerSteps.remove_mismatched removed {removed} after k2's mismatch, expected ['k2']")
 
 
 @shows("integrity_mismatch_removed_unforced")
 def _() -> None:
     _removed, st = _mismatch_removal()
-    check("k2" not in st.data, "WorkerSteps._verified left a leased mismatched object in the store")
+    check("k2" not in st.data, "WorkerSteps.remove_mismatched left a leased mismatched object in the store")
 
 
 @shows("integrity_mismatch_removes_whole_batch")
 def _() -> None:
     _removed, st = _mismatch_removal()
-    check("k1" in st.data, "WorkerSteps._verified removed k1, whose tag matched")
+    check("k1" in st.data, "WorkerSteps._verified queued k1, whose tag matched, for removal")
 
 
 @shows("shared_block_loaded_at_first_key")
@@ -411,3 +422,5 @@ def _() -> None:
 SHOWS.update(probes_sched.SHOWS)
 # the edges' mutants likewise (conformance/probes_edge.py)
 SHOWS.update(probes_edge.SHOWS)
+# and the spec checks' (conformance/probes_specs.py)
+SHOWS.update(probes_specs.SHOWS)

@@ -41,7 +41,7 @@ from typing import Any
 from conformance.engine import tracecheck as tc
 
 SPEC = "TraceRuntime"
-_SCHED_ONLY = {"Admit", "Compute", "Lookup", "Evict", "StoreFail", "StoreRestart"}
+_SCHED_ONLY = {"Admit", "Compute", "Lookup", "Evict", "StoreFail", "StoreRestart", "ReleaseHeld"}
 
 
 @dataclass(eq=False)
@@ -266,7 +266,9 @@ class RunLogNormalizer:
         max_jobs = max(num_jobs, 1)
         return {"Req": sorted(self.reqs), "Ranks": ranks, "NoReq": "NoReq", "NumBlocks": self.max_block,
                 "NumChunks": 1, "MaxGen": self.max_gen, "MaxJobs": max_jobs,
-                "PinCap": pin_cap if pin_cap is not None else max_jobs, "MaxFaults": num_events + 1,
+                "PinCap": pin_cap if pin_cap is not None else max_jobs,
+                # Finish is never taken here (a logged Finish is the notice: Announce), so no bound
+                "MaxHeld": len(self.reqs), "MaxFaults": num_events + 1,
                 "FaultKinds": ["dma", "put", "pressure"], "SubBatch": 1, "PreemptNotices": True,
                 "LateNotices": True, "PartialTail": True, "Stripe": False, "Legacy": False, "Mutant": "none"}
 

@@ -63,6 +63,8 @@ WITNESSES: list[Witness] = [
     Witness("S2", "DmaReadsPinned", "a DMA read in flight on a block its request released (only the pin holds it)"),
     Witness("Tail", "DmaReadsPinned", "a DMA read of a job's partial tail its request released (only the tail pin)",
             prefer=("MC_lag",), label="S2 DmaReadsPinned+"),
+    Witness("Held", "DmaReadsPinned", "a held request's deferred job reads its blocks after the finish (table kept)",
+            prefer=("MC_held",), label="S2 DmaReadsPinned++"),
     Witness("S3", "RefCountExact", "a release drops one ref of a block another holder keeps", step=True),
     Witness("S4", "NoStaleEffect", "a rank reports an old generation's job after registering the new one (ABA)",
             step=True, prefer=("MC_lag", "MC_nonotice")),
@@ -105,7 +107,7 @@ _KEYWORDS = ("CONSTANTS", "CONSTANT", "INIT", "NEXT", "SPECIFICATION", "INVARIAN
 _KW = re.compile(r"^\s*(" + "|".join(_KEYWORDS) + r")\b")
 _CHECKS = {"INVARIANTS", "INVARIANT", "PROPERTIES", "PROPERTY"}
 # liveness properties (checked under FairSpec in MC_live*): not what this stage is about
-_TEMPORAL = {"PinsReleased", "NoLeakAtRest", "LoadsFinish", "Progress"}
+_TEMPORAL = {"PinsReleased", "NoLeakAtRest", "LoadsFinish", "Progress", "HeldReleased"}
 
 
 def _sections(text: str) -> list[tuple[str, list[str]]]:
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None, *, witnesses: Iterable[Witness] | None =
          configs: dict[str, Path] | None = None, spec: Path = SPEC, cfg_dir: Path = CFG_DIR) -> int:
     ap = argparse.ArgumentParser(prog="python -m conformance.witness", description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only these witnesses (S1..S9, Tail, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
+                    help="run only these witnesses (S1..S9, Tail, Held, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
                          "RegisterOther: a branch no config takes, searched in full)")
     ap.add_argument("--stories", action="store_true", help="print each witness's behaviour")
     ap.add_argument("--xmx", default="1g", help="TLC heap (default 1g)")

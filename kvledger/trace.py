@@ -113,6 +113,8 @@ _SPECS = (
           "completed released ranks_left unknown pinned_loads load_pinned_blocks"),
     _spec("Preempt", SCHED, "connector driver", "req_id generation"),
     _spec("Finish", SCHED, "connector driver", "req_id generation"),
+    # a held request released (its notice is the connector's Finish event of the same step)
+    _spec("ReleaseHeld", SCHED, "driver", "req_id generation"),
     _spec("Receive", RANK, "worker", _JOB + " live stale_on_arrival superseded"),
     # a read that failed (record_failed from queued) logs the failure's fields, as a failed Put does
     _spec("DmaRead", RANK, "worker", _JOB + " dest offset", "num_tokens pressure live"),

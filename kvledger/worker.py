@@ -11,6 +11,8 @@ Per job and per notice (the connector holds one lock around every call; no lock 
     start_load_kv ─► drop_generation(req_id, finished=)   DropGeneration  open -> closed | closing
                      (WorkerSide.start_step: a step's notices before its jobs)
     wait_for_save ─► register(req_id, job_id)            Receive   emitted -> queued      (before enqueue)
+                     refuse(req_id, job_id)               Receive of a malformed spec's job: stale on
+                                                          arrival, in no open generation (then finish)
     store thread ──► begin(job_id) -> RUN|STALE|SKIP      DmaRead   queued -> running|stale|skipped
                      saved_offset(job_id)                 where the put resumes
                      record_saved(job_id, num_tokens)     Put       running -> stored  (offset, if live)
@@ -134,7 +136,7 @@ class WorkerLedger:
             raise LedgerInputError("job_id", job_id, "must be an int")
         if generation is not None and (generation.__class__ is not int or generation < 0):
             raise LedgerInputError("generation", generation, "must be an int >= 0")
-        if job_id in self._jobs or job_id in self._reported or job_id in self._completed:
+        if self.knows_job(job_id):
             raise LedgerInputError("job_id", job_id, f"already registered on rank {self.rank}")
         if len(self._jobs) + len(self._completed) >= self._max_jobs:
             raise LedgerInvariantError.of(
@@ -172,6 +174,36 @@ class WorkerLedger:
             self._trace.emit(self._actor, "Receive", {
                 "job": job_id, "req_id": req_id, "generation": req.generation, "live": sorted(req.live),
                 "stale_on_arrival": not live, "superseded": superseded})
+
+    def refuse(self, req_id: str, job_id: int) -> None:
+        """Receive of a job whose spec was refused whole (malformed): registered stale on arrival, in a
+        generation of its own that is already closed, so it joins no open generation, changes no request's
+        state and runs nothing. Report it next (`finish`): the scheduler releases its pins on the report.
+        Refused like `register` if ``job_id`` is not an int or is known here (its report would count twice)."""
+        if job_id.__class__ is not int:
+            raise LedgerInputError("job_id", job_id, "must be an int")
+        if self.knows_job(job_id):
+            raise LedgerInputError("job_id", job_id, f"already registered on rank {self.rank}")
+        if len(self._jobs) + len(self._completed) >= self._max_jobs:
+            raise LedgerInvariantError.of(
+                "S6", f"rank {self.rank}: {len(self._jobs)} live + {len(self._completed)} reported-not-taken "
+                      f"jobs reach max_live_jobs={self._max_jobs}; refused job {job_id} not registered")
+        open_ = self._requests.get(req_id)
+        req = StoreRequestState(req_id, open_.generation if open_ is not None else 0)
+        req.state = "closed"
+        job = _Job(job_id, req)
+        if ("emitted", "Receive", "queued") not in STORE_JOB_ALLOWED:
+            _refuse(job, "Receive", "queued")
+        job.state = "queued"
+        self._jobs[job_id] = job
+        if self._trace is not None:
+            self._trace.emit(self._actor, "Receive", {
+                "job": job_id, "req_id": req_id, "generation": req.generation, "live": [],
+                "stale_on_arrival": True, "superseded": []})
+
+    def knows_job(self, job_id: int) -> bool:
+        """Registered and not yet reported, or reported recently (a second Receive of it is refused)."""
+        return job_id in self._jobs or job_id in self._reported or job_id in self._completed
 
     def _job(self, job_id: int) -> _Job:
         job = self._jobs.get(job_id)

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
 
+from kvledger.errors import LedgerInputError
 from kvledger_connector import upstream_keys as upstream
+from kvledger_connector.ownfile import read_own_file
 from kvledger_connector.scheduler_steps import LOAD_FAILURE_POLICIES, max_job_blocks
 from kvledger_connector.upstream_keys import ENV_CONFIG_PATH
 
@@ -429,9 +431,11 @@ KEYS: tuple[Key, ...] = (
                                     "test_rendezvous.py::test_a_generated_secret_is_refused_unless_private"),
     Key("trace_path", "path", None, "connector",
         "NDJSON trace of the shared-vocabulary events (schema: `kvledger.trace.EVENTS`), one file per process "
-        "(checked by `python -m conformance.runlog`)", shown_default="off",
+        "(checked by `python -m conformance.runlog`); appended to only as this user's regular file, not a link, "
+        "that no one else may write (created mode 0600)", shown_default="off",
         tests="test_runlog.py::test_real_log_is_accepted, "
-              "test_connector_e2e.py::test_trace_path_writes_the_shared_vocabulary"),
+              "test_connector_e2e.py::test_trace_path_writes_the_shared_vocabulary, "
+              "test_config.py::test_a_trace_path_is_opened_as_every_file_an_operator_names"),
     # -- the engine's ranks (kvledger_connector/engine_facts.py checks them against vLLM's groups)
     Key("tp_rank", "int", None, "engine", "worker rank, only for in-process multi-rank drivers (tests); vLLM's TP "
         "group wins, and a worker of a group of several ranks with neither refuses to start", lo=0, hi=1 << 16,
@@ -589,17 +593,14 @@ class Settings:
 
 
 def _read_file(path: str) -> Mapping[str, Any]:
+    """The ``MOONCAKE_CONFIG_PATH`` file, checked as every file an operator names (`read_own_file`): it sets
+    the master's address and may turn integrity off, so only this user's regular file, not a link, that no
+    one else may write, of at most 1 MiB."""
     src = _ENVIRONMENT
     try:
-        with open(path, "rb") as f:
-            blob = f.read(_MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(ENV_CONFIG_PATH, path, "file not found", src) from None
-    except OSError as e:
-        raise ConfigError(ENV_CONFIG_PATH, path, f"cannot be read ({e.strerror or e})", src) from None
-    if len(blob) > _MAX_FILE_BYTES:
-        raise ConfigError(ENV_CONFIG_PATH, path, f"larger than {_size_text(_MAX_FILE_BYTES)}: not a settings file",
-                          src)
+        blob = read_own_file(ENV_CONFIG_PATH, path, max_bytes=_MAX_FILE_BYTES, private=False)
+    except LedgerInputError as e:
+        raise ConfigError(ENV_CONFIG_PATH, path, e.reason, src) from None
     try:
         data = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -720,7 +721,8 @@ def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int |
     the request's own blocks; after the request finishes or is preempted they stay out of the free pool.
     At least L, or the longest request's save could never be admitted; at most half the pool, so saves in
     flight never keep more than half the KV cache from running requests; never above J * L, which J jobs
-    of at most L blocks cannot exceed anyway. Without a known pool (P None), J * L."""
+    of at most L blocks cannot exceed anyway. Without a known pool (P None), J * L. Never above the key's
+    upper bound, which a set value may not pass either."""
     for name, v in (("max_model_len", max_model_len), ("block_size", block_size),
                     ("max_inflight_jobs", max_inflight_jobs)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -733,7 +735,7 @@ def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int |
     upper = max_inflight_jobs * longest
     if num_gpu_blocks is not None:
         upper = min(upper, num_gpu_blocks // 2)
-    return max(longest, upper)
+    return min(max(longest, upper), BY_NAME["max_pinned_blocks"].bounds[1])  # never past the key's own bound
 
 
 def _vllm_int(field: str, value: Any, source: str, *, optional: bool = False) -> None:

@@ -53,7 +53,7 @@ from kvledger_connector.integrity import CHECKSUM_ONLY, IntegrityKey
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
 from kvledger_connector.rendezvous import AttachedMooncake
-from kvledger_connector.reset import reset_scheduler_side
+from kvledger_connector.reset import ResetGate, StoreRemovals, reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
 from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
 from kvledger_connector.store import KVStore, MooncakeStore
@@ -107,6 +107,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats = StatsRecorder()
         self.store: KVStore | None = None
         self._lookups: DeadlineStore | None = None
+        self.removals: StoreRemovals | None = None  # the resets' removals (scheduler role)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         try:
@@ -124,7 +125,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             embedded = settings.store().embedded
             engine_id = str(self._kv_transfer_config.engine_id)
             ikey = IntegrityKey.resolve(settings.get("integrity"), settings.get("integrity_secret_file"),
-                                        embedded=embedded, generated=lambda: rendezvous.engine_secret(engine_id))
+                                        embedded=embedded, generated=lambda: rendezvous.engine_secret(engine_id),
+                                        device=self._vllm_config.device_config.device_type)
         except ConfigError as e:
             raise settings.sourced(e) from None
         if is_scheduler and ikey.mode == "checksum":
@@ -157,12 +159,15 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             builders = self._key_builders()
             # the engine step's store calls, each bounded by lookup_timeout_ms
             bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
+            # the resets' removals run on their own thread; until one is done its keys answer "missing"
+            self.removals = StoreRemovals(self.store, stats=self.stats)
+            gated = ResetGate(bounded, self.removals)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
-                                                store=TimedLookups(bounded, self.stats),  # lookup histogram
+                                                store=TimedLookups(gated, self.stats),  # lookup histogram
                                                 weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group
                 self.scheduler_side.events = StoreEvents(
-                    key_builders=builders, store=bounded, block_size=cfg.block_size, max_pending=cfg.max_kv_events,
+                    key_builders=builders, store=gated, block_size=cfg.block_size, max_pending=cfg.max_kv_events,
                     stats=self.stats, group_specs=spec_metadata([g.spec for g in facts.groups] or [facts.spec]))
         else:
             self.store = store if store is not None else self._connect(sc)
@@ -243,13 +248,13 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return events.take() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
-        """Drop every key of this engine's model and namespace (kvledger_connector/reset.py); False while
-        anything in flight could bring pre-reset KV back. With `weights_version_file`, the file is read again
-        and the keys move to the version it names; a file that cannot be read refuses the reset (going on
-        under the old version after a weight update would read the old weights' KV). The worker role has
-        nothing to reset: None."""
-        side = self.scheduler_side
-        if side is None or self.store is None:
+        """Drop every key of this engine's model and namespace (kvledger_connector/reset.py): the keys move to
+        a new weights version at once, their removal runs on its own thread; False while anything in flight
+        could bring pre-reset KV back. With `weights_version_file`, the file is read again and the keys move
+        to the version it names; a file that cannot be read refuses the reset (going on under the old version
+        after a weight update would read the old weights' KV). The worker role has nothing to reset: None."""
+        side, removals = self.scheduler_side, self.removals
+        if side is None or removals is None:
             return None
         new_keys = None
         if self._weights_version_file is not None:
@@ -260,7 +265,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 self.stats.add("resets_refused")
                 return False
             new_keys = (version, self._key_builders(version))
-        return reset_scheduler_side(side, self.store, new_keys)
+        return reset_scheduler_side(side, removals, new_keys)
 
     # ============================================================ worker side
     def _worker(self) -> WorkerSide:
@@ -343,6 +348,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             steps.append(self.scheduler_side.release_all)
         if self._lookups is not None:
             steps.append(self._lookups.stop)
+        if self.removals is not None:
+            steps.append(self.removals.stop)
         if self._owns_store and self.store is not None:
             steps.append(self.store.close)
         if self._embedded is not None:

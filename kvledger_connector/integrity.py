@@ -3,42 +3,60 @@ the block loaded. A mismatch is a load error (vLLM's ``kv_load_failure_policy`` 
 
 The object under a key is the block's bytes (kvledger_connector/kvlayout.py) followed by a trailer::
 
-    | block bytes (P0) | "KVLTAG01" | nonce (8 bytes) | tag: 8 lanes x uint64, little-endian |
-                         `------------------ TRAILER_BYTES = 80 -------------------------------'
+    | block bytes (P0) | "KVLTAG01" | nonce (8 bytes) | tag (64 bytes) |
+                         `------------ TRAILER_BYTES = 80 -----------'
 
-The tag (`reference_digest` is its definition without torch; `BlockSeal` computes it with torch on the
-device the KV cache lives in, and a unit test holds the two equal):
+Every tag covers ``bind(key, nonce) = utf8(key) || 0x00 || nonce`` besides the bytes: a tag holds only under
+its own key, and the nonce, random per put, makes each put's tag input its own (equal keys written twice, with
+bit-different KV since GPU kernels need not be bitwise deterministic, share nothing a forger could combine).
+A whole object replayed under its own key still loads: it is what an engine holding the key stored there.
 
-    b     the block's bytes as int8, zero-padded to P = ceil(P0 / CHUNK) * CHUNK
-    h     h[c, l] = sum_j b[c*CHUNK + j] * A[j, l]          exact in int32 (|h| < 2**23)
-    T     T[l]   = sum_c U[c, l] * h[c, l]   mod 2**64
-    tag   tag[l] = T[l] + pad[l]             mod 2**64
+Two constructions; `construction_for` picks one by where the KV cache lives, and `key_tag` puts it in every
+key's layout digest, so engines using different ones never share a key (neither fails every load on the
+other's objects):
 
-``A`` (int8, CHUNK x LANES) and ``U`` (int64 per chunk and lane) are drawn by SHAKE-256 from the mode and
-the deployment secret; ``pad`` is HMAC-SHA512(secret, key || nonce), a fresh one-time pad per put (the
-nonce is random), so equal keys written twice with bit-different KV (GPU kernels need not be bitwise
-deterministic) never reuse a pad, and a tag holds only under its own key.
+* ``b3``, KV in host memory: ``tag = BLAKE3-keyed_hash(K, bind(key, nonce) || block bytes)``, 64 bytes of
+  its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
+  so a MAC under K. `BlockSeal` computes it without holding the GIL: a block that is one run in memory is
+  hashed where it lies; otherwise one TorchScript call copies a chunk of blocks into a staging buffer
+  (STAGE_BYTES per trailer slot); then one call per block, in which the `blake3` package releases the GIL.
+  The thread takes the GIL back once per block and once per chunk, never per segment: where vLLM's main
+  thread holds it, each take may wait (up to the interpreter's switch interval). Measured
+  here (2 cores, other jobs running; 64 KiB-2 MiB inputs, one core): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2
+  GB/s, keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3. Its cost is one more read of the bytes at the hash's
+  rate, plus the staging copy for a block of several runs (`bench.datapath` measures it).
+* ``mm8``, KV on a GPU (written for tensor cores; the bytes never cross to the host), the definition
+  `reference_digest` gives in numpy and `BlockSeal` computes with torch on the KV cache's device:
+
+      b     the block's bytes as int8, zero-padded to P = ceil(P0 / CHUNK) * CHUNK
+      h     h[c, l] = sum_j b[c*CHUNK + j] * A[j, l]          exact in int32 (|h| < 2**23)
+      T     T[l]   = sum_c U[c, l] * h[c, l]   mod 2**64
+      tag   tag[l] = T[l] + pad[l]             mod 2**64,  8 lanes x uint64, little-endian
+
+  ``A`` (int8, CHUNK x LANES) and ``U`` (int64 per chunk and lane) are drawn by SHAKE-256 from the mode and
+  the secret; ``pad = HMAC-SHA512(secret, bind(key, nonce))``, a one-time pad per put (the nonce is random),
+  so no pad is used twice. Cost: one gather, one int8 matmul (``torch._int_mm``; a float32 matmul, exact for
+  these ranges, where it is not available), one int64 multiply-sum over 1/64 of the bytes: each a pass over
+  HBM (TB/s) while the block crosses a NIC or PCIe (tens of GB/s). On a CPU it runs at ~2 GB/s, which is
+  why host KV uses ``b3`` (scripts/gpu-check.sh checks and times it on CUDA).
+
+Modes (the same for both constructions):
 
 * ``checksum`` (the default only with a configured master and no secret file, said once at start-up):
-  the secret is empty, so anyone can compute a tag. It catches bytes changed
-  in the store, a torn transfer, a block stored under another block's key, and a client that overwrites
-  a value with bytes of its own, unless it recomputes the tag on purpose.
+  the secret is empty, so anyone can compute a tag (under ``b3`` K is a fixed public constant). It catches
+  bytes changed in the store, a torn transfer, a block stored under another block's key, and a client that
+  overwrites a value with bytes of its own, unless it recomputes the tag on purpose.
 * ``mac`` (the default where the connector starts the store; `IntegrityKey.resolve`): a secret from
   ``integrity_secret_file``, or one generated per engine in its private runtime directory
   (kvledger_connector/rendezvous.py `engine_secret`). A client without it cannot make a value that loads:
-  for a changed value under an existing nonce it must guess, per lane, a first-level hash that is zero
-  with probability at most 2**-8 or the second-level sum mod 2**64; for a new nonce, the pad. About
-  2**-64 per attempt. Bytes are not encrypted: the store still shows them to whoever can read it.
+  under ``b3`` it must forge keyed BLAKE3 under a 256-bit key it cannot derive (BLAKE3 targets 128-bit
+  security; a guessed 64-byte tag is right with probability 2**-512); under
+  ``mm8``, for a changed value under an existing nonce, guess per lane a first-level hash that is zero with
+  probability at most 2**-8 or the second-level sum mod 2**64, for a new nonce the pad: about 2**-64 per
+  attempt. Bytes are not encrypted: the store still shows them to whoever can read it.
 * ``off``: no trailer (the object format of earlier versions, under the same keys).
 
-The mode and a fingerprint of the secret are in every key's layout digest (`key_tag`): engines with
-different modes or secrets never share keys, so none fails every load on the other's objects.
-
-Cost: one gather of the block into a contiguous int8 buffer, one int8 matmul (``torch._int_mm``; a float32
-matmul, exact for these ranges, where it is not available), one int64 multiply-sum over 1/64 of the bytes.
-On a GPU each is a pass over HBM (TB/s) while the block itself crosses a NIC or PCIe (tens of GB/s); on a
-CPU the same work runs on the cores at a few GB/s, several times what Mooncake's in-process memcpy takes
-(`bench.datapath` measures it; README: bench.datapath).
+The mode, the construction and a fingerprint of the secret are in every key's layout digest (`key_tag`).
 """
 from __future__ import annotations
 
@@ -53,20 +71,28 @@ from typing import Any
 
 import numpy as np
 import torch
+from blake3 import blake3
 
 from kvledger.errors import LedgerError, LedgerInputError
 from kvledger_connector.config import integrity_mode
 from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.ownfile import read_own_file
+from kvledger_connector.tagkernel import CHUNK, LANES, gather_rows, mm8_digests, mm8_digests_few
 
 MODES = ("checksum", "mac", "off")
+#: the tag constructions, by the version they write into the key tag (`IntegrityKey.key_tag`)
+CONSTRUCTIONS = {"b3": "b3", "mm8": "1"}
 MAGIC = b"KVLTAG01"
 NONCE_BYTES = 8
-LANES = 8
-CHUNK = 512  # bytes per first-level sum: 512 * 128 * 128 = 2**23, exact in int32 and in float32
-TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + 8 * LANES
+TAG_BYTES = 64
+TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
-FEW_BLOCKS = 16  # up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
+FEW_BLOCKS = 16  # mm8: up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
+#: b3: a BLAKE3 derive_key context (hard-coded, globally unique, this use only)
+B3_CONTEXT = "kvledger 2025-06 integrity tag key v1"
+#: b3: the staging buffer per trailer slot, for blocks of several runs: a few blocks, so the hash reads them
+#: back from the cache the copy just filled
+STAGE_BYTES = 8 << 20
 _MASK = (1 << 64) - 1
 #: said once at start-up when an engine runs 'checksum' (`IntegrityKey.resolve` chose it or the operator did)
 CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption and a block under another key, "
@@ -76,6 +102,12 @@ CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption 
 
 class IntegrityError(LedgerError):
     """A trailer slot was asked for with none free (more concurrent store calls than the seal was sized for)."""
+
+
+def construction_for(device_type: str) -> str:
+    """The tag construction for a KV cache on ``device_type`` (vLLM's ``device_config.device_type``): ``b3``
+    in host memory, where the cores compute it; ``mm8`` on an accelerator, where it runs on the device."""
+    return "b3" if device_type == "cpu" else "mm8"
 
 
 def read_secret(path: str) -> bytes:
@@ -90,10 +122,13 @@ def read_secret(path: str) -> bytes:
 
 @dataclass(frozen=True)
 class IntegrityKey:
-    """The mode and the secret: what a tag is computed with (the same on every rank and engine)."""
+    """The mode, the secret and the construction: what a tag is computed with (the same on every rank and
+    engine that shares keys). ``construction`` defaults to host memory's; the connector takes it from the
+    engine's device (`resolve`)."""
 
     mode: str = "checksum"
     secret: bytes = field(default=b"", repr=False)
+    construction: str = "b3"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,6 +136,8 @@ class IntegrityKey:
         if (self.mode == "mac") != bool(self.secret):
             raise LedgerInputError("integrity_secret_file", "<set>" if self.secret else None,
                                    f"a secret is needed by integrity 'mac' and only by it (integrity={self.mode!r})")
+        if self.construction not in CONSTRUCTIONS:
+            raise LedgerInputError("construction", self.construction, f"must be one of {sorted(CONSTRUCTIONS)}")
 
     @classmethod
     def of(cls, mode: str | None, secret_file: str | None) -> IntegrityKey:
@@ -114,13 +151,15 @@ class IntegrityKey:
 
     @classmethod
     def resolve(cls, mode: str | None, secret_file: str | None, *, embedded: bool,
-                generated: Callable[[], bytes]) -> IntegrityKey:
+                generated: Callable[[], bytes], device: str) -> IntegrityKey:
         """The engine's key by `config.integrity_mode`: the operator's secret file, else under 'mac' the
-        engine's generated secret (``generated()``, asked only then), else no secret."""
+        engine's generated secret (``generated()``, asked only then), else no secret; the construction for
+        a KV cache on ``device`` (`construction_for`)."""
         mode = integrity_mode(mode, secret_file, embedded=embedded)
+        how = construction_for(device)
         if mode != "mac":
-            return cls(mode)
-        return cls(mode, read_secret(secret_file) if secret_file is not None else generated())
+            return cls(mode, construction=how)
+        return cls(mode, read_secret(secret_file) if secret_file is not None else generated(), how)
 
     @property
     def enabled(self) -> bool:
@@ -128,17 +167,29 @@ class IntegrityKey:
 
     @property
     def key_tag(self) -> str:
-        """What goes into every key's layout digest: '' (off: the old object format), 'ck1', or 'mac1-' and
-        16 hex chars of an HMAC of the secret (not the secret: the digest is public)."""
+        """What goes into every key's layout digest: '' (off: the old object format), 'ck' or 'mac' with the
+        construction's version ('ck1', 'ckb3'), and under 'mac' '-' and 16 hex chars of an HMAC of the secret
+        (not the secret: the digest is public)."""
         if self.mode == "off":
             return ""
+        version = CONSTRUCTIONS[self.construction]
         if self.mode == "checksum":
-            return "ck1"
+            return f"ck{version}"
         fp = hmac.new(self.secret, b"kvledger key tag v1", hashlib.sha256).hexdigest()[:16]
-        return f"mac1-{fp}"
+        return f"mac{version}-{fp}"
+
+    def bind(self, key: str, nonce: bytes) -> bytes:
+        """What every tag covers besides the bytes: the key it holds under and its put's nonce (fixed length,
+        last, so the split is unambiguous)."""
+        return key.encode() + b"\0" + nonce
+
+    @property
+    def b3_key(self) -> bytes:
+        """b3's K: BLAKE3 derive_key of the mode and the secret (under 'checksum' a public constant)."""
+        return blake3(self.mode.encode() + b"\0" + self.secret, derive_key_context=B3_CONTEXT).digest()
 
     def material(self, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-        """(A: int8 [CHUNK, LANES], U: uint64 [num_chunks, LANES]); U's rows do not depend on num_chunks."""
+        """mm8's (A: int8 [CHUNK, LANES], U: uint64 [num_chunks, LANES]); U's rows do not depend on num_chunks."""
         shake = hashlib.shake_256(b"kvledger-integrity-v1\0" + self.mode.encode() + b"\0" + self.secret)
         na = CHUNK * LANES
         blob = shake.digest(na + num_chunks * LANES * 8)
@@ -147,15 +198,15 @@ class IntegrityKey:
         return a, u
 
     def pad(self, key: str, nonce: bytes) -> np.ndarray:
-        """The one-time pad of a (key, nonce): uint64 [LANES]. Under 'checksum' the secret is empty: anyone
+        """mm8's one-time pad of a (key, nonce): uint64 [LANES]. Under 'checksum' the secret is empty: anyone
         can compute it, and it still binds the tag to its key (a block stored under another key fails)."""
-        mac = hmac.new(self.secret, key.encode() + b"\0" + nonce, hashlib.sha512).digest()
+        mac = hmac.new(self.secret, self.bind(key, nonce), hashlib.sha512).digest()
         return np.frombuffer(mac, dtype="<u8").astype(np.uint64)
 
 
+# ---------------------------------------------------------------------- the definitions (no torch)
 def reference_digest(obj: bytes, ikey: IntegrityKey) -> list[int]:
-    """T of the module's definition in numpy and Python integers, no torch (slow; what `BlockSeal.digests`
-    is tested against)."""
+    """mm8's T in numpy and Python integers, no torch (slow; what `BlockSeal.digests` is tested against)."""
     n = -(-len(obj) // CHUNK)
     b = np.frombuffer(obj + bytes(n * CHUNK - len(obj)), dtype=np.int8).astype(np.int64).reshape(n, CHUNK)
     a, u = ikey.material(n)
@@ -163,40 +214,26 @@ def reference_digest(obj: bytes, ikey: IntegrityKey) -> list[int]:
     return [sum(int(u[c, l]) * int(h[c, l]) for c in range(n)) & _MASK for l in range(LANES)]
 
 
-def trailer(ikey: IntegrityKey, key: str, digest: Sequence[int], nonce: bytes) -> bytes:
-    """The TRAILER_BYTES that follow a block's bytes under ``key``."""
-    tag = (np.asarray([int(d) for d in digest], dtype=np.uint64) + ikey.pad(key, nonce)).astype("<u8")
-    return MAGIC + nonce + tag.tobytes()
+def _mm8_tag(ikey: IntegrityKey, key: str, digest: Sequence[int], nonce: bytes) -> bytes:
+    return (np.asarray([int(d) for d in digest], dtype=np.uint64) + ikey.pad(key, nonce)).astype("<u8").tobytes()
 
 
-@torch.jit.script
-def _digests_few(views: list[torch.Tensor], block_ids: list[int], a: torch.Tensor, u: torch.Tensor,
-                 pad: int) -> torch.Tensor:
-    """T of a few blocks (int64 [n, LANES]) in one call: TorchScript runs the whole graph with the GIL
-    released once (`BlockSeal.digests` says why that matters); the same arithmetic as `_digests`."""
-    ids = torch.tensor(block_ids, dtype=torch.long, device=a.device)
-    n = ids.size(0)
-    parts = [v.index_select(0, ids).reshape(n, -1) for v in views]
-    if pad > 0:
-        parts.append(torch.zeros((n, pad), dtype=torch.int8, device=ids.device))
-    x = torch.cat(parts, dim=1).reshape(-1, a.size(0))
-    if x.is_cuda and x.size(0) <= 16:  # the int8 kernel's smallest m on CUDA; float32 is exact here too
-        h = (x.to(torch.float32) @ a.to(torch.float32)).to(torch.int32)
-    else:
-        h = torch._int_mm(x, a)
-    return (h.reshape(n, -1, a.size(1)).to(torch.int64) * u).sum(dim=1)
+def reference_tag(obj: bytes, ikey: IntegrityKey, key: str, nonce: bytes) -> bytes:
+    """The TAG_BYTES of object bytes ``obj`` under ``key`` and ``nonce``: the module's definition, on the
+    whole object at once (what `BlockSeal.tags` is tested against on every layout)."""
+    if ikey.construction == "b3":
+        return blake3(ikey.bind(key, nonce) + obj, key=ikey.b3_key).digest(TAG_BYTES)
+    return _mm8_tag(ikey, key, reference_digest(obj, ikey), nonce)
 
 
+def reference_trailer(obj: bytes, ikey: IntegrityKey, key: str, nonce: bytes) -> bytes:
+    """The TRAILER_BYTES that follow ``obj`` under ``key`` (what a client that knows the key could write)."""
+    return MAGIC + nonce + reference_tag(obj, ikey, key, nonce)
+
+
+# ---------------------------------------------------------------------- torch: where the KV cache lives
 def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
-
-
-def _int8_matmul(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """x [m, CHUNK] int8 @ a [CHUNK, LANES] int8 -> int32, exact either way."""
-    try:
-        return torch._int_mm(x, a)
-    except RuntimeError:  # shapes or a device the int8 kernel does not take: float32 holds every value exactly
-        return (x.to(torch.float32) @ a.to(torch.float32)).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -212,7 +249,8 @@ class BlockSeal:
     """Tags of a rank's blocks, computed where its KV cache lives, and the trailer slots the store calls use.
 
     ``slots`` trailer slots of ``max_keys`` rows each, one per thread that may be inside a put or a get at
-    once (the store thread, the load threads, the step's sync load): `slot` takes one for a call.
+    once (the store thread, the load threads, the step's sync load): `slot` takes one for a call, and with
+    it that slot's staging rows.
 
     A hybrid model's KV cache groups: one copy plan per group (equal block bytes), and the calls name each
     block's group (``kv_groups``), whose views its tag is computed from."""
@@ -230,6 +268,7 @@ class BlockSeal:
             raise KVLayoutError(f"integrity: {len(plans)} copy plans of block bytes "
                                 f"{sorted({p.block_bytes for p in plans})}: one size for every group")
         self.block_bytes = plans[0].block_bytes
+        self.num_blocks = plans[0].num_blocks
         self.max_keys = max_keys
         flats: dict[int, torch.Tensor] = {}
         device = None
@@ -242,12 +281,11 @@ class BlockSeal:
             raise KVLayoutError("integrity: no KV cache tensors to read blocks from")
         self.device = device
         self._segs = [self._group(p, flats) for p in plans]  # per KV cache group
+        self._views = [[g.view for g in segs] for segs in self._segs]
+        self._offsets = [[g.offset for g in segs] for segs in self._segs]
         self.num_chunks = -(-self.block_bytes // CHUNK)
-        a, u = ikey.material(self.num_chunks)
-        self._a = torch.from_numpy(a.copy()).to(device)
-        self._u = torch.from_numpy(u.view(np.int64).copy()).to(device)
         self._arena = torch.zeros((slots, max_keys, TRAILER_BYTES), dtype=torch.uint8, device=device)
-        # a partial tail's copies: one per part of a block (a job puts one tail block)
+        # a partial tail's copies: one per part of a block (a job puts one tail block); mm8 reads the zero padding
         self._staging = torch.zeros((slots, len(plans), self.num_chunks * CHUNK), dtype=torch.int8, device=device)
         self._arena_np = self._arena.numpy() if device.type == "cpu" else None  # the same memory
         self._free: queue.Queue[int] = queue.Queue(maxsize=slots)
@@ -255,10 +293,23 @@ class BlockSeal:
             self._free.put_nowait(i)
         self.num_mismatches = 0
         self.trailer_bytes = TRAILER_BYTES
-        # the first calls compile and profile the TorchScript graph and set up the int8 kernel (tens of ms):
-        # paid here, at start-up, on vLLM's null block 0, not by the first loads while the engine serves
-        for n in (1, 2, FEW_BLOCKS + 1):
-            self.digests([0] * n)
+        if ikey.construction == "b3":
+            self._b3_key = ikey.b3_key
+            # a block that is one run of host memory is hashed where it lies: [blocks, bytes] numpy views
+            self._in_place = [segs[0].view[:, 0].numpy() if device.type == "cpu" and len(p.segments) == 1
+                              else None for segs, p in zip(self._segs, plans)]
+            self._rows = max(1, min(max_keys, STAGE_BYTES // self.block_bytes))
+            self._stage = torch.empty((slots, self._rows, self.block_bytes), dtype=torch.int8, device=device)
+            # the first gather compiles its TorchScript graph: paid here, on vLLM's null block 0
+            gather_rows(self._views[0], self._offsets[0], [0], self._stage[0])
+        else:
+            a, u = ikey.material(self.num_chunks)
+            self._a = torch.from_numpy(a.copy()).to(device)
+            self._u = torch.from_numpy(u.view(np.int64).copy()).to(device)
+            # the first calls compile and profile the TorchScript graph and set up the int8 kernel (tens of
+            # ms): paid here, at start-up, on vLLM's null block 0, not by the first loads while the engine serves
+            for n in (1, 2, FEW_BLOCKS + 1):
+                self.digests([0] * n)
 
     @staticmethod
     def _group(plan: BlockCopyPlan, flats: Mapping[int, torch.Tensor]) -> list[_Group]:
@@ -290,53 +341,105 @@ class BlockSeal:
         close()
         return out
 
+    def _check_group(self, kv_group: int) -> None:
+        if not 0 <= kv_group < len(self._segs):
+            raise LedgerInputError("kv_group", kv_group, f"not one of this seal's {len(self._segs)} groups")
+
+    def _by_group(self, n: int, kv_groups: Sequence[int] | None) -> dict[int, list[int]]:
+        """Indices 0..n-1 by KV cache group (``kv_groups``: each block's; None or one group: all group 0)."""
+        if kv_groups is None or len(self._segs) == 1:
+            return {0: list(range(n))}
+        if len(kv_groups) != n:
+            raise LedgerInputError("kv_groups", len(kv_groups), f"one per block ({n})")
+        out: dict[int, list[int]] = {}
+        for i, g in enumerate(kv_groups):
+            out.setdefault(g, []).append(i)
+        for g in out:
+            self._check_group(g)
+        return out
+
     # ------------------------------------------------------------------ tags
     def _gather(self, block_ids: Sequence[int], kv_group: int = 0) -> torch.Tensor:
-        """The blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK].
-
-        One strided copy per block and group: a gather (index_select) of these views runs at a fraction of
-        memcpy speed on a CPU."""
-        n = len(block_ids)
-        buf = torch.empty((n, self.num_chunks * CHUNK), dtype=torch.int8, device=self.device)
+        """mm8: the blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK] (one call; an
+        index_select of these views runs at a fraction of memcpy speed on a CPU)."""
+        buf = torch.empty((len(block_ids), self.num_chunks * CHUNK), dtype=torch.int8, device=self.device)
         buf[:, self.block_bytes:].zero_()
-        for i, b in enumerate(block_ids):
-            row = buf[i]
-            for g in self._segs[kv_group]:
-                row[g.offset:g.offset + g.nbytes].view(g.view.shape[1], g.view.shape[2]).copy_(g.view[b])
+        gather_rows(self._views[kv_group], self._offsets[kv_group], [int(b) for b in block_ids], buf)
         return buf
 
     def _digests(self, buf: torch.Tensor) -> np.ndarray:
-        n = buf.shape[0]
-        h = _int8_matmul(buf.view(n * self.num_chunks, CHUNK), self._a).view(n, self.num_chunks, LANES)
-        t = (h.to(torch.int64) * self._u).sum(dim=1)  # int64 arithmetic wraps: mod 2**64
-        return _host(t).view(np.uint64)
+        return _host(mm8_digests(buf, self._a, self._u)).view(np.uint64)
 
     def digests(self, block_ids: Sequence[int], kv_groups: Sequence[int] | None = None) -> np.ndarray:
-        """T of each block (uint64 [n, LANES]), from the KV cache as it is now.
+        """mm8's T of each block (uint64 [n, LANES]), from the KV cache as it is now.
 
         Every torch call releases the GIL and takes it back, and in an engine whose main thread is busy in
         Python each take can wait out the interpreter's switch interval: a load's latency then grows with
         its count of torch calls, not its bytes (`bench.engine` measured it). Up to FEW_BLOCKS blocks, one
         TorchScript call does it all; a larger batch amortises its calls and takes the faster copies.
         ``kv_groups``: each block's KV cache group (several groups; default group 0)."""
-        if kv_groups is not None and len(self._segs) > 1:
-            if len(kv_groups) != len(block_ids):
-                raise LedgerInputError("kv_groups", len(kv_groups), f"one per block ({len(block_ids)})")
-            out = np.empty((len(block_ids), LANES), dtype=np.uint64)
-            for g in sorted(set(kv_groups)):
-                at = [i for i, k in enumerate(kv_groups) if k == g]
-                out[at] = self._digests_of([block_ids[i] for i in at], g)
-            return out
-        return self._digests_of(block_ids, 0)
+        if self.ikey.construction != "mm8":
+            raise LedgerInputError("construction", self.ikey.construction, "digests are mm8's first level")
+        out = np.empty((len(block_ids), LANES), dtype=np.uint64)
+        for g, at in self._by_group(len(block_ids), kv_groups).items():
+            out[at] = self._digests_of([block_ids[i] for i in at], g)
+        return out
 
     def _digests_of(self, block_ids: Sequence[int], kv_group: int) -> np.ndarray:
-        if not 0 <= kv_group < len(self._segs):
-            raise LedgerInputError("kv_group", kv_group, f"not one of this seal's {len(self._segs)} groups")
+        self._check_group(kv_group)
         if len(block_ids) <= FEW_BLOCKS:
-            t = _digests_few([g.view for g in self._segs[kv_group]], [int(b) for b in block_ids], self._a,
-                             self._u, self.num_chunks * CHUNK - self.block_bytes)
+            t = mm8_digests_few(self._views[kv_group], [int(b) for b in block_ids], self._a, self._u,
+                                self.num_chunks * CHUNK - self.block_bytes)
             return _host(t).view(np.uint64)
         return self._digests(self._gather(block_ids, kv_group))
+
+    def _b3(self, bound: bytes, data: Any) -> bytes:
+        """One block's b3 tag: its bytes in one `update`, inside which `blake3` releases the GIL."""
+        h = blake3(bound, key=self._b3_key)
+        h.update(data)
+        return h.digest(TAG_BYTES)
+
+    def tags(self, slot: int, keys: Sequence[str], nonces: Sequence[bytes], block_ids: Sequence[int],
+             kv_groups: Sequence[int] | None = None, rows: Mapping[int, torch.Tensor] | None = None) -> list[bytes]:
+        """The TAG_BYTES of each block (of KV cache group ``kv_groups``) under its key and nonce, from the KV
+        cache as it is now; ``rows``: key index -> a copy of that block's object to tag instead (a partial
+        tail's staging row, zero-padded to whole chunks). ``slot``: the caller's (its staging rows)."""
+        n = len(keys)
+        if len(nonces) != n or len(block_ids) != n:
+            raise LedgerInputError("block_ids", len(block_ids), f"one block and one nonce per key ({n} keys, "
+                                   f"{len(nonces)} nonces)")
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:  # an index would wrap (numpy, torch) and tag another block
+            raise LedgerInputError("block_ids", bad[:4], f"not in 0..{self.num_blocks - 1}")
+        rows = rows or {}
+        out: list[bytes] = [b""] * n
+        if self.ikey.construction == "mm8":
+            rest = [i for i in range(n) if i not in rows]
+            digests = np.empty((n, LANES), dtype=np.uint64)
+            if rest:
+                digests[rest] = self.digests([block_ids[i] for i in rest],
+                                             None if kv_groups is None else [kv_groups[i] for i in rest])
+            for i, row in rows.items():
+                digests[i] = self._digests(row[None, :])[0]
+            return [_mm8_tag(self.ikey, k, d, nc) for k, d, nc in zip(keys, digests, nonces)]
+        bind = self.ikey.bind
+        for i, row in rows.items():
+            out[i] = self._b3(bind(keys[i], nonces[i]), _host(row[:self.block_bytes]))
+        for g, at in self._by_group(n, kv_groups).items():
+            at = [i for i in at if i not in rows]
+            here = self._in_place[g]
+            if here is not None:
+                for i in at:
+                    out[i] = self._b3(bind(keys[i], nonces[i]), here[block_ids[i]])
+                continue
+            stage = self._stage[slot]
+            for s in range(0, len(at), self._rows):
+                part = at[s:s + self._rows]
+                gather_rows(self._views[g], self._offsets[g], [int(block_ids[i]) for i in part], stage)
+                got = _host(stage[:len(part)])
+                for r, i in enumerate(part):
+                    out[i] = self._b3(bind(keys[i], nonces[i]), got[r])
+        return out
 
     # ------------------------------------------------------------------ trailer slots
     @contextmanager
@@ -377,26 +480,22 @@ class BlockSeal:
             raise LedgerInputError("stages", stages, f"distinct key indices, at most {self._staging.shape[1]} "
                                    f"(one per part of a block)")
         several = kv_groups is not None and len(self._segs) > 1
-        rest = [i for i in range(len(keys)) if i not in stages]  # the staged ones are tagged from their copies
-        digests = np.empty((len(keys), LANES), dtype=np.uint64)
-        if rest:
-            digests[rest] = self.digests([block_ids[i] for i in rest],
-                                         None if kv_groups is None else [kv_groups[i] for i in rest])
-        staged = []
-        for j, i in enumerate(stages):
-            buf = self._gather([block_ids[i]], kv_groups[i] if several else 0)  # type: ignore[index]
-            digests[i] = self._digests(buf)[0]
-            self._staging[slot, j].copy_(buf[0])
-            staged.append(self._staging[slot, j].data_ptr())
-        rows = bytearray()
-        for key, d in zip(keys, digests):
-            rows += trailer(self.ikey, key, d, os.urandom(NONCE_BYTES))
+        rows: dict[int, torch.Tensor] = {}
+        for j, i in enumerate(stages):  # the staged ones are tagged from their copies
+            g = kv_groups[i] if several else 0  # type: ignore[index]
+            self._check_group(g)
+            row = rows[i] = self._staging[slot, j]
+            gather_rows(self._views[g], self._offsets[g], [int(block_ids[i])], row[None, :])
         n = len(keys)
+        blob = os.urandom(NONCE_BYTES * n)
+        nonces = [blob[i * NONCE_BYTES:(i + 1) * NONCE_BYTES] for i in range(n)]
+        tags = self.tags(slot, keys, nonces, block_ids, kv_groups, rows)
+        raw = b"".join(MAGIC + nc + t for nc, t in zip(nonces, tags))
         if self._arena_np is not None:  # host memory: written without a torch call
-            self._arena_np[slot, :n] = np.frombuffer(bytes(rows), dtype=np.uint8).reshape(n, TRAILER_BYTES)
+            self._arena_np[slot, :n] = np.frombuffer(raw, dtype=np.uint8).reshape(n, TRAILER_BYTES)
         else:
-            self._arena[slot, :n].copy_(torch.frombuffer(rows, dtype=torch.uint8).view(n, TRAILER_BYTES))
-        return self.trailer_ptrs(slot, n), staged
+            self._arena[slot, :n].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, TRAILER_BYTES))
+        return self.trailer_ptrs(slot, n), [self._staging[slot, j].data_ptr() for j in range(len(stages))]
 
     def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int],
                kv_groups: Sequence[int] | None = None) -> list[bool]:
@@ -405,12 +504,11 @@ class BlockSeal:
         n = len(keys)
         if not n:
             return []
-        rows = self._arena_np[slot, :n] if self._arena_np is not None else self._arena[slot, :n].cpu().numpy()
-        digests = self.digests(block_ids, kv_groups)
-        out = []
-        for key, row, d in zip(keys, rows, digests):
-            raw = row.tobytes()
-            nonce = raw[len(MAGIC):len(MAGIC) + NONCE_BYTES]
-            out.append(raw[:len(MAGIC)] == MAGIC and hmac.compare_digest(raw, trailer(self.ikey, key, d, nonce)))
+        got = self._arena_np[slot, :n] if self._arena_np is not None else self._arena[slot, :n].cpu().numpy()
+        raws = [row.tobytes() for row in got]
+        nonces = [raw[len(MAGIC):len(MAGIC) + NONCE_BYTES] for raw in raws]
+        tags = self.tags(slot, keys, nonces, block_ids, kv_groups)
+        out = [raw[:len(MAGIC)] == MAGIC and hmac.compare_digest(raw, MAGIC + nc + t)
+               for raw, nc, t in zip(raws, nonces, tags)]
         self.num_mismatches += out.count(False)
         return out

@@ -23,6 +23,12 @@ second copy of this orchestration.
                                                            finish_load)
     HandleLoadErrors  WorkerSteps.take_load_errors()       LoadLedger.take_errors
 
+Every spec is checked whole before any of the above runs for it (kvledger_connector/metadata.py's checks):
+`admit_load` (a malformed or refused load: every real block reported failed, the load finished, nothing
+read), `receive_save` (a malformed save: its job reported at once through `WorkerLedger.refuse`, nothing
+put), `receive_drop`. An object a load finds failing its integrity tag is queued (`queue_removal`) and
+removed by `remove_mismatched`, which the store's own threads run.
+
 Store I/O runs outside the lock; a store call that raises counts as CLIENT_EXCEPTION for each of its keys;
 any other exception fails the job, which is still reported (S5) / whose blocks are still reported failed
 (S8). So does abandoning a generator (``close()``, or its collection): see ``save_steps``, ``load_steps``.
@@ -46,17 +52,21 @@ from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger, put_positions
 from kvledger_connector.keys import KeyBuilder, dense_table
+from kvledger_connector.metadata import (DropNotice, LoadSpec, SaveSpec, check_drop_notice, check_job_id,
+                                         check_load_spec, check_req_id, check_save_spec, reportable_blocks)
 from kvledger_connector.stats import StatsRecorder
 from kvledger_connector.store import StoreCode
 
 if TYPE_CHECKING:
     from kvledger_connector.integrity import BlockSeal
-    from kvledger_connector.metadata import SaveSpec
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
+# objects that failed their integrity tag, waiting for the store's own thread to remove them (bounded: one
+# left out fails its next load again and is queued then)
+MAX_PENDING_REMOVALS = 256
 
 # (ptrs, sizes) per id, as the store's batch calls take them: the connector's KV cache plan, or a driver's
 Buffers = Callable[[list[int]], tuple[list[list[int]], list[list[int]]]]
@@ -151,25 +161,10 @@ class SentBlocks:
         """The job's blocks [0, spec.end_block): the table's, extended by the spec's new full blocks, then
         its partial tail if it has one. Refuses (LedgerInputError, the table unchanged) a spec whose
         blocks do not continue its generation's table."""
-        start, end, tail = spec.start_block, spec.end_block, spec.tail_tokens
+        check_save_spec(spec)  # its fields; the block ids' range is the worker's to check (it knows the cache)
+        start, g = spec.start_block, spec.num_groups
         where = f"SaveSpec job {spec.store_job_id} ({spec.req_id!r})"
-        for name, v in (("start_block", start), ("end_block", end), ("tail_tokens", tail),
-                        ("generation", spec.generation)):
-            if v.__class__ is not int or v < 0:
-                raise LedgerInputError(f"{where} {name}", v, "must be an int >= 0")
-        full_end = end - (tail > 0)
-        if full_end < start:
-            raise LedgerInputError(f"{where} start_block", start, f"past its last full block ({full_end})")
-        g = spec.num_groups
-        if g.__class__ is not int or g < 1:
-            raise LedgerInputError(f"{where} num_groups", g, "must be an int >= 1")
-        if len(spec.block_ids) != (end - start) * g or len(spec.block_hashes) != end - start:
-            raise LedgerInputError(f"{where} block_ids", len(spec.block_ids),
-                                   f"{g} per block of [{start}, {end}) and a hash per block "
-                                   f"({len(spec.block_hashes)} hashes given)")
-        if spec.null_before and (len(spec.null_before) != g
-                                 or any(n.__class__ is not int or n < 0 for n in spec.null_before)):
-            raise LedgerInputError(f"{where} null_before", spec.null_before, f"one int >= 0 per group ({g})")
+        full_end = spec.full_end_block
         known = self._tables.get(spec.req_id)
         if start == 0:
             ids: list[int] = []
@@ -215,13 +210,16 @@ class WorkerSteps:
                  tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
                  lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
-                 group_keys: Sequence[KeyBuilder] | None = None, part_groups: Sequence[int] | None = None) -> None:
+                 group_keys: Sequence[KeyBuilder] | None = None, part_groups: Sequence[int] | None = None,
+                 num_blocks: int | None = None) -> None:
         """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
         ``stripe``: (this rank's replica index, replicas) among ranks that share keys
         (`kvledger.put_positions`); default the key layout's, else (0, 1). ``group_keys``: one key builder
         per part of a block, instead of ``keys``: per KV cache group (a hybrid model) and, in the TP-shared
         layout, per head shard; ``part_groups``: each part's KV cache group (default: part i is group i),
-        every group with as many parts. ``buffers`` then also takes each entry's part."""
+        every group with as many parts. ``buffers`` then also takes each entry's part. ``num_blocks``: blocks of
+        the registered KV cache, the range a spec's block ids are checked against (0: none registered, every
+        id refused; None: a driver's own buffers, ids not bounded above)."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
@@ -259,6 +257,11 @@ class WorkerSteps:
         self.sub_batch = load_sub_batch_keys
         self.stats = stats or StatsRecorder()
         self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
+        self.num_blocks = num_blocks
+        # keys of objects that failed their integrity tag, in order, each once (bounded): removed by
+        # `remove_mismatched` on the store's own thread, never on the thread that loaded (a sync load runs on
+        # the model runner's)
+        self.removals: dict[str, None] = {}
         # loads finished and not yet reported, in order (bounded by loads in flight); a list, not a set: two
         # loads of one reused req_id may finish before a step takes them, and each must be reported
         self.finished_loads: list[str] = []
@@ -314,10 +317,24 @@ class WorkerSteps:
             self.ledger.register(req_id, job_id, generation)
 
     def receive_save(self, spec: SaveSpec) -> SaveJob | None:
-        """Receive of one SaveSpec: `receive`, then the job's blocks resolved from what earlier specs of its
-        generation sent (`SentBlocks`). A spec that does not continue them is bad input: its job is
-        reported at once (its pins are released; a cache miss) and None returned."""
-        self.receive(spec.req_id, spec.store_job_id, spec.generation)
+        """Receive of one SaveSpec, checked whole first (`check_save_spec`: against this rank's KV cache; a
+        job id no job of this rank has), then `receive`, then the job's blocks resolved from what earlier
+        specs of its generation sent (`SentBlocks`). A malformed spec, or one that does not continue them,
+        is bad input: nothing runs and None is returned; its job is reported at once (its pins are
+        released; a cache miss), unless its id is not a job id or another job's (that report would count
+        twice: the spec is dropped, kept in ``errors``)."""
+        try:
+            check_save_spec(spec, num_blocks=self.num_blocks, null_ok=not self.dense_table)
+            with self.lock:
+                known = self.ledger.knows_job(spec.store_job_id)
+            if known:
+                raise LedgerInputError(f"SaveSpec job {spec.store_job_id} store_job_id", spec.store_job_id,
+                                       "another job of this rank has it")
+            # a job its request cannot join (this rank holds `max_requests` request states): refused alike
+            self.receive(spec.req_id, spec.store_job_id, spec.generation)
+        except LedgerInputError as e:
+            self._refuse_save(spec, e)
+            return None
         try:
             with self.lock:
                 ids, hashes = self.sent.resolve(spec)
@@ -327,6 +344,43 @@ class WorkerSteps:
             return None
         return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes,
                        spec.num_groups)
+
+    def _refuse_save(self, spec: Any, err: LedgerInputError) -> None:
+        """A malformed SaveSpec: its job, where its id can be reported, registered in no generation and
+        reported at once (`WorkerLedger.refuse`); no block is read, nothing is put."""
+        self.stats.add("refused_specs")
+        job_id: Any = getattr(spec, "store_job_id", None)
+        req_id: Any = getattr(spec, "req_id", None)
+        try:
+            check_job_id("SaveSpec", job_id)
+            with self.lock:
+                self.ledger.refuse(req_id if req_id.__class__ is str else repr(req_id), job_id)
+        except LedgerError as e:  # no job to report: its id is not one, or another job's
+            self.note_error(f"refused, not reported ({e}): {err}")
+            return
+        self.note_error(f"refused: {err}")
+        self.reject_save(job_id)
+
+    def receive_drop(self, notice: DropNotice) -> bool:
+        """DropGeneration of one DropNotice, checked whole first (`check_drop_notice`). Returns whether the
+        notice releases a held request (the rank answers it in finished_sending). A malformed notice with a
+        req_id closes that req_id's open generation, whichever it is (its queued jobs go stale: a cache miss
+        at worst, never a stale job's effect) and still releases a held request, so it never waits for
+        ever; the error is kept in ``errors``."""
+        try:
+            check_drop_notice(notice)
+        except LedgerInputError as e:
+            self.stats.add("refused_specs")
+            self.note_error(f"malformed, applied as a preemption of whatever generation is open: {e}")
+            req_id: Any = getattr(notice, "req_id", None)
+            try:
+                check_req_id("DropNotice", req_id)
+            except LedgerInputError:
+                return False
+            self.drop_generation(req_id, finished=False, generation=None)
+            return getattr(notice, "release", False) is True
+        self.drop_generation(notice.req_id, finished=notice.finished, generation=notice.generation)
+        return notice.release
 
     def drop_generation(self, req_id: str, *, finished: bool, generation: int | None) -> None:
         """DropGeneration: the scheduler preempted or finished ``req_id`` (its generation's jobs go stale,
@@ -544,6 +598,32 @@ class WorkerSteps:
         return keys, ids, parts, positions
 
     # ------------------------------------------------------------------ loads
+    def admit_load(self, spec: LoadSpec) -> bool:
+        """EmitLoad's input, checked whole before anything runs (`check_load_spec`, against this rank's KV
+        cache). True: the load may run (`run_load`). Otherwise it is over here, nothing read: a malformed
+        spec, or one the scheduler refused (`LoadSpec.refused`), has every block it names reported failed
+        and is finished (its request never waits, vLLM's policy acts on the blocks); a spec without a req_id
+        names no request to report and is only kept in ``errors``."""
+        try:
+            check_load_spec(spec, num_blocks=self.num_blocks, num_groups=self.num_kv_groups)
+        except LedgerInputError as e:
+            self.stats.add("refused_specs")
+            req_id: Any = getattr(spec, "req_id", None)
+            try:
+                check_req_id("LoadSpec", req_id)
+            except LedgerInputError:
+                self.note_error(f"refused, not reported (no request to report): {e}")
+                return False
+            self.note_error(f"refused: {e}")
+            ids = reportable_blocks(getattr(spec, "block_ids", ()), self.num_blocks)
+            self.reject_load(req_id, ids, f"malformed: {e}", sync=bool(getattr(spec, "sync", False)))
+            return False
+        if spec.refused:
+            self.reject_load(spec.req_id, spec.block_ids, f"refused by the scheduler: {spec.refused}",
+                             sync=bool(spec.sync))
+            return False
+        return True
+
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
         with self.lock:  # a block is loaded once all its keys are (several in the TP-shared layout)
             load_id = self.loads.begin_load(req_id, block_ids, keys_per_block=self.key_parts)
@@ -596,11 +676,31 @@ class WorkerSteps:
                 self.stats.add("integrity_mismatches")
                 logger.warning("kvledger worker r%d: %s does not match its integrity tag: not loaded, removed",
                                self.tp_rank, keys[i])
-                try:
-                    self.store.remove(keys[i], True)
-                except Exception as e:  # best effort: the load error stands either way
-                    self.note_error(f"remove {keys[i]} after an integrity mismatch: {type(e).__name__}: {e}")
+                self.queue_removal(keys[i])
         return out
+
+    def queue_removal(self, key: str) -> None:
+        """``key``'s object failed its tag: queued for `remove_mismatched` (the store's own thread), each key
+        once; past the bound it is left (counted): its next load fails the tag again and queues it then."""
+        with self.lock:
+            if key not in self.removals and len(self.removals) >= MAX_PENDING_REMOVALS:
+                self.stats.add("integrity_removals_dropped")
+                return
+            self.removals[key] = None
+
+    def remove_mismatched(self) -> int:
+        """Removes every queued object that failed its tag, by force (a reader's lease must not keep it:
+        while it exists no save replaces it). Called on the store's own threads (the worker's store and
+        load threads), never the model runner's. Best effort: the load error stood already. Returns how
+        many it tried."""
+        with self.lock:
+            keys, self.removals = list(self.removals), {}
+        for k in keys:
+            try:
+                self.store.remove(k, True)
+            except Exception as e:  # best effort: the load error stands either way
+                self.note_error(f"remove {k} after an integrity mismatch: {type(e).__name__}: {e}")
+        return len(keys)
 
     def pending(self, load_id: int) -> list[int]:
         with self.lock:

@@ -19,6 +19,7 @@ tensor-parallel shard, so the same hash names a different key on each rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -97,6 +98,132 @@ class LoadSpec:
     groups: tuple[int, ...] = ()
     # the scheduler could not plan this load (why): every block is reported failed, the store is not read
     refused: str = ""
+
+
+# ---------------------------------------------------------------- what a rank accepts (checked whole)
+# A spec is checked whole before a rank acts on any of it (`WorkerSteps.admit_load`, `receive_save`,
+# `receive_drop`): a bad one fails as one unit, never half-run. Each check raises a LedgerInputError naming
+# the field and its value.
+def _int(v: Any) -> bool:
+    return v.__class__ is int  # bool and int subclasses are not ids
+
+
+def check_req_id(where: str, req_id: Any) -> None:
+    if req_id.__class__ is not str or not req_id:
+        raise LedgerInputError(f"{where} req_id", req_id, "must be a non-empty str")
+
+
+def block_ids_error(where: str, block_ids: Any, num_blocks: int | None, *, null_ok: bool
+                    ) -> LedgerInputError | None:
+    """The first thing wrong with ``block_ids``, or None: a tuple or list of ints naming blocks of the
+    registered KV cache (``num_blocks`` of them; None: a driver's buffers, no upper bound), vLLM's null
+    block 0 only where ``null_ok`` (a group's blocks below its window), none twice (0 aside: two keys
+    written into one block leave it holding only one of them)."""
+    if not isinstance(block_ids, (tuple, list)):
+        return LedgerInputError(f"{where} block_ids", block_ids, "must be a tuple of block ids")
+    low = 0 if null_ok else 1
+    top = "" if num_blocks is None else f"..{num_blocks - 1}"
+    for b in block_ids:
+        if not _int(b) or b < low or (num_blocks is not None and b >= num_blocks):
+            return LedgerInputError(f"{where} block_ids", b, f"not a block id of this rank's KV cache ({low}{top})")
+    real = [b for b in block_ids if b != 0]
+    if len(set(real)) != len(real):
+        return LedgerInputError(f"{where} block_ids", sorted({b for b in real if real.count(b) > 1}),
+                                "named twice in one spec")
+    return None
+
+
+def _check_hashes(where: str, hashes: Any, n: int) -> None:
+    if not isinstance(hashes, (tuple, list)) or len(hashes) != n:
+        raise LedgerInputError(f"{where} block_hashes", hashes if not isinstance(hashes, (tuple, list))
+                               else len(hashes), f"one per block ({n})")
+    for h in hashes:
+        if not isinstance(h, bytes) or not h:
+            raise LedgerInputError(f"{where} block_hashes", h, "a block hash is non-empty bytes")
+
+
+def check_load_spec(spec: LoadSpec, *, num_blocks: int | None, num_groups: int) -> None:
+    """A LoadSpec a rank may act on: a req_id; block ids of its KV cache, none null, none twice (one block
+    pool: an id is one group's at a time); a hash per block (none for a refused load); a KV cache group
+    per block (``num_groups`` of them) or none."""
+    if not isinstance(spec, LoadSpec):
+        raise LedgerInputError("LoadSpec", type(spec).__name__, "not a LoadSpec")
+    check_req_id("LoadSpec", spec.req_id)
+    where = f"LoadSpec {spec.req_id!r}"
+    err = block_ids_error(where, spec.block_ids, num_blocks, null_ok=False)
+    if err is not None:
+        raise err
+    n = len(spec.block_ids)
+    if not spec.refused:
+        _check_hashes(where, spec.block_hashes, n)
+    groups = spec.groups
+    if not isinstance(groups, (tuple, list)) or (groups and len(groups) != n):
+        raise LedgerInputError(f"{where} groups", groups, f"one KV cache group per block id ({n}), or none")
+    bad = [g for g in groups if not _int(g) or not 0 <= g < num_groups]
+    if bad:
+        raise LedgerInputError(f"{where} groups", bad, f"this rank's KV cache groups are 0..{num_groups - 1}")
+
+
+def reportable_blocks(block_ids: Any, num_blocks: int | None) -> list[int]:
+    """The ids of a spec that name real blocks of the KV cache, each once: what a refused load can report
+    failed (anything else names no block vLLM holds)."""
+    if not isinstance(block_ids, (tuple, list)):
+        return []
+    ok = [b for b in block_ids if _int(b) and b > 0 and (num_blocks is None or b < num_blocks)]
+    return list(dict.fromkeys(ok))
+
+
+def check_job_id(where: str, job_id: Any) -> None:
+    if not _int(job_id) or job_id < 0:
+        raise LedgerInputError(f"{where} store_job_id", job_id, "must be an int >= 0")
+
+
+def check_save_spec(spec: SaveSpec, *, num_blocks: int | None = None, null_ok: bool = True) -> None:
+    """A SaveSpec a rank may act on: a req_id, a job id and a generation (ints >= 0); a block range
+    [start_block, end_block) with its partial tail, ``num_groups`` ids per block (block ids of the KV cache,
+    ``null_ok``: vLLM's null block where a group's table holds it; none twice) and a hash per block;
+    null_before one int >= 0 per group. ``num_blocks`` None: the ids' upper bound is not known here
+    (`SentBlocks.resolve` checks the rest). Whether it continues what the rank holds is `SentBlocks`'."""
+    if not isinstance(spec, SaveSpec):
+        raise LedgerInputError("SaveSpec", type(spec).__name__, "not a SaveSpec")
+    check_job_id("SaveSpec", spec.store_job_id)
+    where = f"SaveSpec job {spec.store_job_id}"
+    check_req_id(where, spec.req_id)
+    where = f"{where} ({spec.req_id!r})"
+    start, end, tail = spec.start_block, spec.end_block, spec.tail_tokens
+    for name, v in (("start_block", start), ("end_block", end), ("tail_tokens", tail),
+                    ("generation", spec.generation)):
+        if not _int(v) or v < 0:
+            raise LedgerInputError(f"{where} {name}", v, "must be an int >= 0")
+    full_end = end - (tail > 0)
+    if full_end < start:
+        raise LedgerInputError(f"{where} start_block", start, f"past its last full block ({full_end})")
+    g = spec.num_groups
+    if not _int(g) or g < 1:
+        raise LedgerInputError(f"{where} num_groups", g, "must be an int >= 1")
+    err = block_ids_error(where, spec.block_ids, num_blocks, null_ok=null_ok)
+    if err is not None:
+        raise err
+    if len(spec.block_ids) != (end - start) * g:
+        raise LedgerInputError(f"{where} block_ids", len(spec.block_ids), f"{g} per block of [{start}, {end})")
+    _check_hashes(where, spec.block_hashes, end - start)
+    nb = spec.null_before
+    if not isinstance(nb, (tuple, list)) or (nb and (len(nb) != g or any(not _int(n) or n < 0 for n in nb))):
+        raise LedgerInputError(f"{where} null_before", nb, f"one int >= 0 per group ({g})")
+
+
+def check_drop_notice(notice: DropNotice) -> None:
+    """A DropNotice a rank may act on: a req_id, a generation (an int >= 0, or None: a req_id the
+    scheduler side never saw), finished and release bools."""
+    if not isinstance(notice, DropNotice):
+        raise LedgerInputError("DropNotice", type(notice).__name__, "not a DropNotice")
+    check_req_id("DropNotice", notice.req_id)
+    where = f"DropNotice {notice.req_id!r}"
+    if notice.generation is not None and (not _int(notice.generation) or notice.generation < 0):
+        raise LedgerInputError(f"{where} generation", notice.generation, "must be an int >= 0 or None")
+    for name in ("finished", "release"):
+        if getattr(notice, name).__class__ is not bool:
+            raise LedgerInputError(f"{where} {name}", getattr(notice, name), "must be a bool")
 
 
 @dataclass

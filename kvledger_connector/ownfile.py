@@ -1,19 +1,24 @@
-"""Files the operator hands the connector by path (a secret, a weights version): read only when they are
-this user's regular file, opened without following a link, that no one else may write (or, for a secret,
-read). Anyone else on the host who could write such a file could choose our keys or forge our tags."""
+"""Files the operator hands the connector by path (a secret, a weights version, the ``MOONCAKE_CONFIG_PATH``
+settings; the trace it writes): used only when they are this user's regular file, opened without following a
+link, that no one else may write (or, for a secret, read), read up to a size bound. Anyone else on the host
+who could write such a file could choose our keys, forge our tags, or point us at their master with
+integrity off; a link planted at the trace's path would have us append to the file it names."""
 from __future__ import annotations
 
 import os
 import stat
+from typing import TextIO
 
 from kvledger.errors import LedgerInputError
 
 
-def read_own_file(field_: str, path: str, *, max_bytes: int, private: bool) -> bytes:
-    """At most `max_bytes` bytes of `path`, or `LedgerInputError(field_, path)` saying why not. `private`:
-    no one else may read it either (mode 0600 or stricter); otherwise no one else may write it."""
+def _own_fd(field_: str, path: str, flags: int, *, private: bool) -> int:
+    """`path` opened with `flags`, without following a link, and checked: this user's regular file that no
+    one else may write (`private`: nor read). `LedgerInputError(field_, path)` saying why not."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except FileNotFoundError:
+        raise LedgerInputError(field_, path, "not found") from None
     except OSError as e:
         raise LedgerInputError(field_, path, f"cannot be opened without following links: {e.strerror}") from None
     try:
@@ -27,9 +32,34 @@ def read_own_file(field_: str, path: str, *, max_bytes: int, private: bool) -> b
             raise LedgerInputError(field_, path, f"has mode {mode:04o}: others may read it; chmod 600")
         if mode & 0o022:
             raise LedgerInputError(field_, path, f"has mode {mode:04o}: others may write it; chmod go-w")
-        blob = os.read(fd, max_bytes + 1)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_own_file(field_: str, path: str, *, max_bytes: int, private: bool) -> bytes:
+    """At most `max_bytes` bytes of `path`, or `LedgerInputError(field_, path)` saying why not. `private`:
+    no one else may read it either (mode 0600 or stricter); otherwise no one else may write it."""
+    fd = _own_fd(field_, path, os.O_RDONLY, private=private)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= max_bytes:  # a read may return less than asked
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     finally:
         os.close(fd)
-    if len(blob) > max_bytes:
+    if size > max_bytes:
         raise LedgerInputError(field_, path, f"holds more than {max_bytes} bytes")
-    return blob
+    return b"".join(chunks)
+
+
+def append_own_file(field_: str, path: str) -> TextIO:
+    """`path` opened to append text (created mode 0600 when absent), checked as `read_own_file` checks a
+    file others may read: a link planted there would otherwise have us write where it points."""
+    return os.fdopen(_own_fd(field_, path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, private=False), "a",
+                     encoding="utf-8")

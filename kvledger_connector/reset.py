@@ -1,9 +1,9 @@
 """``reset_cache``: drop every key this engine's model writes, and nothing else.
 
 vLLM calls ``connector.reset_cache()`` from ``Scheduler.reset_connector_cache`` (``reset_prefix_cache(...,
-reset_connector=True)``, e.g. after an RL weight update, vllm #42694); True = done, False = failed (the engine's
-pause-with-clear-cache raises then), None = not implemented (the worker role answers None: the scheduler's
-store client does the removal; the workers hold no per-key state that a reset makes wrong).
+reset_connector=True)``, e.g. after an RL weight update, vllm #42694); True = done, False = refused (the
+engine's pause-with-clear-cache raises then), None = not implemented (the worker role answers None: the
+scheduler's store client does the removal; the workers hold no per-key state that a reset makes wrong).
 
 What is removed: the keys matching exactly this engine's key shapes, one ``remove_by_regex`` on the master::
 
@@ -17,8 +17,9 @@ store connector calls ``remove_all`` (every tenant's keys). Keys are content add
 same model, layout, namespace and parallel shape shares these keys, so the reset drops them for all of them
 (after a weight update they are all stale alike).
 
-When the reset is refused (returns False, nothing removed): while anything of this engine could still write a
-pre-reset block under a key after the wipe, or feed one to a request:
+When the reset is refused (returns False, logged and counted in ``resets_refused``, nothing changed): while
+anything of this engine could still write a pre-reset block under a key after the wipe, or feed one to a
+request:
 
 - a store job is in flight (pinned in the ledger until every rank reported it): its put may land after
   the wipe and re-create a key with pre-reset KV (first writer wins: it would then stay);
@@ -33,27 +34,56 @@ reset), so these hold on its paths; a caller that resets mid-run gets False and 
 job or load changes state, so the model (tla/) and its invariants are unaffected; the reset is a store-side
 removal, like an eviction of many keys at once (`Evict(k)`).
 
-After the removal the scheduler side forgets what it learned from the store: cached lookup answers, save
-trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
+Otherwise the reset is done at once, on the engine thread, without a store call::
+
+    engine thread (reset_cache)                  kvledger-reset-removal thread (`StoreRemovals`)
+    refusal? -> False
+    switch the weights version (if it changed)
+    forget lookups, saves, KV events
+    submit(old keys' pattern) ──── pending ────► remove_by_regex(pattern), up to REMOVAL_ATTEMPTS tries,
+    -> True                                      waits of removal_backoff_s between; given up: logged, counted
 
 A runtime weights version (`weights_version_file`, re-read by the connector at each reset): when it changed,
-the removal above takes the old version's keys (this engine's, as always) and then the keys move to the new
-version — lookups, KV events, and every rank's jobs through the next step's metadata. That is the one
-moment the switch is safe: the refusal rules above leave nothing in flight that was keyed under the old
-version. Another engine still on the old weights keeps writing old-version keys; this one never reads them.
+the keys move to the new version first — lookups, KV events, and every rank's jobs through the next step's
+metadata — and the old version's keys are then removed best-effort: a removal that fails or lags costs store
+memory (the keys age out by eviction), never a read of the old weights' KV, since nothing reads the old keys
+any more. That is the one moment the switch is safe: the refusal rules above leave nothing in flight that
+was keyed under the old version. Another engine still on the old weights keeps writing old-version keys;
+this one never reads them.
+
+Without a version change the keys stay where they are, so until their removal is done they may hold
+pre-reset KV: every existence check of the scheduler (lookups, the KV-events check) answers "missing"
+(`ResetGate`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
+the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
+After any reset the scheduler side forgets what it learned from the store: cached lookup answers, save
+trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvledger.errors import LedgerInputError
 from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.store import StoreCode
 
 if TYPE_CHECKING:
     from kvledger_connector.scheduler import SchedulerSide
 
 logger = logging.getLogger(__name__)
+
+#: tries of one removal, the first included, before it is given up (`reset_removals_given_up`)
+REMOVAL_ATTEMPTS = 8
+#: the wait after a removal's first failed try, doubled after each later one up to MAX_REMOVAL_BACKOFF_S
+#: (1, 2, 4 ... 30 s: about a minute and a half of tries, past a master restart)
+REMOVAL_BACKOFF_S = 1.0
+MAX_REMOVAL_BACKOFF_S = 30.0
+#: distinct patterns waiting for removal at once (one per reset, deduplicated); past it the oldest is dropped
+#: and counted (`reset_removals_dropped`): resets come once per weight update, so more means a store long down
+MAX_PENDING_REMOVALS = 4
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")  # "/" and "-" are literal outside a class
 
@@ -71,6 +101,196 @@ def engine_key_regex(key_builders: Sequence[KeyBuilder]) -> str:
     return "^(?:" + "|".join(ecma_escape(p) for p in prefixes) + ")[0-9a-fn]+$"
 
 
+def removal_backoff_s(failed: int) -> float:
+    """The wait after the `failed`-th failed try of one removal (1-based)."""
+    if failed.__class__ is not int or failed < 1:
+        raise LedgerInputError("failed", failed, "must be an int >= 1")
+    return min(REMOVAL_BACKOFF_S * 2.0 ** min(failed - 1, 32), MAX_REMOVAL_BACKOFF_S)
+
+
+class StoreRemovals:
+    """The resets' ``remove_by_regex`` calls, off the engine thread (see the module doc's drawing).
+
+    `submit` queues a pattern and returns at once; a thread of its own (started at the first submit) removes
+    each pattern, oldest first, trying each at most REMOVAL_ATTEMPTS times. ``background=False``: no thread,
+    the owner calls `run_pending` (probes, to be deterministic). ``wait(seconds) -> stop?``: the backoff
+    wait (default: cut short by `stop`; a test passes a double that records the waits).
+
+    The gate: the pattern of keys the engine still reads whose removal is owed (a reset that kept the
+    weights version); `gated` holds until a removal of that pattern that began after the gate was set
+    succeeds, or a later reset switches the version (then nothing reads those keys)."""
+
+    def __init__(self, store: Any, *, stats: Any = None, background: bool = True,
+                 wait: Callable[[float], bool] | None = None) -> None:
+        self.store = store
+        self.stats = stats  # a StatsRecorder or None
+        self._background = background
+        self._stopping = threading.Event()
+        self.wait: Callable[[float], bool] = wait if wait is not None else self._stopping.wait
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a submit, a removal done, stop
+        self._pending: OrderedDict[str, int] = OrderedDict()  # pattern -> seq of its latest submit
+        self._running = False
+        self._seq = 0  # submits so far
+        self._gate: tuple[str, int] | None = None  # (pattern, seq of the submit that set it)
+        self._thread: threading.Thread | None = None
+        self.num_removed_keys = 0
+        self.num_removals = 0  # patterns removed
+        self.num_retries = 0
+        self.num_given_up = 0
+        self.num_dropped = 0
+
+    @property
+    def can_remove(self) -> bool:
+        return callable(getattr(self.store, "remove_by_regex", None))
+
+    @property
+    def gated(self) -> bool:
+        """True while the keys the engine reads may still hold pre-reset KV (see the class doc)."""
+        return self._gate is not None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, regex: str, *, gate: bool) -> None:
+        """Queue the removal of `regex`'s keys. `gate`: the engine still reads them (no version switch):
+        gate until they are removed; otherwise lift any gate (the engine reads other keys now)."""
+        if not isinstance(regex, str) or not regex:
+            raise LedgerInputError("regex", regex, "must be a non-empty pattern")
+        with self._lock:
+            self._seq += 1
+            self._gate = (regex, self._seq) if gate else None
+            self._pending[regex] = self._seq  # a pattern already waiting keeps its place: it has not begun
+            while len(self._pending) > MAX_PENDING_REMOVALS:
+                dropped, _ = self._pending.popitem(last=False)
+                self.num_dropped += 1
+                self._count("reset_removals_dropped")
+                # never the gate's: each submit sets or lifts the gate, so it is the newest's if any
+                logger.warning("reset_cache: %d removals waiting; the oldest (%s) dropped: nothing reads its "
+                               "keys, they age out by eviction", MAX_PENDING_REMOVALS + 1, dropped)
+            self._changed.notify_all()
+            start = self._background and self._thread is None and not self._stopping.is_set()
+            if start:
+                self._thread = threading.Thread(target=self._loop, name="kvledger-reset-removal", daemon=True)
+        if start and self._thread is not None:
+            self._thread.start()
+
+    def _gate_on(self, regex: str) -> bool:
+        return self._gate is not None and self._gate[0] == regex
+
+    def _count(self, name: str, value: int = 1) -> None:
+        if self.stats is not None:
+            self.stats.add(name, value)
+
+    def _take(self) -> tuple[str, int] | None:
+        """The oldest pending pattern, marked running (under the lock); None when there is none."""
+        if not self._pending:
+            return None
+        self._running = True
+        return self._pending.popitem(last=False)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._running = False
+            self._changed.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._stopping.is_set():
+                    self._changed.wait()
+                if self._stopping.is_set():
+                    return
+                job = self._take()
+            if job is not None:
+                try:
+                    self._remove(*job)
+                finally:
+                    self._done()
+
+    def run_pending(self) -> None:
+        """Every pending removal, on the caller's thread (``background=False``)."""
+        if self._background:
+            raise LedgerInputError("background", True, "run_pending is for a StoreRemovals without a thread")
+        while not self._stopping.is_set():
+            with self._lock:
+                job = self._take()
+            if job is None:
+                return
+            try:
+                self._remove(*job)
+            finally:
+                self._done()
+
+    def _remove(self, regex: str, seq: int) -> None:
+        for attempt in range(1, REMOVAL_ATTEMPTS + 1):
+            try:
+                rc = int(self.store.remove_by_regex(regex, True))  # force: a lease must not keep a stale key
+            except Exception as e:  # the store wrapper returns codes; a raising double must not end the thread
+                logger.warning("reset_cache: remove_by_regex raised %s: %s", type(e).__name__, e)
+                rc = int(StoreCode.CLIENT_EXCEPTION)
+            if rc >= 0:
+                with self._lock:
+                    if self._gate is not None and self._gate[0] == regex and self._gate[1] <= seq:
+                        self._gate = None
+                    self.num_removed_keys += rc
+                    self.num_removals += 1
+                self._count("reset_removed_keys", rc)
+                logger.info("reset_cache: removed %d keys matching %s", rc, regex)
+                return
+            if attempt == REMOVAL_ATTEMPTS:
+                break
+            wait = removal_backoff_s(attempt)
+            with self._lock:
+                self.num_retries += 1
+            self._count("reset_removal_retries")
+            logger.warning("reset_cache: remove_by_regex(%r) failed with %s (try %d of %d); again in %.0f s",
+                           regex, StoreCode.label(rc), attempt, REMOVAL_ATTEMPTS, wait)
+            if self.wait(wait):
+                return  # stopped
+        with self._lock:
+            self.num_given_up += 1
+            gated = self._gate_on(regex)
+        self._count("reset_removals_given_up")
+        logger.error("reset_cache: keys matching %s not removed after %d tries (last: %s); %s", regex,
+                     REMOVAL_ATTEMPTS, StoreCode.label(rc),
+                     "lookups stay off until a reset's removal succeeds" if gated
+                     else "nothing reads them any more: they age out by eviction")
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every submitted removal is done (removed or given up) within `timeout_s` (tests, shutdown)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending and not self._running, timeout_s)
+
+    def stop(self) -> None:
+        """No removal begins or is retried after this (a call inside the store returns when it does)."""
+        self._stopping.set()
+        with self._lock:
+            self._changed.notify_all()
+
+
+class ResetGate:
+    """The scheduler's store for existence checks (lookups, the KV-events check): each answered "missing"
+    while `StoreRemovals.gated` (the keys may still hold pre-reset KV), else the wrapped store's answer.
+    Everything else, attribute reads and writes included, is the wrapped store's own."""
+
+    def __init__(self, store: Any, removals: StoreRemovals) -> None:
+        object.__setattr__(self, "_kvl_store", store)
+        object.__setattr__(self, "_kvl_removals", removals)
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        if self._kvl_removals.gated:
+            return [0] * len(keys)
+        return self._kvl_store.batch_is_exist(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_kvl_store"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._kvl_store, name, value)
+
+
 def refusal(side: SchedulerSide) -> str | None:
     """Why a reset now would be wrong (see the module doc), or None."""
     ledger = side.ledger
@@ -84,36 +304,39 @@ def refusal(side: SchedulerSide) -> str | None:
     return None
 
 
-def reset_scheduler_side(side: SchedulerSide, store: Any,
+def _refuse(side: SchedulerSide, why: str) -> bool:
+    logger.warning("reset_cache refused: %s", why)
+    side.stats.add("resets_refused")
+    return False
+
+
+def reset_scheduler_side(side: SchedulerSide, removals: StoreRemovals,
                          new_keys: tuple[str, Sequence[KeyBuilder]] | None = None) -> bool:
-    """Remove this engine's keys and forget what the scheduler side learned from the store. False (nothing
-    removed) when refused or when the store fails. `new_keys`: (weights version, its key builders), switched
-    to once the old version's keys are removed — a moment with nothing in flight, so no job or load keyed
-    under the old version outlives the switch."""
+    """The reset (module doc): switch to `new_keys` (weights version, its key builders) when the version
+    changed, forget what the scheduler side learned from the store, and queue the removal of the keys it
+    built until now on `removals`; no store call here. False (logged, counted, nothing changed) when
+    refused."""
     why = refusal(side)
+    if why is None and not removals.can_remove:
+        why = f"the store client {type(removals.store).__name__} cannot remove by pattern"
     if why is not None:
-        logger.warning("reset_cache refused: %s; retry once the engine is drained", why)
-        side.stats.add("resets_refused")
-        return False
-    remove = getattr(store, "remove_by_regex", None)
-    if remove is None:
-        logger.warning("reset_cache: the store client %s cannot remove by pattern", type(store).__name__)
-        return False
-    regex = engine_key_regex(side.key_builders)
-    rc = int(remove(regex, True))  # force: a lease (10 s after any put/get/exist) must not keep a stale key
-    if rc < 0:
-        logger.warning("reset_cache: remove_by_regex(%r) failed with code %d", regex, rc)
-        side.stats.add("resets_failed")
-        return False
+        return _refuse(side, f"{why}; retry once the engine is drained")
+    old = engine_key_regex(side.key_builders)
+    switch = new_keys is not None and new_keys[0] != side.weights_version
+    if switch and new_keys is not None:
+        before = side.weights_version
+        try:
+            side.switch_weights_version(*new_keys)
+        except LedgerInputError as e:
+            return _refuse(side, f"cannot switch to weights version {new_keys[0]!r}: {e}")
+        logger.info("reset_cache: weights version %r -> %r: keys move to %s", before, new_keys[0],
+                    new_keys[1][0].prefix if new_keys[1] else "?")
     side.forget_store_knowledge()
     if side.events is not None:
         side.events.store_reset()
-    if new_keys is not None and new_keys[0] != side.weights_version:
-        logger.info("reset_cache: weights version %r -> %r: keys move to %s", side.weights_version, new_keys[0],
-                    new_keys[1][0].prefix if new_keys[1] else "?")
-        side.switch_weights_version(*new_keys)
+    removals.submit(old, gate=not switch)
     side.stats.add("resets")
-    side.stats.add("reset_removed_keys", rc)
     side.num_resets += 1
-    logger.info("reset_cache: removed %d keys matching %s", rc, regex)
+    logger.info("reset_cache: keys matching %s queued for removal%s", old,
+                "" if switch else "; lookups miss until they are removed")
     return True

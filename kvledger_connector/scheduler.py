@@ -173,8 +173,9 @@ class SchedulerSide(SchedulerSteps):
     def request_finished(self, request: Any) -> tuple[bool, None]:  # type: ignore[override]
         """Delays the free only for a request held for its deferred save (`SchedulerSteps.request_finished`):
         every store job pinned its own blocks."""
-        try:
-            return SchedulerSteps.request_finished(self, request), None
+        try:  # vLLM set the status first: FINISHED_ERROR ends e.g. a request whose KV load failed under "fail"
+            errored = getattr(getattr(request, "status", None), "name", None) == "FINISHED_ERROR"
+            return SchedulerSteps.request_finished(self, request, may_hold=not errored), None
         except Exception as e:
             self._hook_error("request_finished", e)
         return False, None

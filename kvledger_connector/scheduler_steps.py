@@ -710,14 +710,16 @@ class SchedulerSteps:
             self._reqs.new_generation(req_id)
         return drops
 
-    def request_finished(self, request: RequestLike) -> bool:
+    def request_finished(self, request: RequestLike, *, may_hold: bool = True) -> bool:
         """Finish: True when vLLM must keep the request's blocks (delay their free): the caps deferred its
         save, and fewer than ``max_held_requests`` are held. It is then held (`held_release_due`) until that
         save is stored or given up. Otherwise it is forgotten and its notice goes out with the next step; its
-        store jobs pinned their own blocks. Past the bound the deferred save is given up (counted)."""
+        store jobs pinned their own blocks. Past the bound the deferred save is given up (counted), and so
+        when ``may_hold`` is False (vLLM ended the request with an error: its blocks may hold what a failed
+        load left, never to be stored)."""
         req_id = request.request_id
         st = self._reqs.get(req_id)
-        if (st is not None and st.deferred and req_id not in self._held
+        if (may_hold and st is not None and st.deferred and req_id not in self._held
                 and len(self._held) + len(self._freeing) < self.max_held_requests):
             self._held[req_id] = None
             self.num_held += 1

@@ -23,8 +23,12 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
-               kv_events_dropped, resets, resets_refused, resets_failed, reset_removed_keys,
-               weights_version_switches (the keys moved to a new weights version at a reset)
+               worker rank, specs: refused_specs (a malformed spec, refused whole: jobs.py), integrity removals
+               not queued: integrity_removals_dropped (more than jobs.MAX_PENDING_REMOVALS waiting)
+               kv_events_dropped, resets, resets_refused (logged with why), weights_version_switches (the
+               keys moved to a new weights version at a reset); the resets' removals (reset.py, their own
+               thread): reset_removed_keys, reset_removal_retries, reset_removals_given_up (after
+               REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
                the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent);
                lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
@@ -70,10 +74,10 @@ COUNTERS = (
     "failed_load_requeues",
     "hook_errors", "save_errors", "refused_loads",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
-    "loads", "rejected_loads", "load_errors_reported",
+    "loads", "rejected_loads", "load_errors_reported", "refused_specs", "integrity_removals_dropped",
     "put_s", "get_s", "lookup_s",
-    "kv_events_dropped", "resets", "resets_refused", "resets_failed", "reset_removed_keys",
-    "weights_version_switches",
+    "kv_events_dropped", "resets", "resets_refused", "weights_version_switches",
+    "reset_removed_keys", "reset_removal_retries", "reset_removals_given_up", "reset_removals_dropped",
     "breaker_trips", "breaker_probes", "lookups_past_deadline",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from kvledger.trace import NdjsonTrace
+from kvledger_connector.ownfile import append_own_file
 
 _registry_lock = threading.Lock()
 _open: dict[str, "SharedTrace"] = {}
@@ -24,7 +25,7 @@ class SharedTrace:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = append_own_file("trace_path", path)  # this user's file, not a link
         self._ndjson = NdjsonTrace(self._file)
         self._lock = threading.Lock()
         self.users = 0

@@ -146,8 +146,10 @@ KEYS: tuple[UpstreamKey, ...] = (
                 "(the scheduler asks the store)", _T_ACCEPTED, accepts=_any),
     # -- the environment
     UpstreamKey(ENV_CONFIG_PATH, "file", "env", "", "same (optional here: without it, defaults and extra config); "
-                "the file must hold a JSON object of at most 1 MiB",
-                "test_config.py::test_file_then_extra_config_extra_wins"),
+                "the file must hold a JSON object of at most 1 MiB and, as every file an operator names, be this "
+                "user's regular file, not a link, that no one else may write (it sets the master and integrity)",
+                "test_config.py::test_file_then_extra_config_extra_wins, "
+                "::test_the_config_file_is_checked_as_every_file_an_operator_names"),
     UpstreamKey(ENV_REQUESTER_HOSTNAME, "env", "env", "", "mapped → `local_hostname` (an explicit `local_hostname` "
                 "wins; validated like it)", _T_FILE, ours="local_hostname"),
     UpstreamKey(ENV_PREFERRED_SEGMENT, "checked", "env", "", "refused when set (no placement hints)",

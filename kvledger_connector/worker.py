@@ -15,6 +15,12 @@
     get_block_ids_with_load_errors ◀── failed blocks (get-and-clear, under the lock)
     build_connector_worker_meta ◀── WorkerLedger.take_completed(), finished sync loads
 
+Every spec (DropNotice, LoadSpec, SaveSpec) is checked whole before anything of it runs (`WorkerSteps`'
+receive_drop, admit_load, receive_save): a malformed one fails as one unit (every block of a load reported
+failed, a save's job reported at once), nothing is read, put or removed for it, and it raises nothing into
+the model runner. An object a load finds failing its integrity tag is removed on the store's own threads
+(the load thread that found it, or the store thread after a sync load), never on the model runner's.
+
 One lock guards the WorkerLedger and the load results; store I/O runs outside it. A full queue never
 blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
 a future cache miss); a load that does not fit is reported failed for every block (vLLM recomputes).
@@ -54,6 +60,7 @@ from kvledger.worker import WorkerLedger
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_REMOVE = object()  # wakes the store thread for `WorkerSteps.remove_mismatched` alone
 
 
 class WorkerSide:
@@ -108,7 +115,8 @@ class WorkerSide:
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
                              trace=trace),
-            load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock)
+            load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock,
+            num_blocks=0)  # no KV cache registered yet: every spec's block ids refused
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
@@ -143,7 +151,7 @@ class WorkerSide:
             self.steps.seal = seal
         self._plans = plans
         self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
-        self._num_blocks = plan.num_blocks
+        self._num_blocks = self.steps.num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
         self._start_threads()
 
@@ -193,19 +201,22 @@ class WorkerSide:
         self._last_meta_step = meta.step
         if meta.weights_version != self.weights_version:
             self._switch_weights_version(meta.weights_version)
-        for nt in meta.drops:
-            self.steps.drop_generation(nt.req_id, finished=nt.finished, generation=nt.generation)
-            if nt.release:  # a held request: its save is stored, vLLM may free its blocks
+        for nt in meta.drops:  # each checked whole (`WorkerSteps.receive_drop`)
+            if self.steps.receive_drop(nt):  # a held request: its save is stored, vLLM may free its blocks
                 self._released.add(nt.req_id)
+        sync: list[LoadSpec] = []
         for spec in meta.loads:
-            if spec.refused:  # the scheduler could not plan it: every block reported failed, nothing read
-                self.steps.reject_load(spec.req_id, spec.block_ids, f"refused by the scheduler: {spec.refused}",
-                                       sync=spec.sync)
-            elif not spec.sync:
+            # checked whole first: a malformed or refused spec has every block reported failed, nothing read
+            if not self.steps.admit_load(spec):
+                continue
+            if spec.sync:
+                sync.append(spec)
+            else:
                 self._enqueue_load(spec)
-        for spec in meta.loads:
-            if spec.sync and not spec.refused:
-                self._run_sync_load(spec)
+        for spec in sync:
+            self._run_sync_load(spec)
+        if sync and self.steps.removals:  # objects a sync load found tampered: the store thread removes them
+            self._offer(self._store_q, _REMOVE)  # a full queue: the store thread removes them before its next job
 
     def _switch_weights_version(self, version: str) -> None:
         """This step's jobs and loads are keyed under `version`. The scheduler switches only at a reset that
@@ -282,8 +293,14 @@ class WorkerSide:
     def _store_loop(self) -> None:
         while True:
             item = self._store_q.get()
+            try:  # first: a save after a tampered object's load must find it gone, never skip it as stored
+                self.steps.remove_mismatched()
+            except Exception as e:
+                self.steps.note_error(f"store thread: removals: {type(e).__name__}: {e}")
             if item is _STOP:
                 return
+            if item is _REMOVE:
+                continue
             job, event = item
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_save(job, event)
@@ -305,6 +322,7 @@ class WorkerSide:
                 return
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_load(spec)
+                self.steps.remove_mismatched()  # objects this load found tampered, on this store thread
             except Exception as e:
                 self.steps.note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
 

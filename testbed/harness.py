@@ -460,9 +460,18 @@ class Harness:
         ``max_steps`` steps."""
         for _ in range(max_steps):
             if self.scheduler.reset_prefix_cache(reset_connector=reset_connector):
+                if reset_connector:
+                    self.wait_reset_removals()
                 return
             self.step()
         raise RuntimeError(f"reset_prefix_cache() never succeeded in {max_steps} steps")
+
+    def wait_reset_removals(self, timeout_s: float = 30.0) -> None:
+        """Until the connector's reset removals (their own thread: kvledger_connector/reset.py) are done,
+        removed or given up; RuntimeError past `timeout_s`. Nothing to wait for with another connector."""
+        removals = getattr(self.scheduler_connector, "removals", None)
+        if removals is not None and not removals.wait_idle(timeout_s):
+            raise RuntimeError(f"the reset's store removals were not done within {timeout_s} s")
 
     # ------------------------------------------------------------------ one engine step
     def step(self) -> bool:

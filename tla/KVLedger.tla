@@ -17,7 +17,8 @@
 (*    sub-batch without reporting the rest.                                *)
 (* Mutant (a string) seeds one bug into the fixed design, so that we can   *)
 (* see the invariants are not vacuous: "none", "NoPin", "ReportTwice",     *)
-(* "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin".               *)
+(* "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin",               *)
+(* "FreeAtFinish".                                                         *)
 (*                                                                         *)
 (* Partial tails (PartialTail = TRUE, the connector's save_partial_tail):  *)
 (* chunk NumChunks of every request is its prompt's partial last block.  A *)
@@ -26,6 +27,16 @@
 (* releases it first (SchedulerLedger.open_job's tail_block_ids).  Once    *)
 (* the request is preempted or finished, only that pin keeps the block     *)
 (* from reuse while ranks still read it (mutant "NoTailPin" drops it).     *)
+(*                                                                         *)
+(* Held requests (fixed design, vLLM's delay-free of request_finished): a  *)
+(* request that finishes while its save is deferred at the pin cap becomes *)
+(* "held" (at most MaxHeld at once): its table stays allocated and no      *)
+(* finish notice goes out, so the ranks still run its jobs; EmitStore      *)
+(* opens the deferred save when the cap allows, and ReleaseHeld frees the  *)
+(* table and sends the notice once that job is released.  With MaxHeld     *)
+(* held already, the save is given up: the request finishes at once.       *)
+(* Mutant "FreeAtFinish" frees the table at Finish but still holds the     *)
+(* request, so its deferred job pins blocks another request may reuse.     *)
 (*                                                                         *)
 (* Loads (fixed design): EmitLoad pins the load's destination blocks for   *)
 (* the load (ld[r].pin); a request may finish (abort) while its load runs, *)
@@ -55,6 +66,7 @@ CONSTANTS
     MaxGen,         \* generations per request (MaxGen - 1 preemptions)
     MaxJobs,        \* store job ids available to the model (bounds the state space)
     PinCap,         \* cap on in-flight pinned jobs: at the cap EmitStore waits (deferred, never dropped)
+    MaxHeld,        \* requests that may be held at once (finished, their deferred save still to run; see above)
     MaxFaults,      \* budget of store faults injected in one behaviour
     FaultKinds,     \* which faults the adversary may inject: a subset of
                     \* {"evict", "fail" (StoreFail then StoreRestart losing all keys), "put" (a put fails),
@@ -69,9 +81,10 @@ CONSTANTS
     Legacy,         \* TRUE = the upstream design before the fix
     Mutant          \* "none" or the name of one seeded bug (see above)
 
-ASSUME NumBlocks >= NumChunks /\ MaxGen >= 1 /\ PinCap >= 1 /\ SubBatch >= 1
+ASSUME NumBlocks >= NumChunks /\ MaxGen >= 1 /\ PinCap >= 1 /\ SubBatch >= 1 /\ MaxHeld \in Nat
 ASSUME PartialTail \in BOOLEAN /\ Stripe \in BOOLEAN
-ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin"}
+ASSUME Mutant \in {"none", "NoPin", "ReportTwice", "KeyedByReqId", "NoCap", "LoadPinFirstRank", "NoTailPin",
+                   "FreeAtFinish"}
 
 Blocks  == 1..NumBlocks
 Chunks  == 1..NumChunks
@@ -86,7 +99,7 @@ OpenPhases == {"emitted", "queued"} \cup BusyPhases                   \* not yet
 
 VARIABLES
     \* ---- scheduler (what vLLM's Scheduler and the connector's scheduler side observe)
-    status,   \* status[r] \in {"waiting","running","preempted","finished"}
+    status,   \* status[r] \in {"waiting","running","preempted","held","finished"}
     gen,      \* gen[r]: the request's generation (number of admissions so far)
     table,    \* table[r]: block table, a sequence of block ids; chunk i lives in table[r][i]
     ncomp,    \* ncomp[r]: chunks computed (or loaded and validated) in this generation
@@ -315,9 +328,10 @@ OpenJob(r, g, bs, tl, lo, hi) ==
 \* load whose later keys failed -- hold nothing to save).  At the cap the save is deferred: emitted[r]
 \* stays behind ncomp[r], so EmitStore is enabled again once a pin is released.  PartialTail: a job
 \* that reaches the last chunk (then the table has NumChunks blocks) pins that block as its tail.
+\* A held request's deferred save is opened the same way (its table is still allocated).
 EmitStore(r) ==
     /\ EngineSynced
-    /\ status[r] = "running" /\ ld[r].ph = "done"
+    /\ status[r] \in {"running", "held"} /\ ld[r].ph = "done"
     /\ emitted[r] < ncomp[r]
     /\ LET tl == IF PartialTail /\ ncomp[r] = NumChunks THEN table[r][NumChunks] ELSE 0
            bs == SubSeq(table[r], 1, IF tl = 0 THEN ncomp[r] ELSE NumChunks - 1) IN
@@ -348,6 +362,13 @@ Preempt(r) ==
 \* Fixed: the request's table is freed now; its jobs' pins own the blocks.  Legacy: delay-free,
 \* the blocks stay until every rank said finished_sending(r).  Fixed design: a request may also finish
 \* (be aborted) while its async load runs: its table is freed at once, the load's pin keeps the blocks.
+\* Fixed design, save deferred at the cap (Deferred): below MaxHeld held requests the request is held
+\* (table kept, no notice yet: the ranks must still run its deferred job; ReleaseHeld ends it), else its
+\* save is given up and it finishes as above.  Mutant FreeAtFinish: held, but the table's blocks are
+\* freed now (table[r] keeps their ids, so the deferred job pins blocks another request may reuse).
+Deferred(r) == ~Legacy /\ ld[r].ph = "done" /\ ncomp[r] = NumChunks /\ emitted[r] < ncomp[r]
+               /\ ~CapOK /\ nextJob <= MaxJobs
+HeldReqs == {q \in Req : status[q] = "held"}
 Finish(r) ==
     /\ EngineSynced
     /\ status[r] = "running"
@@ -355,15 +376,39 @@ Finish(r) ==
           /\ ncomp[r] = NumChunks
           /\ emitted[r] = ncomp[r] \/ nextJob > MaxJobs
        \/ ~Legacy /\ (ld[r].ph = "loading" \/ (ld[r].ph = "loaded" /\ ld[r].pin))   \* load not collected
+       \/ Deferred(r)
+    /\ LET hold == Deferred(r) /\ Cardinality(HeldReqs) < MaxHeld
+           rel == ReleaseTailFirst(table[r]) IN
+       /\ status' = [status EXCEPT ![r] = IF hold THEN "held" ELSE "finished"]
+       /\ IF Legacy \/ (hold /\ Mutant # "FreeAtFinish")
+          THEN UNCHANGED <<ref, free, table>>
+          ELSE /\ ref' = rel[1]
+               /\ free' = rel[2]
+               /\ table' = IF hold THEN table ELSE [table EXCEPT ![r] = <<>>]
+       /\ notice' = IF hold THEN notice ELSE [w \in Ranks |-> notice[w] \cup {<<r, gen[r], "finish">>}]
+       /\ lastAction' = [name |-> "Finish", r |-> r, g |-> gen[r], held |-> hold]
+    /\ UNCHANGED <<gen, ncomp, emitted, ld, nextJob, jobs, fs, content, jp, ws, rep, buf, store, up,
+                   faults>>
+
+\* A held request's deferred save was opened (or another request took the model's last job id: the
+\* save is given up, a bound of the model as in Finish) and no job of its generation holds a pin any
+\* more (every rank reported it, Collect released it): free its table, tail first, and send the finish
+\* notice (the runtime: the finish notice with the release flag, then every rank's finished_sending and
+\* vLLM's free of the blocks, as one step).
+ReleaseHeld(r) ==
+    /\ EngineSynced
+    /\ status[r] = "held"
+    /\ emitted[r] = ncomp[r] \/ nextJob > MaxJobs
+    /\ \A j \in PinnedJobs : ~(jobs[j].r = r /\ jobs[j].g = gen[r])
     /\ status' = [status EXCEPT ![r] = "finished"]
-    /\ IF Legacy
-       THEN UNCHANGED <<ref, free, table>>
+    /\ IF Mutant = "FreeAtFinish"     \* freed at Finish already
+       THEN UNCHANGED <<ref, free>>
        ELSE LET rel == ReleaseTailFirst(table[r]) IN
               /\ ref' = rel[1]
               /\ free' = rel[2]
-              /\ table' = [table EXCEPT ![r] = <<>>]
+    /\ table' = [table EXCEPT ![r] = <<>>]
     /\ notice' = [w \in Ranks |-> notice[w] \cup {<<r, gen[r], "finish">>}]
-    /\ lastAction' = [name |-> "Finish", r |-> r, g |-> gen[r]]
+    /\ lastAction' = [name |-> "ReleaseHeld", r |-> r, g |-> gen[r]]
     /\ UNCHANGED <<gen, ncomp, emitted, ld, nextJob, jobs, fs, content, jp, ws, rep, buf, store, up,
                    faults>>
 
@@ -626,7 +671,7 @@ Rest == Terminated /\ UNCHANGED vars
 
 SchedNext == \E r \in Req : Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ CollectLoad(r) \/ HandleLoadErrors(r)
                             \/ Compute(r)
-                            \/ EmitStore(r) \/ Preempt(r) \/ Finish(r)
+                            \/ EmitStore(r) \/ Preempt(r) \/ Finish(r) \/ ReleaseHeld(r)
 WorkerNext(w) == Receive(w) \/ DropGeneration(w) \/ DmaRead(w) \/ Put(w) \/ Report(w)
                  \/ \E r \in Req : Load(w, r)
 EnvNext == (\E k \in Keys : Evict(k)) \/ StoreFail \/ StoreRestart
@@ -640,21 +685,23 @@ Next == SchedNext \/ Collect \/ (\E w \in Ranks : WorkerNext(w)) \/ EnvNext \/ R
 (*    stepping while has_pending_push_work()); without it a pin could be   *)
 (*    held forever by a thread that simply never runs.                     *)
 (*  - WF on Admit/Lookup/EmitLoad/CollectLoad/HandleLoadErrors/Compute/    *)
-(*    EmitStore/Finish per request: the scheduler schedules every runnable *)
-(*    request (and collects every finished load).                          *)
+(*    EmitStore/Finish/ReleaseHeld per request: the scheduler schedules    *)
+(*    every runnable request (and collects every finished load) and        *)
+(*    releases a held request once its deferred save is done.              *)
 (*  - StoreRestart is weakly fair: a failed master comes back (operators   *)
 (*    restart it).  No fairness for Preempt, Evict, StoreFail: the         *)
 (*    adversary may use them, each bounded (MaxGen, MaxFaults).            *)
 (* Weak (not strong) fairness suffices: each of these actions stays        *)
 (* enabled until taken (EmitStore at the cap is disabled, but the pins     *)
 (* that block it are released under WF of the workers and Collect, after   *)
-(* which it stays enabled).                                                *)
+(* which it stays enabled; so is ReleaseHeld until its request's last      *)
+(* job is released).                                                       *)
 (***************************************************************************)
 \* Fairness per process (fewer conjuncts keep TLC's liveness check fast): each rank, the engine's
 \* Collect, each request's scheduling and the store master.  A rank's steps all make progress through
 \* a finite pipeline, so weak fairness of their disjunction gets every pending step taken.
 SchedFair(r) == Admit(r) \/ Lookup(r) \/ EmitLoad(r) \/ CollectLoad(r) \/ HandleLoadErrors(r) \/ Compute(r)
-                \/ EmitStore(r) \/ Finish(r)
+                \/ EmitStore(r) \/ Finish(r) \/ ReleaseHeld(r)
 Fairness ==
     /\ \A w \in Ranks : WF_vars(WorkerNext(w))
     /\ WF_vars(Collect)
@@ -671,7 +718,7 @@ FairSpec == Spec /\ Fairness
 -----------------------------------------------------------------------------
 (* Invariants S1-S9 (spec/README.md) *)
 TypeOK ==
-    /\ status \in [Req -> {"waiting", "running", "preempted", "finished"}]
+    /\ status \in [Req -> {"waiting", "running", "preempted", "held", "finished"}]
     /\ nextJob \in 1..MaxJobs + 1
     /\ \A b \in Blocks : ref[b] \in Nat /\ content[b] \in Content
     /\ \A j \in JobIds : jobs[j].tail \in Blocks \cup {0}
@@ -754,4 +801,6 @@ AllFree == Len(free) = NumBlocks /\ PinnedJobs = {}
 NoLeakAtRest == AllFinished ~> AllFree
 LoadsFinish == \A r \in Req : ld[r].ph = "loading" ~> ld[r].ph = "done"
 Progress == \A r \in Req : status[r] = "running" ~> status[r] = "finished"
+\* A held request is released: its deferred save runs and its blocks are freed.
+HeldReleased == \A r \in Req : status[r] = "held" ~> status[r] = "finished"
 =============================================================================

@@ -10,7 +10,9 @@
 (* model's after the step (an EmitStore's blocks are all its pins, its      *)
 (* partial tail last; its tail, when logged, is the model job's tail). A    *)
 (* runtime Load event folds one rank's whole load: the model's Load sub-    *)
-(* batches of that rank match it, the cursor moves on the last one.         *)
+(* batches of that rank match it, the cursor moves on the last one.  A     *)
+(* held Finish logs nothing (no notice goes out): the model takes it       *)
+(* between events, and the Finish event (the notice) is its ReleaseHeld.   *)
 (* NotFullyMatched is a trap: TLC violates it (exit 12) exactly when the    *)
 (* whole log was matched.  Furthest keeps the largest cursor reached in TLC *)
 (* register 1 and prints it when it grows, so the first event the model     *)
@@ -45,7 +47,9 @@ Step(e) ==
          /\ ("tail" \in DOMAIN e => e.tail = TailSeq(jobs'[e.job]))   \* logs before the field: pins only
          /\ PinnedCount = e.pinned_jobs
     \/ e.action = "Preempt" /\ Preempt(e.r) /\ LA.g = e.g
-    \/ e.action = "Finish" /\ Finish(e.r) /\ LA.g = e.g
+    \* the finish notice: a Finish that is not held, or a held request's ReleaseHeld (see HeldFinish)
+    \/ e.action = "Finish" /\ Finish(e.r) /\ ~LA.held /\ LA.g = e.g
+    \/ e.action = "Finish" /\ ReleaseHeld(e.r) /\ LA.g = e.g
     \/ e.action = "Collect" /\ Collect
          /\ LA.released = SetOf(e.released)
          /\ {j \in JobIds : RepCount(j) > 0} = {rp[1] : rp \in SetOf(e.reported)}
@@ -84,10 +88,16 @@ LoadStep(e) ==
             /\ {ld[e.r].dst[k] : k \in DOMAIN st} = SetOf(e.attempted)
             /\ {ld[e.r].dst[k] : k \in {x \in DOMAIN st : st[x] # "ok"}} = SetOf(e.failed)
 
+\* A request held at its finish (its save deferred at the cap): the connector's request_finished answers
+\* delay-free, sends no notice and logs nothing, so the model takes it between two events; the Finish
+\* event (the notice) comes at ReleaseHeld.
+HeldFinish == \E r \in Req : Finish(r) /\ LA.held /\ i' = i
+
 TraceNext ==
     /\ i < Len(Trace)
-    /\ LET e == Trace[i + 1] IN
-       IF e.action = "Load" THEN LoadStep(e) ELSE Step(e) /\ i' = i + 1
+    /\ \/ LET e == Trace[i + 1] IN
+          IF e.action = "Load" THEN LoadStep(e) ELSE Step(e) /\ i' = i + 1
+       \/ HeldFinish
 
 TraceSpec == TraceInit /\ [][TraceNext]_tvars
 

@@ -40,6 +40,16 @@ Witness_Tail ==
         /\ jp[w][j] = "running" /\ jobs[j].tail # 0
         /\ \E p \in buf[w] : p[1] = NumChunks /\ jobs[j].tail \notin Range(table[jobs[j].r])
 
+\* S2 DmaReadsPinned, held requests: a rank's DMA read is in flight for the save a request's finish left
+\* deferred at the pin cap, opened after the finish (the job that reaches the last chunk) while the
+\* request is held: vLLM has been told the request finished, so only the held table and the job's pins
+\* keep its blocks from reuse under the read (mutant FreeAtFinish frees them at the finish).
+Witness_Held ==
+    \E w \in Ranks, j \in JobIds :
+        LET r == jobs[j].r IN
+        /\ jp[w][j] = "running" /\ status[r] = "held"
+        /\ jobs[j].g = gen[r] /\ jobs[j].hi = NumChunks
+
 \* S3 RefCountExact (#43742, double free) [step]: a release drops one reference to a block another
 \* holder keeps (a request table and a pin, or two pins): it must neither free it nor skip the decrement.
 Witness_S3 == \E b \in Blocks : ref'[b] < ref[b] /\ ref'[b] > 0
@@ -126,6 +136,7 @@ Witness_RegisterOther ==
 NotWitness_S1 == ~Witness_S1
 NotWitness_S2 == ~Witness_S2
 NotWitness_Tail == ~Witness_Tail
+NotWitness_Held == ~Witness_Held
 NotWitness_S3 == [][~Witness_S3]_vars
 NotWitness_S4 == [][~Witness_S4]_vars
 NotWitness_S5 == ~Witness_S5

@@ -3,8 +3,12 @@
 Caches are built on the device with exactly the geometry vLLM 0.32's allocator gives (geometry.json,
 recorded with vLLM by `scripts/gpu-check.sh pack`): one uint8 backing buffer, per layer a view with the
 allocator's dtype, shape, strides and offset. The connector's copy plan (kvlayout.py, the project's own
-module) must address exactly each block's bytes, in the layout's order, on device memory; and a read
-ordered after the forward by a CUDA event (as the worker's store thread does) sees the forward's writes.
+module) must address exactly each block's bytes, in the layout's order, on device memory; a read
+ordered after the forward by a CUDA event (as the worker's store thread does) sees the forward's writes;
+and the integrity tag CUDA KV gets (tagkernel.py, the project's own: mm8, an int8 matmul and a 64-bit
+multiply-sum) is exact on the device, by both of its paths, against its definition computed on the host.
+One test measures, and prints, the tag's rate on the device against a device-to-host copy of the same bytes
+(what a host-side hash would have to move first); nothing timed is asserted.
 `GPU_CHECK_DEVICE=cpu` runs the same checks on CPU (the project's CI does, to keep the pack honest).
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kvlayout  # noqa: E402  (kvledger_connector/kvlayout.py, copied by the pack)
+import tagkernel  # noqa: E402  (kvledger_connector/tagkernel.py, copied by the pack)
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 CASES = json.loads((Path(__file__).parent / "geometry.json").read_text())
@@ -104,3 +109,100 @@ def test_a_read_after_the_forwards_event_sees_the_forwards_writes() -> None:
         th.start()
         th.join(60)
         assert seen and torch.equal(seen[0], _canonical(views, case["layout"], 3, nb).cpu()), f"salt {salt}"
+
+
+# ---------------------------------------------------------------- the integrity tag of CUDA KV (mm8)
+def _segment_views(buf: torch.Tensor, plan) -> tuple[list[torch.Tensor], list[int]]:
+    """One [blocks, 1, nbytes] view per segment of the plan over the backing buffer, and its offset in the
+    object: what the connector's seal reads a block through (it merges evenly spaced segments; the same bytes)."""
+    flat, base = buf.view(torch.int8), buf.data_ptr()
+    views, offsets, at = [], [], 0
+    for seg in plan.segments:
+        views.append(flat.as_strided((plan.num_blocks, 1, seg.nbytes), (seg.block_stride, seg.nbytes, 1),
+                                     seg.base - base))
+        offsets.append(at)
+        at += seg.nbytes
+    return views, offsets
+
+
+def _mm8_material(num_chunks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-128, 128, (tagkernel.CHUNK, tagkernel.LANES), generator=g, dtype=torch.int8)
+    u = torch.randint(-2**63, 2**63 - 1, (num_chunks, tagkernel.LANES), generator=g, dtype=torch.int64)
+    return a, u
+
+
+def _mm8_definition(obj: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """T of one object (host, int64 arithmetic, which wraps: mod 2**64): integrity.py's definition."""
+    n = u.shape[0]
+    b = torch.zeros(n * tagkernel.CHUNK, dtype=torch.int64)
+    b[:obj.numel()] = obj.view(torch.int8).to(torch.int64)
+    h = b.view(n, tagkernel.CHUNK) @ a.to(torch.int64)  # exact: |h| < 2**23
+    return (h * u).sum(dim=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['layout']}-{c['dtype']}-k{c['kernel']}-"
+                                                       f"{'mla' if c['mla'] else 'mha'}-L{c['layers']}")
+def test_the_mm8_tag_on_the_device_is_its_definition(case: dict) -> None:
+    buf, views = _build(case)
+    nb = case["num_blocks"]
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(nb)))
+    plan = kvlayout.plan_block_copies(views, layout=case["layout"], block_size=case["block_size"], num_blocks=nb)
+    chunks = -(-plan.block_bytes // tagkernel.CHUNK)
+    a, u = _mm8_material(chunks, seed=len(plan.segments))
+    seg_views, offsets = _segment_views(buf, plan)
+    ids = list(range(1, nb))
+    few = tagkernel.mm8_digests_few(seg_views, ids, a.to(DEVICE), u.to(DEVICE),
+                                    chunks * tagkernel.CHUNK - plan.block_bytes).cpu()
+    rows = torch.zeros((len(ids), chunks * tagkernel.CHUNK), dtype=torch.int8, device=DEVICE)
+    tagkernel.gather_rows(seg_views, offsets, ids, rows)
+    gathered = tagkernel.mm8_digests(rows, a.to(DEVICE), u.to(DEVICE)).cpu()
+    base = buf.data_ptr()
+    for i, m in enumerate(ids):
+        ptrs, sizes = plan.buffers(m)
+        obj = torch.cat([buf[p - base:p - base + n] for p, n in zip(ptrs, sizes)]).cpu()
+        want = _mm8_definition(obj, a, u)
+        assert torch.equal(few[i], want), f"block {m}: the one-call kernel"
+        assert torch.equal(gathered[i], want), f"block {m}: gather + int8 matmul"
+
+
+def test_the_mm8_tag_rate_on_the_device(capsys: pytest.CaptureFixture) -> None:
+    """Prints, per realistic case (2 MiB blocks), the tag's GB/s on the device by each path and a
+    device-to-host copy's of the same bytes; medians of 20 (of 3 on CPU, where it only proves the pack), nothing
+    asserted."""
+    import time
+    reps = 20 if DEVICE == "cuda" else 3
+    lines = []
+    for case in [c for c in CASES if c["layers"] == 32]:
+        buf, views = _build(case)
+        nb = case["num_blocks"]
+        plan = kvlayout.plan_block_copies(views, layout=case["layout"], block_size=case["block_size"],
+                                          num_blocks=nb)
+        chunks = -(-plan.block_bytes // tagkernel.CHUNK)
+        a, u = (t.to(DEVICE) for t in _mm8_material(chunks, seed=1))
+        seg_views, offsets = _segment_views(buf, plan)
+        ids = list(range(1, nb))
+        rows = torch.zeros((len(ids), chunks * tagkernel.CHUNK), dtype=torch.int8, device=DEVICE)
+        host = torch.empty(rows.shape, dtype=torch.int8, pin_memory=DEVICE == "cuda")
+        pad = chunks * tagkernel.CHUNK - plan.block_bytes
+        ways = {"one call": lambda: tagkernel.mm8_digests_few(seg_views, ids, a, u, pad).cpu(),
+                "gather+matmul": lambda: (tagkernel.gather_rows(seg_views, offsets, ids, rows),
+                                          tagkernel.mm8_digests(rows, a, u).cpu()),
+                "D2H copy": lambda: host.copy_(rows)}
+        got = []
+        for name, way in ways.items():
+            way()
+            ts = []
+            for _ in range(reps):
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                way()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t)
+            got.append(f"{name} {len(ids) * plan.block_bytes / sorted(ts)[reps // 2] / 1e9:.1f}")
+        lines.append(f"mm8 tag rate {case['layout']} ({len(ids)} x {plan.block_bytes >> 20} MiB, "
+                     f"{len(plan.segments)} segments), GB/s: " + ", ".join(got))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

@@ -122,8 +122,74 @@ def test_broken_file(tmp_path: Path, content: str, fragment: str) -> None:
         StoreConfig.from_sources(None, env={ENV_CONFIG_PATH: str(p)})
 
 
+@pytest.mark.parametrize("case, fragment", [
+    ("link", "without following links"), ("others-write", "0666: others may write it"),
+    ("group-write", "0664: others may write it"), ("another-user", "is owned by uid 65534"),
+    ("fifo", "is not a regular file"), ("huge", "holds more than 1048576 bytes"),
+])
+def test_the_config_file_is_checked_as_every_file_an_operator_names(tmp_path: Path, case: str,
+                                                                    fragment: str) -> None:
+    """MOONCAKE_CONFIG_PATH sets the master's address and can turn integrity off, so it is read as the
+    secret and the weights-version files are (`ownfile.read_own_file`): this user's regular file, not a
+    link, that no one else may write, at most 1 MiB; a refusal names the variable, the path and why."""
+    import os
+
+    env = write(tmp_path, {"master_server_address": "10.9.9.9:50051",
+                           "metadata_server": "http://10.9.9.9:8080/metadata", "integrity": "off"})
+    path = Path(env[ENV_CONFIG_PATH])
+    assert read_settings(None, env=env).get("master_server_address") == "10.9.9.9:50051"  # 0644, ours: read
+    if case == "link":
+        target = tmp_path / "elsewhere.json"
+        path.rename(target)
+        path.symlink_to(target)
+    elif case == "others-write":
+        path.chmod(0o666)
+    elif case == "group-write":
+        path.chmod(0o664)
+    elif case == "another-user":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(path, 65534, 65534)
+    elif case == "fifo":
+        path.unlink()
+        os.mkfifo(path)  # opened without blocking, refused before a read
+    else:
+        path.write_text(json.dumps({"namespace": "x", "pad": "y" * (1 << 20)}))
+    with pytest.raises(ConfigError) as e:
+        read_settings(None, env=env)
+    assert e.value.field == ENV_CONFIG_PATH and e.value.value == str(path)
+    assert fragment in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_trace_path_is_opened_as_every_file_an_operator_names(tmp_path: Path) -> None:
+    """The trace is appended to only as this user's regular file, not a link, that no one else may write: a
+    link planted at `trace_path` is refused by name and the file it points to is left as it was."""
+    import os
+
+    from kvledger.errors import LedgerInputError
+    from kvledger_connector.tracefile import close_trace, open_trace
+
+    fresh = tmp_path / "fresh.ndjson"
+    sink = open_trace(str(fresh))
+    sink.emit("scheduler", "Admit", {"r": "a"})
+    close_trace(sink)
+    assert fresh.read_text().count("\n") == 1 and (fresh.stat().st_mode & 0o777) == 0o600
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    link = tmp_path / "link.ndjson"
+    link.symlink_to(victim)
+    shared = tmp_path / "shared.ndjson"
+    shared.write_text("")
+    shared.chmod(0o666)
+    for path, fragment in ((link, "without following links"), (shared, "others may write it")):
+        with pytest.raises(LedgerInputError) as e:
+            open_trace(str(path))
+        assert e.value.field == "trace_path" and fragment in str(e.value) and str(path) in str(e.value)
+    assert victim.read_text() == "keep\n" and os.path.islink(link)
+
+
 def test_missing_file_and_non_dict_extra(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="file not found"):
+    with pytest.raises(ConfigError, match="MOONCAKE_CONFIG_PATH=.*absent.json.*: not found"):
         StoreConfig.from_sources(None, env={ENV_CONFIG_PATH: str(tmp_path / "absent.json")})
     with pytest.raises(ConfigError, match="must be a dict"):
         StoreConfig.from_sources(["x"], env={})  # type: ignore[arg-type]
@@ -281,9 +347,9 @@ def test_environment_values_are_checked_like_extra_config_values(tmp_path: Path)
     assert read_settings({}, env={"VLLM_MOONCAKE_LOAD_RECV_THREADS": " "}).get("load_threads") is None  # unset
     big = tmp_path / "big.json"
     big.write_text(json.dumps({"namespace": "x" * 10, "pad": "y" * (2 << 20)}))
-    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+    with pytest.raises(ConfigError, match="holds more than 1048576 bytes"):
         read_settings(None, env={ENV_CONFIG_PATH: str(big)})
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(ConfigError, match="is not a regular file"):
         read_settings(None, env={ENV_CONFIG_PATH: str(tmp_path)})  # a directory
 
 
@@ -301,6 +367,7 @@ def test_namespace_is_one_key_component(value: object) -> None:
     (128, 16, 20000, 1, 8),  # one job of at most 8 blocks never pins more
     (128, 16, None, 4, 32),  # pool unknown: jobs × longest
     (129, 16, 100, 64, 50),  # a partial last block counts: L = 9
+    (1 << 29, 16, 1 << 40, 64, 1 << 30),  # jobs × longest (2**31) and half the pool past the key's bound
 ])
 def test_derived_pin_cap(max_model_len: int, block_size: int, pool: int | None, jobs: int, cap: int) -> None:
     assert derive_pin_cap(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=pool,
@@ -311,6 +378,17 @@ def test_derived_pin_cap(max_model_len: int, block_size: int, pool: int | None, 
     explicit = ConnectorConfig(store=StoreConfig(), max_inflight_jobs=1, block_size=block_size,
                                max_model_len=max_model_len, num_gpu_blocks=pool, max_pinned_blocks=cap)
     assert explicit.max_pinned_blocks == cap
+
+
+def test_a_derived_pin_cap_never_passes_the_keys_bound() -> None:
+    """Derived, the cap is clamped to `max_pinned_blocks`'s own upper bound, as a set value is refused past
+    it: even a longest request above the bound (vLLM's figures go to 2**40) derives the bound."""
+    hi = next(k for k in KEYS if k.name == "max_pinned_blocks").bounds[1]
+    assert derive_pin_cap(max_model_len=1 << 40, block_size=1, num_gpu_blocks=None, max_inflight_jobs=1) == hi
+    cfg = ConnectorConfig(store=StoreConfig(), block_size=1, max_model_len=1 << 40, num_gpu_blocks=1 << 40)
+    assert cfg.max_pinned_blocks == hi
+    with pytest.raises(ConfigError, match=rf"max_pinned_blocks={hi + 1}: must be <= "):
+        ConnectorConfig(store=StoreConfig(), block_size=1, max_model_len=8, max_pinned_blocks=hi + 1)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,11 @@ import torch
 
 from kvledger.errors import LedgerInputError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, integrity_mode
-from kvledger_connector.integrity import (LANES, NONCE_BYTES, TRAILER_BYTES, BlockSeal, IntegrityError,
-                                          IntegrityKey, reference_digest, trailer)
+from kvledger_connector import integrity
+from kvledger_connector.engine_facts import head_shard_views
+from kvledger_connector.integrity import (FEW_BLOCKS, NONCE_BYTES, TAG_BYTES, TRAILER_BYTES, BlockSeal,
+                                          IntegrityError, IntegrityKey, construction_for, reference_digest,
+                                          reference_tag, reference_trailer)
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
 from kvledger_connector.stats import _CODE_PREFIX
 from kvledger_connector.store import StoreCode
@@ -30,41 +33,102 @@ def _object(plan, block: int) -> bytes:
     return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUT_HNC_ORDER))
-def test_the_tag_is_the_modules_definition_on_every_layout(layout: str, tmp_path: Path, store_config: StoreConfig):
-    """`BlockSeal.digests` (torch, where the KV lives) equals `reference_digest` (plain Python) on the bytes
-    the store would be sent, for KV caches from vLLM's allocator, random bytes everywhere."""
+#: every construction in both modes that tag: b3 is what host KV gets (`construction_for("cpu")`), mm8 is the
+#: CUDA kernel, run here on host memory
+KEYS = [IntegrityKey(construction=c) for c in ("b3", "mm8")] + [IntegrityKey("mac", os.urandom(32), c)
+                                                                 for c in ("b3", "mm8")]
+
+
+def _random_kv(store_config: StoreConfig, tmp_path: Path, layout: str, num_blocks: int) -> tuple[Harness, dict]:
     with Harness(store_config, workdir=str(tmp_path / "m"), kv_layout=layout, num_blocks=8) as h:
-        cfg = build_kv_cache_config(h.vllm_config, h._specs, 6, layout)
+        cfg = build_kv_cache_config(h.vllm_config, h._specs, num_blocks, layout)
         kv = allocate(cfg, layout)
     for t in kv.values():
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
-    plan = plan_block_copies(kv, layout=layout, block_size=h.block_size, num_blocks=6)
-    for ikey in (IntegrityKey(), IntegrityKey("mac", os.urandom(32))):
-        seal = BlockSeal(ikey, plan, kv, slots=1, max_keys=6)
-        got = seal.digests([1, 4, 5])
-        for row, b in zip(got, (1, 4, 5)):
-            assert [int(x) for x in row] == reference_digest(_object(plan, b), ikey)
-        with seal.slot(2) as s:
-            seal.seal(s, ["k1", "k4"], [1, 4])
-            assert seal.verify(s, ["k1", "k4"], [1, 4]) == [True, True]
-            assert seal.verify(s, ["k4", "k1"], [1, 4]) == [False, False]  # a tag holds under its key only
+    return h, kv
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_HNC_ORDER))
+def test_the_tag_is_the_modules_definition_on_every_layout(layout: str, tmp_path: Path, store_config: StoreConfig,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """`BlockSeal.tags` (off the GIL: b3 hashes a one-run block where it lies, else a TorchScript gather into
+    staging rows then one `blake3` call per block; mm8 in torch) equals `reference_tag` (the definition on the
+    whole object) on the bytes the store would be sent, for KV caches from vLLM's allocator, random bytes
+    everywhere: a few blocks and more than FEW_BLOCKS, over more than one chunk of staging rows, and a
+    partial tail tagged from its staging copy."""
+    n = FEW_BLOCKS + 3
+    h, kv = _random_kv(store_config, tmp_path, layout, n + 1)
+    plan = plan_block_copies(kv, layout=layout, block_size=h.block_size, num_blocks=n + 1)
+    monkeypatch.setattr(integrity, "STAGE_BYTES", 3 * plan.block_bytes)  # several chunks of staging rows
+    for ikey in KEYS:
+        seal = BlockSeal(ikey, plan, kv, slots=1, max_keys=n)
+        for ids in ([1, 4, 5], list(range(1, n + 1))):
+            keys = [f"k{b}" for b in ids]
+            nonces = [os.urandom(NONCE_BYTES) for _ in ids]
+            with seal.slot(len(ids)) as s:
+                got = seal.tags(s, keys, nonces, ids)
+            assert got == [reference_tag(_object(plan, b), ikey, k, nc) for b, k, nc in zip(ids, keys, nonces)], ikey
+            assert {len(t) for t in got} == {TAG_BYTES}
+        if ikey.construction == "mm8":
+            assert [int(x) for x in seal.digests([4])[0]] == reference_digest(_object(plan, 4), ikey)
+        with seal.slot(3) as s:
+            trailers, staged = seal.seal(s, ["k1", "k4", "k5"], [1, 4, 5], stages=[2])
+            assert ctypes.string_at(staged[0], plan.block_bytes) == _object(plan, 5)  # what is sent for the tail
+            row = ctypes.string_at(trailers[2], TRAILER_BYTES)
+            assert row == reference_trailer(_object(plan, 5), ikey, "k5", row[8:8 + NONCE_BYTES])
+            assert seal.verify(s, ["k1", "k4", "k5"], [1, 4, 5]) == [True, True, True]
+            assert seal.verify(s, ["k4", "k1", "k5"], [1, 4, 5]) == [False, False, True]  # a tag holds under its key
             ctypes.c_uint8.from_address(plan.buffers(4)[0][-1]).value ^= 1  # block 4's last segment, in place
-            assert seal.verify(s, ["k1", "k4"], [1, 4]) == [True, False]  # one bit of block 4 flipped
+            assert seal.verify(s, ["k1", "k4", "k5"], [1, 4, 5]) == [True, False, True]  # one bit of block 4
+            ctypes.c_uint8.from_address(plan.buffers(4)[0][-1]).value ^= 1
+    # the parts of a block (head shards of the TP-shared layout; a hybrid model's groups alike): each key's tag
+    # over its own part's views
+    parts = [plan_block_copies(head_shard_views(kv, 1, j), layout=layout, block_size=h.block_size, num_blocks=n + 1)
+             for j in range(2)]  # the harness's 2 KV heads
+    for ikey in KEYS:
+        seal = BlockSeal(ikey, parts, kv, slots=1, max_keys=4)
+        ids, groups, keys = [2, 2, 3, 6], [0, 1, 1, 0], ["a", "b", "c", "d"]
+        nonces = [os.urandom(NONCE_BYTES) for _ in ids]
+        with seal.slot(4) as s:
+            got = seal.tags(s, keys, nonces, ids, groups)
+        assert got == [reference_tag(_object(parts[g], b), ikey, k, nc)
+                       for b, g, k, nc in zip(ids, groups, keys, nonces)], ikey
 
 
-def _overwrite(h: Harness, key: str, forge: IntegrityKey | None) -> None:
+def test_the_b3_tag_is_blake3_keyed_hash():
+    """b3's tag is BLAKE3 in keyed mode as specified: the official test vectors (BLAKE3-team/BLAKE3
+    test_vectors/test_vectors.json: input byte i is i % 251) hold for the `blake3` package the module hashes
+    with, in one call and split as the seal splits it (the bound key and nonce, then the bytes)."""
+    from blake3 import blake3
+    key = b"whats the Elvish word for friend"
+    vectors = {  # input length: the first 64 bytes of keyed_hash's extended output
+        1025: "357dc55de0c7e382c900fd6e320acc04146be01db6a8ce7210b7189bd664ea69"
+              "362396b77fdc0d2634a552970843722066c3c15902ae5097e00ff53f1e116f1c",
+        3073: "68dede9bef00ba89e43f31a6825f4cf433389fedae75c04ee9f0cf16a427c95a"
+              "96d6da3fe985054d3478865be9a092250839a697bbda74e279e8a9e69f0025e4",
+    }
+    for n, want in vectors.items():
+        data = bytes(i % 251 for i in range(n))
+        assert blake3(data, key=key).digest(TAG_BYTES).hex() == want
+        h = blake3(data[:11], key=key)
+        h.update(memoryview(data)[11:])
+        assert h.digest(TAG_BYTES).hex() == want
+
+
+def _overwrite(h: Harness, key: str, forge: str | None) -> None:
     """Another client of the store replaces ``key``'s value with same-size bytes: random ones, or a block of
-    zeros with a trailer made under ``forge`` (what a client that knows the algorithm can do)."""
+    zeros with a trailer made under mode ``forge`` without a secret, in the engine's construction (what a
+    client that knows the algorithm can do)."""
     c = h.checker()
     size = h.workers[0].worker_side.steps.key_bytes
     buf = torch.zeros(size, dtype=torch.uint8)
     if forge is None:
         buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     else:
+        ikey = IntegrityKey(forge, construction=h.workers[0].integrity.construction)
         body = bytes(size - TRAILER_BYTES)
-        buf[-TRAILER_BYTES:] = torch.frombuffer(bytearray(trailer(forge, key, reference_digest(body, forge),
-                                                                  os.urandom(NONCE_BYTES))), dtype=torch.uint8)
+        forged = reference_trailer(body, ikey, key, os.urandom(NONCE_BYTES))
+        buf[-TRAILER_BYTES:] = torch.frombuffer(bytearray(forged), dtype=torch.uint8)
     c.register_buffer(buf.data_ptr(), size)
     assert c.remove(key, True) == 0
     assert c.batch_put([key], [[buf.data_ptr()]], [[size]]) == [0]
@@ -85,7 +149,7 @@ def test_a_same_size_overwrite_is_a_load_error_never_loaded(mode: str, forge: st
         h.run_pass(prompts, MAX_TOKENS, tag="p1")
         keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
         assert h.workers[0].store.batch_is_exist(keys) == [1] * len(keys)
-        _overwrite(h, keys[1], IntegrityKey(forge) if forge else None)
+        _overwrite(h, keys[1], forge)
         h.reset_prefix_cache_when_idle()
         h.run_pass(prompts, MAX_TOKENS, tag="p2")  # outputs right, no KV read wrong (S7), at rest
         steps = h.workers[0].worker_side.steps
@@ -105,7 +169,7 @@ def test_a_checksum_tag_can_be_forged_by_a_client_that_knows_the_algorithm(tmp_p
     with Harness(store_config, workdir=str(tmp_path / "m")) as h:
         h.run_pass(prompts, MAX_TOKENS, tag="p1")
         keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
-        _overwrite(h, keys[1], IntegrityKey("checksum"))
+        _overwrite(h, keys[1], "checksum")
         h.reset_prefix_cache_when_idle()
         with pytest.raises(AssertionError, match="wrong KV"):
             h.run_pass(prompts[:1], MAX_TOKENS, tag="p2")
@@ -130,7 +194,7 @@ def test_the_embedded_default_refuses_a_recomputed_checksum_tag(tmp_path: Path,
         assert secret.read_bytes() == ikeys[0].secret and secret.stat().st_mode & 0o777 == 0o600
         h.run_pass(prompts, MAX_TOKENS, tag="p1")
         keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
-        _overwrite(h, keys[1], IntegrityKey("checksum"))
+        _overwrite(h, keys[1], "checksum")
         h.reset_prefix_cache_when_idle()
         h.run_pass(prompts, MAX_TOKENS, tag="p2")  # outputs right: the planted block was not loaded
         steps = h.workers[0].worker_side.steps
@@ -141,9 +205,12 @@ def test_the_embedded_default_refuses_a_recomputed_checksum_tag(tmp_path: Path,
 
 def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_path: Path):
     tags = {IntegrityKey("off").key_tag, IntegrityKey().key_tag, IntegrityKey("mac", b"a" * 16).key_tag,
-            IntegrityKey("mac", b"b" * 16).key_tag}
-    assert len(tags) == 4 and "" in tags and "ck1" in tags
+            IntegrityKey("mac", b"b" * 16).key_tag, IntegrityKey(construction="mm8").key_tag,
+            IntegrityKey("mac", b"a" * 16, "mm8").key_tag}
+    assert len(tags) == 6 and {"", "ckb3", "ck1"} <= tags  # mode, construction and secret: no two share a key
     assert b"a" * 16 not in b"".join(t.encode() for t in tags)
+    with pytest.raises(LedgerInputError, match="construction='sha1'"):
+        IntegrityKey(construction="sha1")
     with pytest.raises(LedgerInputError, match="integrity_secret_file"):
         IntegrityKey.of("mac", None)
     with pytest.raises(LedgerInputError, match="integrity_secret_file"):
@@ -163,16 +230,23 @@ def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_pa
     assert integrity_mode(None, "/s", embedded=False) == "mac"
     asked: list[int] = []
     gen = lambda: asked.append(1) or b"g" * 32  # noqa: E731
-    assert IntegrityKey.resolve(None, None, embedded=True, generated=gen) == IntegrityKey("mac", b"g" * 32)
-    assert IntegrityKey.resolve(None, None, embedded=False, generated=gen) == IntegrityKey("checksum")
-    assert IntegrityKey.resolve("off", None, embedded=True, generated=gen) == IntegrityKey("off")
+    host = dict(generated=gen, device="cpu")
+    assert IntegrityKey.resolve(None, None, embedded=True, **host) == IntegrityKey("mac", b"g" * 32)
+    assert IntegrityKey.resolve(None, None, embedded=False, **host) == IntegrityKey("checksum")
+    assert IntegrityKey.resolve("off", None, embedded=True, **host) == IntegrityKey("off")
     assert asked == [1]  # generated only for the mac it serves
+    # the construction follows the KV cache's device: BLAKE3 on host memory, the int8 kernel on a GPU
+    assert construction_for("cpu") == "b3" and construction_for("cuda") == "mm8"
+    assert IntegrityKey.resolve(None, None, embedded=False, generated=gen, device="cuda") == IntegrityKey(
+        "checksum", construction="mm8")
     # two engines with different secrets: one's tags never verify under the other's key
     body = os.urandom(3 * 512 + 7)
-    a, b = IntegrityKey("mac", b"a" * 16), IntegrityKey("mac", b"b" * 16)
     nonce = os.urandom(NONCE_BYTES)
-    assert trailer(a, "k", reference_digest(body, a), nonce) != trailer(b, "k", reference_digest(body, b), nonce)
-    assert len(reference_digest(body, a)) == LANES
+    for how in ("b3", "mm8"):
+        a, b = IntegrityKey("mac", b"a" * 16, how), IntegrityKey("mac", b"b" * 16, how)
+        assert reference_tag(body, a, "k", nonce) != reference_tag(body, b, "k", nonce)
+        assert reference_tag(body, a, "k", nonce) != reference_tag(body, a, "k2", nonce)  # nor under another key
+        assert reference_tag(body, a, "k", nonce) != reference_tag(body, a, "k", bytes(NONCE_BYTES))  # nor nonce
 
 
 def test_the_secret_file_is_refused_unless_private(tmp_path: Path):

@@ -142,6 +142,7 @@ def test_events_published_through_vllms_scheduler(store_config: StoreConfig):
             announced = {maybe_convert_block_hash(bh) for _, bh in ss.events._announced}
             n_before = len(router.events)
             assert h.scheduler.reset_prefix_cache(reset_connector=True) is True
+            h.wait_reset_removals()  # until then the store's answers are withheld: nothing would be announced
             h.add_request("after-reset", prompts[1], MAX_TOKENS)  # a step: update_from_output publishes
             h.run()
             events = router.drain()[n_before:]

@@ -228,6 +228,7 @@ def test_reset_cache_removes_tail_keys_too(store_config: StoreConfig, tmp_path):
         store = h.scheduler_connector.store
         assert store.batch_is_exist([tail_key]) == [1]
         assert h.scheduler.reset_prefix_cache(reset_connector=True) is True
+        h.wait_reset_removals()
         removed = h.scheduler_connector.stats.totals.data["reset_removed_keys"]
         assert removed == k + 1  # the full blocks and the tail of the one rank
         assert store.batch_is_exist([tail_key]) == [0]

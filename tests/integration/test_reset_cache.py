@@ -1,20 +1,23 @@
 """``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, e.g. after an RL weight update) on one
 real master shared by several engines: it removes exactly the resetting engine's keys (its model, layout,
 namespace and shards), never another model's or another namespace's, and the engine then misses and re-saves.
-It refuses (False, nothing removed) while a store job, a load or a request with computed KV could bring
-pre-reset KV back (kvledger_connector/reset.py)."""
+It refuses (False, nothing removed, why logged and counted) while a store job, a load or a request with
+computed KV could bring pre-reset KV back (kvledger_connector/reset.py). Otherwise it is done at once: a new
+weights version is switched to first, the removal runs on its own thread with bounded retries, and a store
+that fails the removal never makes the engine read pre-reset KV."""
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
-
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.reset import ecma_escape, engine_key_regex
+from kvledger_connector.reset import REMOVAL_ATTEMPTS, ecma_escape, engine_key_regex, removal_backoff_s
 from kvledger_connector.store import MooncakeStore
-from testbed.faults import HeldPuts
+from testbed.faults import FaultyMooncakeClient, HeldPuts, RawFault
 from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 4
@@ -52,6 +55,7 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
 
         # vLLM's own path: reset_prefix_cache(reset_connector=True) -> Scheduler.reset_connector_cache
         assert a.scheduler.reset_prefix_cache(reset_connector=True) is True
+        a.wait_reset_removals()  # the removal runs on its own thread
         sa = a.scheduler_connector.scheduler_side
         assert sa.num_resets == 1
         assert a.scheduler_connector.stats.totals.data["reset_removed_keys"] == len(ka)  # exactly A's keys
@@ -75,7 +79,8 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
         assert _exist(shared_store, ka) == [1] * len(ka)
 
 
-def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig, shared_store: MooncakeStore):
+def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig, shared_store: MooncakeStore,
+                                                      caplog: Any):
     # two prefixes: the held request's blocks are new, so it surely opens a store job (with one shared prefix
     # its blocks were already stored and whether a job opened depended on the schedule: a flaky test)
     prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=9)
@@ -91,7 +96,9 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
             h.step()
         assert sa.ledger.num_inflight_jobs == 1 and sa.num_live_requests == 0
         try:
-            assert h.scheduler_connector.reset_cache() is False
+            with caplog.at_level(logging.WARNING, logger="kvledger_connector.reset"):
+                assert h.scheduler_connector.reset_cache() is False
+            assert "reset_cache refused: 1 store jobs in flight" in caplog.text  # says why
             assert h.scheduler.reset_prefix_cache(reset_connector=True) is False
             assert _exist(shared_store, kept) == [1] * len(kept)  # nothing removed
             assert h.scheduler_connector.stats.totals.data["resets_refused"] == 2
@@ -100,6 +107,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
         h.run()
         assert h.check_at_rest() == []
         assert h.scheduler_connector.reset_cache() is True  # drained: the reset goes through
+        h.wait_reset_removals()
         assert _exist(shared_store, kept + _keys(h, prompts[1:])) == [0] * len(kept + _keys(h, prompts[1:]))
 
 
@@ -133,3 +141,146 @@ def test_pattern_matches_exactly_the_engines_keys():
     for k in (other_ns, other_model, no_ns, other_tp, "pre/" + kbs[0].key(h), kbs[0].key(h) + "/x"):
         assert not rx.search(k), k
     assert ecma_escape("a.b-c/d(e)") == r"a\.b-c/d\(e\)"
+
+
+# ---------------------------------------------------------------- a store that fails or holds the removal
+class _NoWait:
+    """THIS IS A TEST DOUBLE: the removals' backoff wait (`StoreRemovals.wait`), recording each wait and
+    returning at once, so the bounded retries run without the real seconds."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def __call__(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return False
+
+
+def _failing_removals(h: Harness) -> tuple[FaultyMooncakeClient, _NoWait]:
+    """The scheduler's store client under a test double whose every removal raises (the wrapper answers
+    CLIENT_EXCEPTION: a code that does not open the breaker, so lookups still reach the master)."""
+    store = h.scheduler_connector.store
+    client = FaultyMooncakeClient(store._raw)
+    client.always("remove", RawFault(raises=True))
+    store._raw = client
+    wait = _NoWait()
+    h.scheduler_connector.removals.wait = wait
+    return client, wait
+
+
+def _write_version(path: Path, version: str) -> None:
+    new = path.with_name(path.name + ".new")
+    new.write_text(version + "\n")
+    new.chmod(0o644)
+    os.replace(new, path)
+
+
+def test_a_reset_switches_the_weights_version_though_the_store_fails_the_removal(store_config: StoreConfig,
+                                                                                  tmp_path: Path):
+    """A weight update whose reset meets a store failing every removal: the reset succeeds, the engine is on
+    the new version at once, never loads the old version's KV (still in the store) and saves under the new
+    keys, which then hit; the old keys' removal is tried REMOVAL_ATTEMPTS times, its waits doubling to their
+    cap, then given up and counted (those keys age out)."""
+    prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=21)
+    version = tmp_path / "weights_version"
+    _write_version(version, "step-1")
+    with Harness(store_config, workdir=str(tmp_path / "model"),
+                 extra={"weights_version_file": str(version), "namespace": "rm-fail"}) as h:
+        h.run_pass(prompts, MAX_TOKENS, "v1")
+        old = _keys(h, prompts)
+        store = h.scheduler_connector.store
+        assert _exist(store, old) == [1] * len(old)
+        client, wait = _failing_removals(h)
+
+        _write_version(version, "step-2")
+        h.reset_prefix_cache_when_idle(reset_connector=True)  # waits for the removal thread too
+        ss = h.scheduler_connector.scheduler_side
+        assert ss.weights_version == "step-2"
+        n = REMOVAL_ATTEMPTS
+        assert client.num_calls["remove"] == n
+        assert wait.waits == [removal_backoff_s(i) for i in range(1, n)]
+        totals = h.scheduler_connector.stats.totals.data
+        assert (totals["reset_removals_given_up"], totals["reset_removal_retries"], totals["resets"]) == (1, n - 1, 1)
+        assert _exist(store, old) == [1] * len(old)  # the old version's KV is still there...
+
+        loads = ss.num_loads
+        h.run_pass(prompts, MAX_TOKENS, "v2")
+        assert ss.num_loads == loads  # ...and never loaded
+        new = _keys(h, prompts)  # the workers' keys: they followed the switch
+        assert not set(new) & set(old) and _exist(store, new) == [1] * len(new)
+        assert h.scheduler.reset_prefix_cache() is True  # vLLM's own cache only: the next hits are the store's
+        h.run_pass(prompts, MAX_TOKENS, "v2-again")
+        assert ss.num_loads > loads
+
+
+def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: StoreConfig):
+    """No new weights version: the keys stay, so while their removal is owed every lookup misses (the store
+    still holds the pre-reset KV); a removal given up keeps it so. The next reset, the store working again,
+    removes them and the engine's own new saves hit again."""
+    prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=22)
+    with Harness(store_config, extra={"namespace": "rm-gate"}) as h:
+        h.run_pass(prompts, MAX_TOKENS, "a")
+        keys = _keys(h, prompts)
+        store = h.scheduler_connector.store
+        client, _ = _failing_removals(h)
+        h.reset_prefix_cache_when_idle(reset_connector=True)
+        totals = h.scheduler_connector.stats.totals.data
+        assert totals["reset_removals_given_up"] == 1
+        assert _exist(store, keys) == [1] * len(keys)
+        ss = h.scheduler_connector.scheduler_side
+        loads, lookups = ss.num_loads, totals.get("lookups", 0)
+        h.run_pass(prompts, MAX_TOKENS, "b")
+        assert ss.num_loads == loads and totals.get("lookups", 0) > lookups  # it asked, and missed
+
+        client.clear()
+        h.reset_prefix_cache_when_idle(reset_connector=True)
+        assert totals["reset_removed_keys"] == len(keys)
+        assert _exist(store, keys) == [0] * len(keys)
+        h.run_pass(prompts, MAX_TOKENS, "c")  # saved again
+        assert h.scheduler.reset_prefix_cache() is True
+        h.run_pass(prompts, MAX_TOKENS, "d")
+        assert ss.num_loads > loads  # the store's hits are back
+
+
+class _HeldRemoval:
+    """THIS IS A TEST DOUBLE: the raw client whose `remove_by_regex` waits for `release` (at most 10 s) before
+    forwarding; every other call is the real client's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered, self.returned, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def remove_by_regex(self, regex: str, force: bool = False) -> int:
+        self.entered.set()
+        self.release.wait(10)
+        try:
+            return int(self.inner.remove_by_regex(regex, force))
+        finally:
+            self.returned.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_the_reset_never_waits_for_the_store(store_config: StoreConfig):
+    """A removal held inside the store: reset_cache has returned True while the call is still inside, and
+    the engine steps on (its lookups miss); once the store answers the keys are gone."""
+    prompts = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=23)
+    with Harness(store_config, extra={"namespace": "rm-held"}) as h:
+        h.run_pass(prompts, MAX_TOKENS, "a")
+        keys = _keys(h, prompts)
+        store = h.scheduler_connector.store
+        held = _HeldRemoval(store._raw)
+        store._raw = held
+        ss = h.scheduler_connector.scheduler_side
+        try:
+            assert h.scheduler_connector.reset_cache() is True
+            assert held.entered.wait(10)  # the removal is inside the store...
+            assert not held.returned.is_set()  # ...and the reset did not wait for it
+            loads = ss.num_loads
+            h.run_pass(prompts, MAX_TOKENS, "during")
+            assert ss.num_loads == loads
+        finally:
+            held.release.set()
+        h.wait_reset_removals()
+        assert _exist(store, keys) == [0] * len(keys)

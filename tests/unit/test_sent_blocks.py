@@ -45,7 +45,7 @@ def test_a_new_generation_or_a_reused_id_starts_over_at_block_0():
     (spec(2, 2, 3, (12,), gen=1), "start_block"),  # continues a generation this rank does not hold
     (spec(2, 3, 4, (13,)), "start_block"),  # a gap: block 2 was never sent
     (spec(2, 2, 4, (12,)), "block_ids"),  # fewer ids than its range
-    (SaveSpec("r", 2, 0, 2, 3, (12,), ()), "block_ids"),  # no hash for its block
+    (SaveSpec("r", 2, 0, 2, 3, (12,), ()), "block_hashes"),  # no hash for its block
     (SaveSpec("r", 2, 0, -1, 3, (12,), (H[0],)), "start_block"),
     (SaveSpec("r", 2, 0, 3, 2, (), ()), "start_block"),  # past its own end
 ])
