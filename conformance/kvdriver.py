@@ -19,7 +19,7 @@ Admit/Compute/Preempt/Finish  vLLM's Scheduler's part, played here: requests in 
 Lookup(r)                 -> SchedulerSteps.lookup(req, 0) (batch_is_exist through the wrapper)
 EmitLoad(r)               -> BlockPool allocation, SchedulerSteps.emit_load (pins) + take_loads, and on every
                              rank the load generator's first step (LoadLedger.begin_load)
-EmitStore(r)              -> SchedulerSteps.emit_stores({r: 0}, table): the blocks the job pins, its SaveSpec
+EmitStore(r)              -> SchedulerSteps.emit_request_store(r, 0, table): the blocks the job pins, its SaveSpec
 Collect                   -> every rank's WorkerSteps.take_reports(), merged by KVLedgerWorkerMetadata's
                              aggregate (as vLLM's executor) -> SchedulerSteps.collect
 Receive(w)                -> WorkerSteps.receive(spec.req_id, job, spec.generation) (WorkerSide.end_step's call)
@@ -516,7 +516,7 @@ class KVDriver:
         if self.sched.next_job_id > self.max_jobs:
             raise Refused(f"the model has only {self.max_jobs} job ids")
         lo = self.ss.emitted_blocks(r) + 1  # the model's emitted[r] + 1
-        saves = self.ss.emit_stores({r: 0}, self._table_of)
+        saves = self.ss.emit_request_store(r, 0, self._table_of)  # r's EmitStore alone, as the model's
         if len(saves) != 1:
             raise Refused(f"the connector's EmitStore step opened {len(saves)} jobs for {r}")
         (spec,) = saves
@@ -563,7 +563,7 @@ class KVDriver:
                 # step found it (deferred); the request is then held, or its save given up past MaxHeld
                 if self.sched.num_inflight_jobs < self.pin_cap:
                     raise Refused(f"{r} has a save left that the cap does not defer")
-                if self.ss.emit_stores({r: 0}, self._table_of):
+                if self.ss.emit_request_store(r, 0, self._table_of):
                     raise Refused(f"the connector opened a job for {r} at the cap")
         emitted = self.ss.emitted_blocks(r)
         if self.ss.request_finished(self.requests[r]):  # held: vLLM keeps the blocks, no notice yet
@@ -581,8 +581,12 @@ class KVDriver:
         ``release``; every rank answers finished_sending and vLLM frees the blocks it kept."""
         r = a["r"]
         self._engine_synced()
-        if self.status[r] != "held" or r not in self.ss.held_release_due():
-            raise Refused(f"{r} is {self.status[r]}, not a held request whose save is done")
+        if self.status[r] != "held":
+            raise Refused(f"{r} is {self.status[r]}, not held")
+        if r not in self.ss.held_release_due() and self.sched.next_job_id > self.max_jobs:
+            self.ss.give_up_held(r)  # the model ran out of job ids: its save can never open
+        if r not in self.ss.held_release_due():
+            raise Refused(f"{r} is held, its save not done")
         self._emit("sched", "ReleaseHeld", req_id=r, generation=self.gen[r])
         self.emitted_at_finish[r] = self.ss.emitted_blocks(r)
         nt = self.ss.release_held(r)

@@ -410,7 +410,7 @@ class SchedulerSteps:
         self.num_held = 0  # requests held past their finish for a deferred save (`request_finished`)
         self.peak_held_requests = 0  # most held (deferred, or released and not yet freed) at once
         self.num_failed_load_requeues = 0  # lookups answered "not yet" after a failed load (requeue_after_failed_load)
-        self.num_resets = 0  # reset_cache calls that removed this engine's keys (kvledger_connector/reset.py)
+        self.num_resets = 0  # reset_cache calls accepted: old keys queued for removal (kvledger_connector/reset.py)
         self.num_refused_loads = 0  # loads `emit_load` could not plan, reported failed (`refuse_load`)
         # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
         self.errors: deque[str] = deque(maxlen=MAX_STEP_ERRORS)
@@ -743,6 +743,15 @@ class SchedulerSteps:
         return [req_id for req_id, job in self._held.items()
                 if job is not None and (job < 0 or not ledger.is_job_pinned(job))]
 
+    def give_up_held(self, req_id: str) -> None:
+        """A held request's deferred save given up (counted): it is released at the next step."""
+        st = self._reqs.get(req_id)
+        if self._held.get(req_id, 0) is not None or st is None:
+            raise LedgerInputError("req_id", req_id, "is not a held request whose save is deferred")
+        self._reqs.set_deferred(st, False)
+        self._give_up_save()
+        self._held[req_id] = -1
+
     def release_held(self, req_id: str) -> DropNotice:
         """ReleaseHeld: the held request's finish notice, with ``release``: every rank answers it in
         finished_sending, and vLLM frees the blocks it kept (`note_freed` hears of it)."""
@@ -779,12 +788,20 @@ class SchedulerSteps:
             offers = boundary_states or {}
             for req_id in self._reqs.deferred_ids():
                 if req_id not in scheduled:
-                    self._emit_store_guarded(saves, req_id, 0, table_of, offers.get(req_id, ()))
+                    saves += self.emit_request_store(req_id, 0, table_of, offers.get(req_id, ()))
             for req_id, n in scheduled.items():
-                self._emit_store_guarded(saves, req_id, n, table_of, offers.get(req_id, ()))
+                saves += self.emit_request_store(req_id, n, table_of, offers.get(req_id, ()))
         ledger = self._ledger()
         self.stats.gauge("pins_in_flight", ledger.num_inflight_jobs)
         self.stats.gauge("pinned_blocks", ledger.num_pinned_blocks)
+        return saves
+
+    def emit_request_store(self, req_id: str, num_scheduled: int, table_of: TableOf,
+                           boundary_states: Sequence[tuple[int, int, int]] = ()) -> list[SaveSpec]:
+        """One request's part of `emit_stores` (the replay drives it alone: the model's EmitStore(r) is one
+        request's, whatever else is deferred): its job, if one opened."""
+        saves: list[SaveSpec] = []
+        self._emit_store_guarded(saves, req_id, num_scheduled, table_of, boundary_states)
         return saves
 
     def _emit_store_guarded(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
