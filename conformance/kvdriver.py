@@ -926,7 +926,7 @@ class KVDriver:
 
     # ------------------------------------------------------------------ fuzz hooks
     OUTPUT_PARAMS = {"job", "g", "lo", "hi", "from", "blocks", "hits", "bad", "keep", "released",
-                     "freed", "keys", "r_"}
+                     "freed", "keys", "r_", "held"}
 
     def inputs(self, a: dict[str, Any]) -> Any:
         """What a caller chooses: the action, its request/rank/key, and injected fault outcomes."""
