@@ -247,6 +247,7 @@ class _Servers:
     """What `rendezvous.acquire` publishes of the servers it starts (none are started here)."""
     master_address: str = "127.0.0.1:1"
     metadata_server: str = "http://127.0.0.1:1/metadata"
+    master_inode: int = 1
 
 
 def dead_pid() -> int:
@@ -265,7 +266,7 @@ def probe_sweep_keeps_live_owners() -> None:
         fields = {"live": rendezvous.owner_fields(os.getpid()), "dead": rendezvous.owner_fields(dead_pid())}
         fields["reused"] = {**fields["live"], "start_time": fields["live"]["start_time"] + 1}
         for w, path in paths.items():
-            Path(path).write_text(json.dumps({**fields[w], "master_address": "127.0.0.1:1",
+            Path(path).write_text(json.dumps({**fields[w], "master_address": "127.0.0.1:1", "master_inode": 1,
                                               "metadata_server": "http://127.0.0.1:1/metadata"}))
         rendezvous.acquire("probe-sweep", _Servers)  # type: ignore[arg-type]
         rendezvous.release("probe-sweep")
@@ -306,6 +307,10 @@ def probe_a_block_loads_only_under_its_own_tag() -> None:
     seal.seal(0, ["k1", "k2"], [1, 1])  # block 1's bytes sealed under two keys
     got = w._verified(0, ["k2", "k1"], [1, 1], whole)
     check(got == [int(StoreCode.INTEGRITY_MISMATCH)] * 2, f"trailers read under each other's key gave {got}")
+    missed = int(StoreCode.OBJECT_NOT_FOUND)
+    got = w._verified(0, ["k1", "k2"], [1, 1], [missed, w.key_bytes])  # the get's first key missed
+    check(got == [missed, w.key_bytes], f"the second key of a get whose first missed gave {got}, not "
+                                        f"[{missed}, {w.key_bytes}]: checked against another key's trailer row")
 
 
 PROBES: list[Probe] = [

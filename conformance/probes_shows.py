@@ -17,7 +17,7 @@ import kvledger.codes as codes
 import kvledger_connector.jobs as jobs
 import kvledger_connector.keys as keys
 import kvledger_connector.scheduler_steps as scheduler_steps
-from conformance import probes_edge, probes_sched, probes_specs
+from conformance import probes_edge, probes_identity, probes_sched, probes_specs
 from conformance.kvprobes import (HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
                                   tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
@@ -424,3 +424,5 @@ SHOWS.update(probes_sched.SHOWS)
 SHOWS.update(probes_edge.SHOWS)
 # and the spec checks' (conformance/probes_specs.py)
 SHOWS.update(probes_specs.SHOWS)
+# and the embedded master's identity (conformance/probes_identity.py)
+SHOWS.update(probes_identity.SHOWS)

@@ -187,7 +187,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         if cfg.embedded:
             self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms)
         store = MooncakeStore.connect(cfg, embedded=self._embedded)
-        store.stats = self.stats  # breaker_trips, breaker_probes
+        store.stats = self.stats  # breaker_trips, breaker_probes, master_unauthentic
         return store
 
     @property

@@ -7,9 +7,11 @@ benchmark. Both servers bind 127.0.0.1 only:
     mooncake_http_metadata_server --host 127.0.0.1
 
 (the master's *embedded* metadata server binds 0.0.0.0 whatever its host flag says, so we run the
-standalone one). Mooncake *clients* — every `MooncakeDistributedStore.setup()`, i.e. every worker — open
-their transfer-engine ports on all interfaces by Mooncake's design (hard-coded INADDR_ANY); no flag
-confines them. Isolate hosts with a network namespace or firewall if that matters.
+standalone one). Each Mooncake *client* (every `setup()`: the scheduler's and every worker rank's) listens
+on two TCP ports, random in 15000-17000: the transfer engine's handshake port on 0.0.0.0 and the TCP
+transport's data port on [::] (dual-stack). Mooncake hard-codes the wildcard; `MC_TCP_BIND_ADDRESS` only
+sets the address it advertises. Whoever reaches the data port reads and writes the client's registered
+memory, unauthenticated: across hosts, firewall these ports (`python -m kvledger_connector.transfer_ports`).
 
 Processes are started in their own session and stopped by pid (`stop()`, idempotent, also at interpreter
 exit). `restart_master()` kills and restarts the master on the same ports: every key is lost, as in a real
@@ -20,6 +22,18 @@ the master process and, when it exits without `stop()`, starts a new one on the 
 retried after 1 s doubling up to `MAX_RESTART_BACKOFF_S`. The new master has no keys (every stored block is a
 miss again); the engine's clients, the owner's and those of the attached processes, reconnect to the same
 address and their store breakers close at the next probe. The metadata server is not restarted.
+
+Identity. A port that accepts proves nothing: once the master is gone any local process may bind its port.
+The kernel's word is what counts: the master is the LISTEN socket on 127.0.0.1:<rpc port> whose inode
+(`loopback_listener`, from /proc/self/net/tcp: loopback is per network namespace, so every process that
+reaches the master on 127.0.0.1 reads the same table) is held by the spawned pid (`holds_socket`). No other
+process can choose that inode. A server is ready only when its own listener is there (never "the port
+accepts"); `master_inode` records the master's after each (re)start, and `authentic()` is "that listener
+is still the one on the port". When the old master is gone and another process holds its port, the
+supervisor does not wait for it: it warns (port, uid) and starts the master on a fresh port, then calls
+`on_restart` (the rendezvous owner republishes the new address and inode; kvledger_connector/rendezvous.py).
+Clients on the old address cannot follow: their stores stay shut (kvledger_connector/store.py) until the
+engine restarts.
 """
 from __future__ import annotations
 
@@ -29,14 +43,16 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +77,119 @@ def free_port() -> int:
 
 
 def port_accepts(port: int, timeout: float = 0.2) -> bool:
+    """Whether something accepts on 127.0.0.1:port: whether a port is busy, never who holds it
+    (`loopback_listener`)."""
     try:
         socket.create_connection((LOOPBACK, port), timeout).close()
         return True
     except OSError:
         return False
+
+
+class Listener(NamedTuple):
+    """A LISTEN socket as the kernel lists it: its inode (no process can choose it) and its owner's uid."""
+
+    inode: int
+    uid: int
+
+
+#: bound on what is read of a /proc/net/tcp table (a line is ~150 bytes: ~28,000 listeners)
+MAX_TCP_TABLE_BYTES = 4 << 20
+_TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN
+
+
+def _address(hex_addr: str) -> str | None:
+    """/proc/net/tcp{,6}'s address: 32-bit words printed in host byte order."""
+    try:
+        words = int(hex_addr, 16)
+    except ValueError:
+        return None
+    if len(hex_addr) == 8:
+        return socket.inet_ntoa(struct.pack("=I", words))
+    if len(hex_addr) == 32:
+        packed = b"".join(struct.pack("=I", int(hex_addr[i:i + 8], 16)) for i in range(0, 32, 8))
+        return socket.inet_ntop(socket.AF_INET6, packed)
+    return None
+
+
+def parse_tcp_listeners(blob: bytes) -> list[tuple[str, int, Listener]]:
+    """The LISTEN sockets of a /proc/net/tcp{,6} table: (address, port, Listener). Lines that are not
+    exactly the kernel's (too few fields, non-hex, a port or inode out of range) are skipped."""
+    out: list[tuple[str, int, Listener]] = []
+    for raw in blob.splitlines()[1:]:  # the first line is the header
+        f = raw.decode("ascii", "replace").split()
+        if len(f) < 10 or not f[0].endswith(":") or f[3] != _TCP_LISTEN:
+            continue
+        hex_addr, sep, hex_port = f[1].partition(":")
+        address = _address(hex_addr) if sep and len(hex_port) == 4 else None
+        if address is None or not f[7].isdigit() or not f[9].isdigit():
+            continue
+        try:
+            port = int(hex_port, 16)
+        except ValueError:
+            continue
+        uid, inode = int(f[7]), int(f[9])
+        if 0 < port < 65536 and inode > 0 and uid < (1 << 32):
+            out.append((address, port, Listener(inode, uid)))
+    return out
+
+
+def _read_table(path: str) -> bytes:
+    """At most MAX_TCP_TABLE_BYTES of a /proc table, whole lines, stopping past the listeners; b"" when it
+    cannot be read."""
+    lines: list[bytes] = []
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                size += len(line)
+                if size > MAX_TCP_TABLE_BYTES:
+                    break
+                lines.append(line)
+                # the kernel lists the listening sockets first (its listening hash, then the established
+                # one): past them the rest is connections, possibly many, so reading stops there
+                if len(lines) > 1 and line.split()[3:4] != [_TCP_LISTEN.encode()]:
+                    break
+    except OSError:
+        return b""
+    return b"".join(lines)
+
+
+def loopback_listener(port: int, table: str = "/proc/self/net/tcp") -> Listener | None:
+    """The one LISTEN socket on 127.0.0.1:`port` in this network namespace, None if there is none or more
+    than one (SO_REUSEPORT: the kernel would share connections between them, so neither is "the" master)."""
+    found = [lst for addr, p, lst in parse_tcp_listeners(_read_table(table)) if p == port and addr == LOOPBACK]
+    return found[0] if len(found) == 1 else None
+
+
+def port_holders(port: int) -> list[tuple[str, Listener]]:
+    """Every LISTEN socket on `port`, any address, IPv4 and IPv6 (who took a port: for the warning)."""
+    return [(addr, lst) for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+            for addr, p, lst in parse_tcp_listeners(_read_table(table)) if p == port]
+
+
+def holds_socket(pid: int, inode: int) -> bool:
+    """Whether process `pid` has socket `inode` open (one of /proc/<pid>/fd/* reads ``socket:[inode]``)."""
+    target = f"socket:[{inode}]"
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"{fd_dir}/{name}") == target:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
+def _holders_text(port: int) -> str:
+    held = port_holders(port)
+    if not held:
+        return f"port {port}: held by a process not listed in this network namespace's tables"
+    return f"port {port}: " + ", ".join(f"{addr} uid {lst.uid} (socket inode {lst.inode})" for addr, lst in held)
 
 
 def _tool(name: str) -> list[str]:
@@ -135,12 +259,16 @@ class EmbeddedMooncake:
     """Starts on construction (unless ``start=False``); ``with EmbeddedMooncake() as mc: ...`` stops it.
 
     Attributes once started: `master_address` ("127.0.0.1:port"), `metadata_server`
-    ("http://127.0.0.1:port/metadata"), `master_pid`, `metadata_pid`, `log_dir`.
+    ("http://127.0.0.1:port/metadata"), `master_pid`, `master_inode` (its listener's socket inode),
+    `metadata_pid`, `log_dir`. ``on_restart``: called with this object after each restart of the master
+    (by the supervisor or `restart_master`), from the restarting thread, once the new master is ready; its
+    address may have moved (module doc).
     """
 
     def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
                  client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
-                 extra_master_flags: Sequence[str] = (), supervise: bool = False) -> None:
+                 extra_master_flags: Sequence[str] = (), supervise: bool = False,
+                 on_restart: Callable[[EmbeddedMooncake], None] | None = None) -> None:
         for name, value in (("rpc_timeout_ms", rpc_timeout_ms), ("lease_ttl_ms", lease_ttl_ms),
                             ("client_ttl_s", client_ttl_s)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -165,7 +293,10 @@ class EmbeddedMooncake:
         self._holders: list[_Proc] = []
         self._stopped = False
         self.supervise = supervise
+        self.on_restart = on_restart
+        self.master_inode = 0  # the master's listener (socket inode) since its last start; 0: none yet
         self.num_master_restarts = 0  # by the supervisor
+        self._start_lock = threading.Lock()  # the supervisor vs restart_master: one starts the master
         self._restarted = threading.Condition()
         self._supervisor: threading.Thread | None = None
         self._wake = threading.Event()  # stop() cuts a supervisor's backoff short
@@ -243,10 +374,19 @@ class EmbeddedMooncake:
             "--logtostderr", f"--minloglevel={1 if self.quiet else 0}", *self.extra_master_flags]
         self._refuse_busy("master", [self.rpc_port, self.metrics_port])
         self._master = self._spawn("master", cmd)
-        self._wait_ready(self._master, [self.rpc_port])
+        self.master_inode = 0
+        self.master_inode = self._wait_ready(self._master, [self.rpc_port])[0]
+
+    def authentic(self) -> bool:
+        """Whether the listener on 127.0.0.1:`rpc_port` is still this master's (the socket inode it was
+        ready with) and the master runs: False once it died, and whoever took its port after it."""
+        lst = loopback_listener(self.rpc_port)
+        return (self.master_pid is not None and self.master_inode > 0 and lst is not None
+                and lst.inode == self.master_inode and lst.uid == os.getuid())
 
     def _supervise(self) -> None:
-        """Wait on the master; restart it on its ports whenever it exits before `stop()` (module doc)."""
+        """Wait on the master; restart it whenever it exits before `stop()`, on its ports unless another
+        process took them (module doc)."""
         backoff = 1.0
         while not self._stopped:
             proc = self._master
@@ -254,13 +394,10 @@ class EmbeddedMooncake:
                 rc = proc.popen.wait()
                 if self._stopped:
                     return
-                logger.warning("embedded mooncake_master (pid %d) exited with %s; restarting it on %s (its keys "
-                               "are lost)", proc.popen.pid, rc, self.master_address)
+                logger.warning("embedded mooncake_master (pid %d) exited with %s; restarting it (its keys "
+                               "are lost)", proc.popen.pid, rc)
             try:
-                self._wait_master_port_free()
-                if self._stopped:
-                    return
-                self.start_master()
+                started = self._restart()
                 if self._stopped:  # stop() ran meanwhile and may have missed the new master
                     self._kill(self._master, signal.SIGTERM)
                     return
@@ -274,18 +411,39 @@ class EmbeddedMooncake:
                 backoff = min(backoff * 2, MAX_RESTART_BACKOFF_S)
                 continue
             backoff = 1.0
+            if not started:  # restart_master started it: wait on that one
+                continue
             with self._restarted:
                 self.num_master_restarts += 1
                 self._restarted.notify_all()
-            logger.warning("embedded mooncake_master restarted (pid %s, restart %d)", self.master_pid,
-                           self.num_master_restarts)
+            logger.warning("embedded mooncake_master restarted (pid %s, restart %d) on %s", self.master_pid,
+                           self.num_master_restarts, self.master_address)
+            self._announce()
 
-    def _wait_master_port_free(self, timeout_s: float = 10.0) -> None:
-        """The old master's listener must be gone before a new one binds its port (at most `timeout_s`;
-        `stop()` cuts the wait short)."""
-        deadline = time.monotonic() + timeout_s
-        while port_accepts(self.rpc_port) and time.monotonic() < deadline and not self._stopped:
-            self._wake.wait(0.05)
+    def _restart(self) -> bool:
+        """Start the master unless one runs (True: this call started it). A port of the dead master that
+        accepts is another process's: the master moves to a fresh one rather than wait for it."""
+        with self._start_lock:
+            if self._stopped or self.master_pid is not None:
+                return False
+            for name in ("rpc_port", "metrics_port"):
+                port = getattr(self, name)
+                if port_accepts(port):
+                    new = free_port()
+                    logger.warning("embedded mooncake_master's %s is taken by another process (%s); the master "
+                                   "moves to port %d", name, _holders_text(port), new)
+                    setattr(self, name, new)
+            self.start_master()
+            return True
+
+    def _announce(self) -> None:
+        if self.on_restart is None:
+            return
+        try:
+            self.on_restart(self)
+        except Exception:  # the supervisor must outlive a failed republish; the caller logs its own cause
+            logger.exception("embedded mooncake_master restarted at %s, but on_restart failed",
+                             self.master_address)
 
     def wait_restarts(self, n: int, timeout: float) -> bool:
         """Whether the supervisor has restarted the master at least ``n`` times within ``timeout`` seconds."""
@@ -328,12 +486,16 @@ class EmbeddedMooncake:
         self._kill(self._master, sig)
 
     def restart_master(self, down_s: float = 0.0) -> None:
-        """Kill the master and start it again on the same ports. All keys are lost."""
+        """Kill the master and start it again on the same ports (fresh ones only if another process took
+        them meanwhile; `on_restart` says where). All keys are lost. Under a supervisor, whichever of the
+        two comes first starts it."""
         self.kill_master()
         if down_s > 0:
             time.sleep(down_s)
-        self._wait_master_port_free()
-        self.start_master()
+        if self._restart():
+            self._announce()
+        elif self.master_pid is None:
+            raise EmbeddedStartError("restart_master: this EmbeddedMooncake was stopped")
 
     def stop(self) -> None:
         """Kill every server by pid. Idempotent; also called at interpreter exit. Bounded: each process
@@ -373,20 +535,36 @@ class EmbeddedMooncake:
 
     @staticmethod
     def _refuse_busy(name: str, ports: list[int]) -> None:
-        # readiness is "the port accepts": a port someone else already serves would look ready at once
+        # a clear error for a port already served (readiness would refuse it too, after the spawn)
         busy = [p for p in ports if port_accepts(p)]
         if busy:
             raise EmbeddedStartError(f"mooncake {name}: port(s) {busy} on {LOOPBACK} already in use")
 
-    def _wait_ready(self, proc: _Proc, ports: list[int]) -> None:
+    def _wait_ready(self, proc: _Proc, ports: list[int]) -> list[int]:
+        """Until the spawned process itself listens on 127.0.0.1 at every port (setpriv execs: its pid is
+        the server's): their socket inodes. "The port accepts" is never ready: another process that took a
+        port after `_refuse_busy` fails the start at once, naming it."""
         popen = proc.popen
         if popen is None:
             raise EmbeddedStartError(f"{proc.name}: not spawned")
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not all(port_accepts(p) for p in ports):
+        while True:
+            inodes: list[int] = []
+            for p in ports:
+                lst = loopback_listener(p)
+                if lst is None:
+                    continue
+                if holds_socket(popen.pid, lst.inode):
+                    inodes.append(lst.inode)
+                elif popen.poll() is None:
+                    self._kill(proc)
+                    raise EmbeddedStartError(f"mooncake {proc.name}: another process listens on {LOOPBACK}:{p} "
+                                             f"({_holders_text(p)}); not taken for the server")
+            if len(inodes) == len(ports):
+                return inodes
             rc = popen.poll()
             if rc is not None or time.monotonic() > deadline:
-                why = f"exited with code {rc}" if rc is not None else f"not accepting after {_START_TIMEOUT_S}s"
+                why = f"exited with code {rc}" if rc is not None else f"not listening after {_START_TIMEOUT_S}s"
                 self._kill(proc)
                 raise EmbeddedStartError(
                     f"mooncake {proc.name} {why} (ports {ports}); command: {' '.join(proc.cmd)}\n"

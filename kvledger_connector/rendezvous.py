@@ -6,7 +6,7 @@ use ONE master, or the scheduler looks up keys on a master no worker writes to. 
 engine carry the same `kv_transfer_config.engine_id` (the config is pickled to every worker), so:
 
     <runtime dir>/embedded-<engine_id>.json     {"pid", "start_time", "pid_ns", "master_address",
-                                                 "metadata_server"}
+                                                 "master_inode", "metadata_server"}
     <runtime dir>/.lock                         flock: one process at a time decides (waited for at most
                                                 `LOCK_TIMEOUT_S`, then a RendezvousError)
 
@@ -14,15 +14,25 @@ engine carry the same `kv_transfer_config.engine_id` (the config is pickled to e
     The servers die with their owner (parent-death SIGKILL), so a crashed engine leaves no server;
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
 
+The master is known by its listener, not by its port: `master_inode` is the socket inode of the LISTEN
+socket on 127.0.0.1:<master port> (kvledger_connector/embedded.py, `loopback_listener`), which no other
+process can choose. A process attaches only while the listener on that port has exactly that inode and
+this user's uid: anything else that took the port after the master died (another user's process too)
+is never joined; the file is then not trusted and this process starts its own servers. The owner rewrites
+the file after each restart of its master (a new inode, and a fresh port when another process took the old
+one: `republish`); an attached process follows a new inode on the same address, and one whose master moved
+keeps its store shut until the engine restarts (kvledger_connector/store.py).
+
 An owner is alive when its pid runs with the start time the file records (a reused pid is another
 process); an owner in another PID namespace sharing the directory (its pid means nothing here) is alive
-while its master answers, since its servers die with it.
+while its master's listener, the recorded inode, is on the master port, since its servers die with it.
 
 The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created 0700 and refused when
 another user owns it or others may write to it. Nothing in it is trusted: files are opened without
 following symlinks, a file not owned by this user, writable by others, larger than `MAX_FILE_BYTES` or not
-naming servers on 127.0.0.1 by decimal ports is not joined (it is swept like a dead owner's), and files
-are written with O_EXCL, mode 0600. The engine's integrity secret (`engine_secret`) lives there too::
+naming servers on 127.0.0.1 by decimal ports and the master's listener inode is not joined (it is swept like
+a dead owner's), and files are written with O_EXCL, mode 0600. The engine's integrity secret
+(`engine_secret`) lives there too::
 
     <runtime dir>/secret-<engine_id>.key        32 random bytes, O_EXCL|O_NOFOLLOW, mode 0600
 
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import stat
@@ -47,11 +58,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.embedded import LOOPBACK, EmbeddedMooncake, port_accepts
+from kvledger_connector.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
 from kvledger_connector.ownfile import read_own_file
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
@@ -62,18 +73,44 @@ _LOCK_POLL_S = 0.05
 _MASTER_RE = re.compile(rf"{re.escape(LOOPBACK)}:([0-9]{{1,5}})")  # what EmbeddedMooncake publishes, exactly
 _METADATA_RE = re.compile(rf"http://{re.escape(LOOPBACK)}:([0-9]{{1,5}})/metadata")
 
+logger = logging.getLogger(__name__)
+
 
 class RendezvousError(RuntimeError):
     """The runtime directory is unusable (wrong owner, not a directory); the message says which and why."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class AttachedMooncake:
-    """Another process's embedded servers; stopping is its owner's job."""
+    """Another process's embedded servers, as the rendezvous file at `path` named them when this process
+    attached; stopping is its owner's job."""
 
     master_address: str
     metadata_server: str
     owner_pid: int
+    master_inode: int  # the master's listener this process authenticated (follows a restart on its address)
+    path: str = ""
+    owner: tuple[int, int, str] = (0, 0, "")  # the file's (pid, start_time, pid_ns): who may republish
+    moved_to: str | None = field(default=None, compare=False)  # the owner republished another address
+
+    def authentic(self) -> bool:
+        """Whether the listener on the master's port is the master this process attached to: the inode it
+        attached by, or the one its owner republished for the same address after a restart. A master the
+        owner moved elsewhere is not (`moved_to` says where): this process's client cannot follow it."""
+        port = int(self.master_address.rsplit(":", 1)[1])
+        lst = loopback_listener(port)
+        if lst is not None and lst.uid == os.getuid() and lst.inode == self.master_inode:
+            return True
+        info = _read(self.path) if self.path else None
+        if info is None or (info["pid"], info["start_time"], info["pid_ns"]) != self.owner:
+            return False
+        if info["master_address"] != self.master_address:
+            self.moved_to = info["master_address"]
+            return False
+        if lst is not None and lst.uid == os.getuid() and lst.inode == info["master_inode"]:
+            self.master_inode = info["master_inode"]
+            return True
+        return False
 
     def stop(self) -> None:
         return
@@ -127,11 +164,18 @@ def owner_fields(pid: int) -> dict[str, Any]:
     return {"pid": pid, "start_time": _start_time(pid) or 0, "pid_ns": _pid_ns()}
 
 
+def master_listed(info: dict[str, Any]) -> bool:
+    """Whether the listener on the master port a parsed file names is the one it records: that socket
+    inode, this user's (module doc). Whoever took the port after the master never is."""
+    lst = loopback_listener(info["master_port"])
+    return lst is not None and lst.inode == info["master_inode"] and lst.uid == os.getuid()
+
+
 def owner_alive(info: dict[str, Any]) -> bool:
     """Whether the owner a parsed file names still runs (module doc): the same process, not its pid reused;
-    in another PID namespace, while its master answers."""
+    in another PID namespace, while its master's listener is the one the file records."""
     if info["pid_ns"] != _pid_ns():
-        return port_accepts(info["master_port"])
+        return master_listed(info)
     if not _alive(info["pid"]):
         return False
     started = _start_time(info["pid"])
@@ -145,8 +189,8 @@ def _port_of(m: re.Match[str] | None) -> int | None:
 
 def parse_info(blob: bytes) -> dict[str, Any] | None:
     """A rendezvous file's content, or None unless it is exactly what `acquire` writes: a positive pid, its
-    start time and PID namespace, and the two servers on 127.0.0.1 at valid ports (a planted remote address
-    is never joined)."""
+    start time and PID namespace, the two servers on 127.0.0.1 at valid ports (a planted remote address
+    is never joined) and the master's listener inode (a positive int)."""
     try:
         info = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -162,11 +206,14 @@ def parse_info(blob: bytes) -> dict[str, Any] | None:
         return None
     if not isinstance(master, str) or not isinstance(metadata, str):
         return None
+    inode = info.get("master_inode")
+    if isinstance(inode, bool) or not isinstance(inode, int) or inode <= 0:
+        return None
     port = _port_of(_MASTER_RE.fullmatch(master))
     if port is None or _port_of(_METADATA_RE.fullmatch(metadata)) is None:
         return None
     return {"pid": pid, "start_time": start, "pid_ns": ns, "master_address": master, "metadata_server": metadata,
-            "master_port": port}
+            "master_port": port, "master_inode": inode}
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -288,31 +335,58 @@ def _lock_within(fd: int, path: str, timeout_s: float) -> None:
 def acquire(engine_id: str, start: Callable[[], EmbeddedMooncake], *,
             lock_timeout_s: float = LOCK_TIMEOUT_S) -> EmbeddedMooncake | AttachedMooncake:
     """This engine's servers: attach to those another process of the engine started, or start them
-    (`start()`) and publish their addresses. Held under the directory's lock, so two processes that
-    arrive together never both start servers."""
+    (`start()`) and publish their addresses and the master's listener inode. Held under the directory's
+    lock, so two processes that arrive together never both start servers."""
     path = rendezvous_path(engine_id)
     lock, lock_path = _open_lock(os.path.dirname(path))
     try:
         _lock_within(lock, lock_path, lock_timeout_s)
         _sweep(os.path.dirname(path))
         info = _read(path)
-        if info is not None and info["pid"] != os.getpid() and owner_alive(info):
-            if port_accepts(info["master_port"], timeout=1.0):
-                return AttachedMooncake(info["master_address"], info["metadata_server"], info["pid"])
+        if info is not None and info["pid"] != os.getpid() and owner_alive(info) and master_listed(info):
+            return AttachedMooncake(info["master_address"], info["metadata_server"], info["pid"],
+                                    info["master_inode"], path, (info["pid"], info["start_time"], info["pid_ns"]))
         if os.path.lexists(path):
-            os.remove(path)  # owner alive but its master gone, or a file not to be trusted: start afresh
+            os.remove(path)  # owner alive but its master gone or not the one recorded, or a file not to be
+            # trusted: start afresh
         emb = start()
-        tmp = f"{path}.{os.getpid()}.tmp"
-        if os.path.lexists(tmp):  # left by a dead process of this pid
-            os.remove(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**owner_fields(os.getpid()), "master_address": emb.master_address,
-                       "metadata_server": emb.metadata_server}, f)
-        os.replace(tmp, path)
+        _publish(path, emb)
         return emb
     finally:
         os.close(lock)  # releases the flock
+
+
+def _publish(path: str, emb: EmbeddedMooncake) -> None:
+    """Write this process's servers to `path` (under the directory's lock): O_EXCL temp file, renamed."""
+    inode = getattr(emb, "master_inode", 0)
+    if isinstance(inode, bool) or not isinstance(inode, int) or inode <= 0:
+        raise RendezvousError(f"{path!r}: the master started at {emb.master_address} has no listener inode "
+                              f"({inode!r}); it cannot be published")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    if os.path.lexists(tmp):  # left by a dead process of this pid
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({**owner_fields(os.getpid()), "master_address": emb.master_address, "master_inode": inode,
+                   "metadata_server": emb.metadata_server}, f)
+    os.replace(tmp, path)
+
+
+def republish(engine_id: str, emb: EmbeddedMooncake, *, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
+    """The owner's master restarted (a new listener inode, perhaps a new port): rewrite the engine's file,
+    under the lock, unless another live process of the engine has published its own servers meanwhile."""
+    path = rendezvous_path(engine_id)
+    lock, lock_path = _open_lock(os.path.dirname(path))
+    try:
+        _lock_within(lock, lock_path, lock_timeout_s)
+        info = _read(path)
+        if info is not None and info["pid"] != os.getpid() and owner_alive(info):
+            logger.warning("embedded mooncake_master of engine %r restarted at %s, but pid %d now publishes the "
+                           "engine's servers; not republished", engine_id, emb.master_address, info["pid"])
+            return
+        _publish(path, emb)
+    finally:
+        os.close(lock)
 
 
 def release(engine_id: str) -> None:
@@ -337,8 +411,10 @@ def acquire_shared(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | At
     with _SHARED_LOCK:
         ent = _SHARED.get(engine_id)
         if ent is None:
-            # supervised: a master that dies is restarted on its ports, and every process's client re-attaches
-            handle = acquire(engine_id, lambda: EmbeddedMooncake(rpc_timeout_ms=rpc_timeout_ms, supervise=True))
+            # supervised: a master that dies is restarted (on its ports unless another process took them) and
+            # republished; every process's client re-attaches to it where it stayed on its address
+            handle = acquire(engine_id, lambda: EmbeddedMooncake(
+                rpc_timeout_ms=rpc_timeout_ms, supervise=True, on_restart=lambda e: republish(engine_id, e)))
             ent = _SHARED[engine_id] = [handle, 0]
         ent[1] += 1
         return ent[0]
@@ -354,5 +430,6 @@ def release_shared(engine_id: str) -> None:
         if ent[1] <= 0:
             del _SHARED[engine_id]
             if isinstance(ent[0], EmbeddedMooncake):
+                ent[0].on_restart = None  # a restart from now on must not publish the file again
                 release(engine_id)
             ent[0].stop()

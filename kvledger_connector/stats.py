@@ -29,7 +29,9 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                keys moved to a new weights version at a reset); the resets' removals (reset.py, their own
                thread): reset_removed_keys, reset_removal_retries, reset_removals_given_up (after
                REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
-               the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent);
+               the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent),
+               master_unauthentic (it opened because the listener on the embedded master's port was not the
+               master this process joined: gone, or another process's);
                lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
@@ -78,7 +80,7 @@ COUNTERS = (
     "put_s", "get_s", "lookup_s",
     "kv_events_dropped", "resets", "resets_refused", "weights_version_switches",
     "reset_removed_keys", "reset_removal_retries", "reset_removals_given_up", "reset_removals_dropped",
-    "breaker_trips", "breaker_probes", "lookups_past_deadline",
+    "breaker_trips", "breaker_probes", "master_unauthentic", "lookups_past_deadline",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
 #: ops with a latency histogram, by the duration counter whose every add is one call

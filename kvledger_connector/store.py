@@ -15,6 +15,16 @@ What it adds over the raw pybind11 client (and why):
     scheduler's step least of all, ever pays a call to a master that is known down. The backoff reads the
     `clock` given at construction (time.monotonic; a replay passes its own and calls `probe()` itself, to be
     deterministic: no thread then);
+  * a master it cannot authenticate is a master down: with an embedded handle (`embedded=`: the servers
+    this process started, or another process of the engine did, kvledger_connector/rendezvous.py) the
+    breaker opens when the listener on the master's port is not that master's (its socket inode; checked at
+    most once per `AUTH_CHECK_INTERVAL_S` on the calling thread, counted in `master_unauthentic`), and a
+    probe closes it only while it is. Whoever took the port after the master died gets this wrapper's calls
+    for at most that interval (the client's own heartbeat to its master address is Mooncake's, not
+    stopped here). A master restarted on its address is followed; one its owner moved to a fresh port (its
+    old one taken) is not: this client stays on the old address, so the breaker stays open (lookups miss,
+    saves and loads fail, nothing wrong is read) and one error says the engine must be restarted to use
+    it (no client re-setup here);
   * an exception from the client becomes `StoreCode.CLIENT_EXCEPTION` per key (the message is kept in
     `last_exception`), so a store thread never dies of it;
   * the client is never closed under a live call, nor called once closed: either kills the process
@@ -29,7 +39,8 @@ exactly the object's total size (larger: -800, smaller: -600).
 
 Network note: the servers we start (kvledger_connector/embedded.py) bind 127.0.0.1 only; this client's
 transfer-engine ports bind all interfaces by Mooncake's design (INADDR_ANY is hard-coded there), so
-`MC_TCP_BIND_ADDRESS` only sets the address we advertise.
+`MC_TCP_BIND_ADDRESS` only sets the address we advertise; `kvledger_connector/transfer_ports.py` lists
+them and prints the firewall recipe.
 """
 from __future__ import annotations
 
@@ -58,6 +69,8 @@ CLOSE_TIMEOUT_S = 30.0
 #: share of close's bound spent waiting for calls still inside the client (each is bounded by
 #: MC_RPC_TIMEOUT_MS per RPC, so a few RPC timeouts' worth)
 CLOSE_DRAIN_SHARE = 0.5
+#: how often a call checks that an embedded master is still the authenticated one (a /proc read)
+AUTH_CHECK_INTERVAL_S = 1.0
 
 
 class StoreCode(enum.IntEnum):
@@ -203,6 +216,10 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
     if config.master_server_address is None or config.metadata_server is None:
         raise StoreUnavailableError(str(config.master_server_address), str(config.metadata_server), -1,
                                     "embedded mode: start an EmbeddedMooncake and pass embedded=")
+    if embedded is not None and not embedded.authentic():
+        raise StoreUnavailableError(config.master_server_address, config.metadata_server, int(StoreCode.RPC_FAIL),
+                                    "the listener on the embedded master's port is not that master's (gone, or "
+                                    "another process's)")
     # setup() against a dead master retries for ~90 s (measured); a TCP probe answers in milliseconds.
     _probe("master_server_address", config.master_server_address, config.metadata_server)
     if config.metadata_server.startswith(("http://", "https://")):
@@ -257,8 +274,12 @@ class MooncakeStore:
         self._background_probe = clock is time.monotonic if background_probe is None else background_probe
         self._prober: threading.Thread | None = None
         self.num_trips = 0  # times the breaker opened
-        self.num_probes = 0  # probes sent to the client
-        # the connector's StatsRecorder (breaker_trips, breaker_probes), set by its owner; None: not counted
+        self.num_probes = 0  # probes made (a master this process cannot authenticate is not sent one)
+        self.num_unauthentic = 0  # trips because the master's listener was not the authenticated one
+        self._auth_due = -math.inf  # time.monotonic() of the next authenticity check (AUTH_CHECK_INTERVAL_S)
+        self._moved_logged = False
+        # the connector's StatsRecorder (breaker_trips, breaker_probes, master_unauthentic), set by its owner;
+        # None: not counted
         self.stats: Any = None
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
@@ -383,6 +404,7 @@ class MooncakeStore:
 
     def healthy(self) -> bool:
         """Cheap: False while the breaker is open, or when Mooncake's heartbeat says so."""
+        self._check_authentic()
         if self._open or not self._enter():
             return False
         try:
@@ -416,6 +438,46 @@ class MooncakeStore:
         with self._lock:
             self._trip_locked()
 
+    def authentic(self) -> bool:
+        """Whether the master this client talks to is the embedded one it joined (module doc); True without
+        an embedded handle (a configured master is the operator's to secure). A master moved to another
+        address is not: this client cannot follow it, and says so once."""
+        emb = self.embedded
+        if emb is None:
+            return True
+        ok = bool(emb.authentic())
+        now = getattr(emb, "moved_to", None) or emb.master_address
+        if now != self.config.master_server_address:
+            if not self._moved_logged:
+                self._moved_logged = True
+                logger.error("the embedded Mooncake master moved from %s to %s (another process took its port): "
+                             "this process's store client stays on the old address, so its store calls are "
+                             "skipped; restart the engine to use the moved master",
+                             self.config.master_server_address, now)
+            return False
+        return ok
+
+    def _check_authentic(self) -> None:
+        """At most once per AUTH_CHECK_INTERVAL_S, on the calling thread: an embedded master that is not the
+        authenticated one opens the breaker, as a master failure does."""
+        if self.embedded is None or self._open or self._closed:
+            return
+        now = time.monotonic()
+        if now < self._auth_due:
+            return
+        self._auth_due = now + AUTH_CHECK_INTERVAL_S  # set first: concurrent callers skip this round
+        if self.authentic():
+            return
+        with self._lock:
+            if self._open:
+                return
+            self.num_unauthentic += 1
+            if self.stats is not None:
+                self.stats.add("master_unauthentic")
+            logger.warning("Mooncake master %s: the listener on its port is not the master this process joined "
+                           "(gone, or another process's)", self.config.master_server_address)
+            self._trip_locked()
+
     def _trip_locked(self) -> None:
         if self._open:  # calls that were inside when the master died: one failure, not one per call
             return
@@ -435,8 +497,9 @@ class MooncakeStore:
 
     def probe(self, *, force: bool = False) -> bool:
         """One probe of an open breaker whose wait is over (or at once with ``force``): True when the breaker
-        is closed after it. The master answered (0 or 1 for `PROBE_KEY`): closed. Otherwise the next wait
-        doubles (`backoff_s`). At most one probe runs at a time; a closed breaker is not probed."""
+        is closed after it. The master answered (0 or 1 for `PROBE_KEY`) and is the authenticated one
+        (`authentic`, before and after the call): closed. Otherwise the next wait doubles (`backoff_s`). At
+        most one probe runs at a time; a closed breaker is not probed."""
         with self._lock:
             if not self._open:
                 return True
@@ -445,7 +508,13 @@ class MooncakeStore:
             self._probing = True
         res = int(StoreCode.CLIENT_EXCEPTION)
         try:
-            res = self._invoke(self._raw.batch_is_exist, 1, [PROBE_KEY])[0]
+            # never a call to a master this process cannot authenticate, nor a close on its answer
+            if self.authentic():
+                res = self._invoke(self._raw.batch_is_exist, 1, [PROBE_KEY])[0]
+                if res in (0, 1) and not self.authentic():
+                    res = int(StoreCode.RPC_FAIL)
+            else:
+                res = int(StoreCode.RPC_FAIL)
         finally:
             with self._lock:
                 self._probing = False
@@ -488,6 +557,7 @@ class MooncakeStore:
         return results
 
     def _skip(self, n: int) -> list[int] | None:
+        self._check_authentic()
         if self._closed:
             return [int(StoreCode.INVALID_PARAMS)] * n
         if self._open:

@@ -143,3 +143,13 @@ def mooncake_servers(**kw: Any) -> Iterator[Any]:
         mc.stop()
     if mc.master_pid is not None or mc.metadata_pid is not None:
         raise RuntimeError(f"mooncake servers still running: {mc.master_pid}, {mc.metadata_pid}")
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether ``pred()`` holds within ``timeout_s`` (polled: a condition another process or thread makes true)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(poll_s)
+    return bool(pred())

@@ -29,6 +29,26 @@ from testbed.procs import mooncake_servers  # noqa: E402
 
 TEST_SEGMENT = 128 << 20
 
+# the owner of engine "ns-engine" run in a PID namespace of its own (`unshare --pid`): a listener stands in for
+# its master (a test double) and is published by `rendezvous.acquire`; it prints its pid there and the port,
+# and at a line on stdin closes the listener (as when its master dies) and says "closed", staying alive
+NS_OWNER = """
+import os, socket, sys
+from kvledger_connector import rendezvous
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
+port = s.getsockname()[1]
+class Servers:
+    master_address = f"127.0.0.1:{port}"
+    metadata_server = f"http://127.0.0.1:{port}/metadata"
+    master_inode = os.fstat(s.fileno()).st_ino
+rendezvous.acquire("ns-engine", Servers)
+print(os.getpid(), port, flush=True)
+sys.stdin.readline()
+s.close()
+print("closed", flush=True)
+sys.stdin.read()
+"""
+
 
 @pytest.fixture(scope="session")
 def mooncake() -> Iterator[EmbeddedMooncake]:

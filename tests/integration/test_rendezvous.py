@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvledger_connector.embedded import port_accepts
+from tests.integration.conftest import NS_OWNER
 
 ROOT = Path(__file__).resolve().parents[2]
 # one process of an engine: acquire the engine's servers, say what it got, release on "release\n"
@@ -133,15 +134,17 @@ class _Started:
     under test is whether acquire joins the planted file's master or starts its own)."""
     master_address = "127.0.0.1:1"
     metadata_server = "http://127.0.0.1:1/metadata"
+    master_inode = 1
 
 
 @pytest.fixture
-def listening_port():
+def listening():
+    """A listener on 127.0.0.1 standing in for a live owner's master: (port, its socket inode)."""
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen(8)
-    yield s.getsockname()[1]
+    yield s.getsockname()[1], os.fstat(s.fileno()).st_ino
     s.close()
 
 
@@ -154,14 +157,16 @@ def live_pid():
 
 @pytest.mark.parametrize("what", ["remote master", "remote metadata", "port not a number", "port 0",
                                   "pid not an int", "not json", "a symlink", "group-writable", "too large",
-                                  "pid reused", "no start time"])
-def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening_port: int, live_pid: int,
+                                  "pid reused", "no start time", "no master inode", "another master inode",
+                                  "master inode not an int"])
+def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening: tuple[int, int], live_pid: int,
                                                       what: str) -> None:
-    """A file a live owner's would be joined (its master port answers on loopback); each of these is
-    refused and replaced by this process's own servers, with no exception."""
+    """A file a live owner's would be joined (the listener on its master port is the one it records); each
+    of these is refused and replaced by this process's own servers, with no exception."""
     from kvledger_connector import rendezvous
+    listening_port, inode = listening
     good = {**rendezvous.owner_fields(live_pid), "master_address": f"127.0.0.1:{listening_port}",
-            "metadata_server": f"http://127.0.0.1:{listening_port}/metadata"}
+            "master_inode": inode, "metadata_server": f"http://127.0.0.1:{listening_port}/metadata"}
     path = Path(rendezvous.rendezvous_path("planted"))
     bad = dict(good)
     if what == "remote master":
@@ -178,6 +183,12 @@ def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening_port:
         bad["start_time"] = good["start_time"] + 1
     elif what == "no start time":  # a file of the format before start times
         del bad["start_time"]
+    elif what == "no master inode":  # a file of the format before listener inodes
+        del bad["master_inode"]
+    elif what == "another master inode":  # the port answers, but not with the listener the owner published
+        bad["master_inode"] = inode + 1
+    elif what == "master inode not an int":
+        bad["master_inode"] = str(inode)
     text = "{not json" if what == "not json" else json.dumps(bad)
     if what == "too large":
         text = json.dumps({**good, "pad": "x" * rendezvous.MAX_FILE_BYTES})
@@ -241,26 +252,13 @@ def test_a_lock_held_for_good_fails_start_up_with_a_reason(rdir: Path) -> None:
     rendezvous.release("x")
 
 
-_NS_OWNER = """
-import os, socket, sys
-from kvledger_connector import rendezvous
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)  # stands in for its master (test double)
-port = s.getsockname()[1]
-class Servers:
-    master_address = f"127.0.0.1:{port}"
-    metadata_server = f"http://127.0.0.1:{port}/metadata"
-rendezvous.acquire("ns-engine", Servers)
-print(os.getpid(), port, flush=True)
-sys.stdin.read()
-"""
-
-
 def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdir: Path) -> None:
     """An engine in its own PID namespace shares the runtime directory: its file names pid 1 of that
-    namespace, which means nothing here. Its file is neither swept nor replaced while its master answers
-    (else the engine would split onto two masters); once it is gone, the file is swept."""
+    namespace, which means nothing here. Its file is neither swept nor replaced while the listener it
+    records is on its master port (else the engine would split onto two masters); once it is gone, the
+    file is swept."""
     from kvledger_connector import rendezvous
-    cmd = ["unshare", "--pid", "--kill-child", sys.executable, "-c", _NS_OWNER]
+    cmd = ["unshare", "--pid", "--kill-child", sys.executable, "-c", NS_OWNER]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         owner = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

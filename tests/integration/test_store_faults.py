@@ -18,6 +18,7 @@ import torch
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from testbed.procs import wait_until
 
 RPC_TIMEOUT_MS = 1000
 BACKOFF_MS = 5000  # long enough that the calls right after a failure fall inside it
@@ -47,15 +48,6 @@ def put_one(store: MooncakeStore, key: str, t: torch.Tensor) -> int:
 
 def get_one(store: MooncakeStore, key: str, t: torch.Tensor) -> int:
     return store.batch_get([key], [[t.data_ptr()]], [[t.nbytes]])[0]
-
-
-def wait_until(pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def stopped(pid: int) -> bool:
