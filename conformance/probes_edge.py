@@ -143,6 +143,9 @@ def probe_a_seal_verifies_every_tag_it_is_asked_for() -> None:
     check(got == [True, False], f"block 2 changed after its tag: verify said {got}, not [True, False]")
     got = seal.verify(0, ["k2", "k1"], [1, 2])
     check(got == [False, False], f"trailers read under each other's key: verify said {got}")
+    seal.seal(0, ["k1", "k2"], [1, 1])  # block 1's bytes sealed under two keys, in rows 0 and 1
+    got = seal.verify(0, ["k2"], [1], rows=[1])  # the get's second key alone (its first missed)
+    check(got == [True], f"k2 checked against its own trailer row 1: verify said {got}, not [True]")
 
 
 def _embedded_default_checksum(orig):  # the embedded default keeps the unkeyed tag a local client can forge
@@ -168,8 +171,14 @@ def _dir_privacy_unchecked(orig):  # a runtime dir others may enter is taken to 
 
 
 def _verify_skipped(orig):  # the tags are never compared: every block read is taken as verified
-    def verify(self, slot, keys, block_ids, kv_groups=None):
+    def verify(self, slot, keys, block_ids, kv_groups=None, rows=None):
         return [True] * len(keys)
+    return verify
+
+
+def _verify_rows_by_place(orig):  # each key checked against the trailer row of its place among those asked
+    def verify(self, slot, keys, block_ids, kv_groups=None, rows=None):
+        return orig(self, slot, keys, block_ids, kv_groups)
     return verify
 
 
@@ -352,13 +361,14 @@ def probe_attached_process_uses_the_published_metadata_url() -> None:
     with tempfile.TemporaryDirectory() as tmp, runtime_dir_env(tmp), \
             socket.socket(socket.AF_INET, socket.SOCK_STREAM) as master, \
             socket.socket(socket.AF_INET, socket.SOCK_STREAM) as meta:
-        for s in (master, meta):  # listeners standing in for the servers (the attach checks the master's port)
+        for s in (master, meta):  # listeners standing in for the servers (the attach checks the master's)
             s.bind((embedded.LOOPBACK, 0))
             s.listen(4)
         emb = embedded.EmbeddedMooncake(start=False, log_dir=tmp)  # no process started: its addresses only
         owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
         try:
             emb.rpc_port, emb.metadata_port = master.getsockname()[1], meta.getsockname()[1]
+            emb.master_inode = os.fstat(master.fileno()).st_ino  # what a started master records of its listener
             want = (f"127.0.0.1:{emb.rpc_port}", f"http://127.0.0.1:{emb.metadata_port}/metadata")
             got = rendezvous.acquire("probe-rdv", lambda: emb)
             check(got is emb, f"the first process did not start the servers: {got!r}")
@@ -669,6 +679,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "engine_secret_per_process": [(rendezvous, "engine_secret", _secret_per_process)],
     "embedded_default_checksum": [(integrity, "integrity_mode", _embedded_default_checksum)],
     "integrity_verify_skipped": [(integrity.BlockSeal, "verify", _verify_skipped)],
+    "integrity_rows_by_place": [(integrity.BlockSeal, "verify", _verify_rows_by_place)],
     "tp_shared_head_owner_modulo": [(engine_facts, "kv_head_shard", _head_owner_modulo)],
     "breaker_backoff_never_doubles": [(MooncakeStore, "backoff_s", _backoff_never_doubles)],
     "lookup_waits_behind_abandoned_call": [(DeadlineStore, "batch_is_exist", _waits_behind_abandoned_call)],
@@ -693,6 +704,7 @@ SHOWS: dict[str, Callable[[], None]] = {
     "engine_secret_per_process": probe_embedded_default_runs_mac_under_one_private_generated_secret,
     "embedded_default_checksum": probe_embedded_default_runs_mac_under_one_private_generated_secret,
     "integrity_verify_skipped": probe_a_seal_verifies_every_tag_it_is_asked_for,
+    "integrity_rows_by_place": probe_a_seal_verifies_every_tag_it_is_asked_for,
     "tp_shared_head_owner_modulo": probe_replicated_kv_head_owner,
     "breaker_backoff_never_doubles": probe_breaker_backoff_doubles_to_its_cap,
     "lookup_waits_behind_abandoned_call": probe_lookup_deadline_behind_an_abandoned_call,

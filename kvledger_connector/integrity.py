@@ -498,13 +498,18 @@ class BlockSeal:
         return self.trailer_ptrs(slot, n), [self._staging[slot, j].data_ptr() for j in range(len(stages))]
 
     def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int],
-               kv_groups: Sequence[int] | None = None) -> list[bool]:
+               kv_groups: Sequence[int] | None = None, rows: Sequence[int] | None = None) -> list[bool]:
         """Whether each block read into ``block_ids`` (of KV cache groups ``kv_groups``) with its trailer in
-        ``slot`` matches its tag."""
+        ``slot`` matches its tag. ``rows``: each key's trailer row in the slot, where the keys are some of a
+        get's (its row is its place in the get); default 0..n-1, the get's keys in order."""
         n = len(keys)
         if not n:
             return []
-        got = self._arena_np[slot, :n] if self._arena_np is not None else self._arena[slot, :n].cpu().numpy()
+        at = list(range(n)) if rows is None else [int(r) for r in rows]
+        if len(at) != n or any(not 0 <= r < self.max_keys for r in at):
+            raise LedgerInputError("rows", list(rows or ()), f"must be {n} trailer rows of a slot of "
+                                   f"{self.max_keys}, one per key")
+        got = self._arena_np[slot, at] if self._arena_np is not None else self._arena[slot, at].cpu().numpy()
         raws = [row.tobytes() for row in got]
         nonces = [raw[len(MAGIC):len(MAGIC) + NONCE_BYTES] for raw in raws]
         tags = self.tags(slot, keys, nonces, block_ids, kv_groups)

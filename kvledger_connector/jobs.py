@@ -668,7 +668,7 @@ class WorkerSteps:
         if not whole:
             return res
         ok = self.seal.verify(slot, [keys[i] for i in whole], [block_ids[i] for i in whole],
-                              None if groups is None else [groups[i] for i in whole])
+                              None if groups is None else [groups[i] for i in whole], rows=whole)
         out = list(res)
         for i, good in zip(whole, ok):
             if not good:

@@ -22,6 +22,7 @@ from kvledger_connector.integrity import (FEW_BLOCKS, NONCE_BYTES, TAG_BYTES, TR
 from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
 from kvledger_connector.stats import _CODE_PREFIX
 from kvledger_connector.store import StoreCode
+from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from testbed.harness import Harness, shared_prefix_prompts
 from testbed.kvcache import allocate, build_kv_cache_config
 
@@ -159,6 +160,28 @@ def test_a_same_size_overwrite_is_a_load_error_never_loaded(mode: str, forge: st
         assert h.scheduler_connector.scheduler_side.num_loads > 0  # the other blocks did load
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0  # the forged key was re-saved by the recompute... or is gone
+
+
+def test_a_key_a_get_misses_leaves_every_other_key_of_its_batch_checked_against_its_own_tag(
+        tmp_path: Path, store_config: StoreConfig):
+    """The first key of a load's get comes back missing (a test double evicts it between the lookup and
+    the get: the store's real -704), the others whole. Each whole key is checked against its own trailer
+    row of the get, not the row of its place among the whole ones: none fails its tag, none is removed.
+    Checked against rows 0..n-1 they failed, were reported as load errors and their good objects removed."""
+    prompts = shared_prefix_prompts(4, num_prefixes=1, prefix_len=48, suffix_len=8, seed=23)
+    with Harness(store_config, workdir=str(tmp_path / "m"), policy="recompute") as h:
+        h.run_pass(prompts, MAX_TOKENS, tag="p1")
+        keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
+        assert len(keys) >= 3 and h.workers[0].store.batch_is_exist(keys) == [1] * len(keys)
+        steps = h.workers[0].worker_side.steps
+        faulty = FaultyStore(steps.store, FaultPlan([FaultRule("get", "evict", keys=frozenset({keys[0]}),
+                                                               max_fires=1)]))
+        steps.store = faulty
+        h.reset_prefix_cache_when_idle()
+        h.run_pass(prompts, MAX_TOKENS, tag="p2")  # outputs right, no KV read wrong (S7), at rest
+        assert len(faulty.injected) == 1  # the get of the prefix ran, with its first key gone
+        assert steps.stats.totals.data.get("integrity_mismatches", 0) == 0
+        assert steps.removals == {}
 
 
 def test_a_checksum_tag_can_be_forged_by_a_client_that_knows_the_algorithm(tmp_path: Path,
