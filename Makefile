@@ -28,23 +28,26 @@ witness: setup
 # they exit would bury pytest's summary in a log's tail.
 SUMMARIZED = scripts/summarized.sh
 
-# The whole suite; the pure-core tests run a second time under python -O (safety checks must raise,
-# never assert); then the vLLM-facing suites again on vLLM 0.33.0 (test-vllm033).
+# The whole suite, in two tracks side by side (scripts/tracks.sh: one per core, each command's output
+# printed whole when it ends, every command run even after a failure, a status line per command at the
+# end): vLLM 0.32's integration suites and the 0.33 suites but its engine tests; 0.32's engine, model and
+# conformance suites, the pure core again under python -O (safety checks must raise, never assert) and
+# 0.33's engine tests. Each pytest run names its slowest tests.
+PYTEST = -m pytest -q -rfE -p no:cacheprovider --durations=12
 test: setup
-	$(SUMMARIZED) $(PY) -m pytest -q -rfE tests
-	$(SUMMARIZED) $(PY) -O -m pytest -q -rfE -p no:cacheprovider tests/unit
-	$(SUMMARIZED) $(TEST033)
+	scripts/tracks.sh "$(PY) $(PYTEST) tests/integration tests/unit" "$(TEST033) $(SUITES033)" -- \
+		"$(PY) $(PYTEST) tests/engine tests/model tests/conformance" \
+		"$(PY) -O $(PYTEST) tests/unit" "$(TEST033) tests/engine"
 
 # vLLM 0.33.0 (.venv033, layered on .venv by setup): the suites of vLLM's connector API, Scheduler/BlockPool,
 # KV cache planning and allocation, the harness and the real engine. The fault/bounds/replay suites run on 0.32 only.
-TEST033 = env KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python -m pytest -q -rfE -p no:cacheprovider \
-	tests/integration/test_vllm_versions.py tests/unit/test_scheduler.py tests/unit/test_refcount_property.py \
+TEST033 = env KVLEDGER_EXPECT_VLLM=0.33.0 .venv033/bin/python $(PYTEST)
+SUITES033 = tests/integration/test_vllm_versions.py tests/unit/test_scheduler.py tests/unit/test_refcount_property.py \
 	tests/integration/test_connector_e2e.py tests/integration/test_sync_loads.py tests/integration/test_connector_worker.py \
 	tests/integration/test_kv_layouts.py tests/integration/test_keys.py tests/integration/test_connector_config.py \
-	tests/integration/test_replicated_kv.py tests/integration/test_hybrid_kv.py tests/integration/test_mamba_hybrid.py \
-	tests/engine
+	tests/integration/test_replicated_kv.py tests/integration/test_hybrid_kv.py tests/integration/test_mamba_hybrid.py
 test-vllm033: setup
-	$(SUMMARIZED) $(TEST033)
+	$(SUMMARIZED) $(TEST033) $(SUITES033) tests/engine
 
 gen: setup
 	$(PY) -m spec.gen

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from conformance.engine.tlc import (REPO, Function, ModelValue, Record, TLCResult, TLCSetupError, TraceStep,
-                             run_tlc)
+from conformance.engine.tlc import (PARALLEL_RUNS, REPO, Function, ModelValue, Record, TLCResult, TLCSetupError,
+                                    TraceStep, in_parallel, run_tlc)
 
 SPEC = REPO / "tla" / "KVLedger.tla"
 TLA = REPO / "tla"
@@ -203,12 +203,14 @@ def row_line(r: Row) -> str:
 
 
 def run_set(checks: Iterable[Check], *, out: Callable[[str], None] = print, xmx: str = "1g",
-            timeout: float = 600.0) -> list[Row]:
-    rows: list[Row] = []
-    for c in checks:
+            timeout: float = 600.0, jobs: int = PARALLEL_RUNS) -> list[Row]:
+    """Every check's row, in the checks' order; up to `jobs` TLC runs at once (each its own process)."""
+    def one(c: Check) -> Row:
         out(f"[model-check] {c.cfg} ...")
-        rows.append(run_check(c, xmx=xmx, timeout=timeout))
-    return rows
+        row = run_check(c, xmx=xmx, timeout=timeout)
+        out(f"[model-check] {c.cfg}: {'as expected' if row.as_expected else 'NOT as expected'}")
+        return row
+    return in_parallel(one, checks, jobs=jobs)
 
 
 def report(rows: list[Row], total_s: float, out: Callable[[str], None] = print) -> bool:

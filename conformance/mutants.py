@@ -1,7 +1,8 @@
 """Runtime mutants: seeded bugs in kvledger (the ledgers, the store-code classification) and in the
 connector (its step functions in kvledger_connector/jobs.py, the worker metadata merge, the KV cache copy
-plans, the store keys, reset_cache's pattern, the runtime directory), applied by monkeypatching at run time
-(the source is never edited). Each patches a function the connector's own threads or vLLM call.
+plans, the store keys, reset_cache's pattern, the runtime directory, the embedded master's identity), applied
+by monkeypatching at run time (the source is never edited). Each patches a function the connector's own threads
+or vLLM call.
 
 Every mutant must be killed: a named check fails under it, in the fast stages, and its shows-probe
 (conformance/probes_shows.py: the mutated function observed directly) sees the change. The named checks:
@@ -24,13 +25,15 @@ config / behaviour / step / action and what differed).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import kvledger.codes
 import kvledger.worker
@@ -40,9 +43,10 @@ import kvledger_connector.keys
 import kvledger_connector.kvlayout
 import kvledger_connector.reset
 import kvledger_connector.scheduler_steps
-from conformance import kvprobes, probes_edge, probes_parts, probes_sched, probes_specs
+from conformance import kvprobes, probes_edge, probes_identity, probes_parts, probes_sched, probes_specs
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
+from conformance.engine.tlc import PARALLEL_RUNS
 from conformance.kvdriver import KVDriver, MooncakeBackend
 from kvledger.codes import NO_AVAILABLE_HANDLE, PutOutcome
 from kvledger.errors import LedgerInvariantError
@@ -67,7 +71,7 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
 PROBES: list[kvprobes.Probe] = (kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
-                                 + probes_edge.PROBES + probes_specs.PROBES)
+                                 + probes_edge.PROBES + probes_specs.PROBES + probes_identity.PROBES)
 # what a replay counts as a named check besides a field diff and Refused
 REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
@@ -567,6 +571,8 @@ MUTANTS.update(probes_sched.MUTANTS)
 MUTANTS.update(probes_edge.MUTANTS)
 # what a rank accepts (conformance/probes_specs.py): every spec checked whole before anything of it runs
 MUTANTS.update(probes_specs.MUTANTS)
+# the embedded master's identity (conformance/probes_identity.py): its listener's inode, not its port
+MUTANTS.update(probes_identity.MUTANTS)
 
 
 @contextlib.contextmanager
@@ -715,21 +721,24 @@ def _cell(text: str | None, width: int) -> str:
 
 
 def kill_table(exps: ex.Export | list[ex.Export], log: Callable[[str], None] = print, *,
-               probes: bool = True, backend: Any = None) -> KillTable:
+               probes: bool = True, backend: Any = None, names: Sequence[str] | None = None,
+               summary: bool = True) -> KillTable:
     """Probe, then replay every export, under each mutant (``probes=False``: replay only, to see what the
-    model's behaviours alone catch). The replays run on ``backend``, a MooncakeBackend; None: a loopback
-    master started here. The unmutated runtime must pass every probe and conform first, without a crash."""
+    model's behaviours alone catch; ``names``: these mutants only). The replays run on ``backend``, a
+    MooncakeBackend; None: a loopback master started here. The unmutated runtime must pass every probe and
+    conform first, without a crash."""
     exps = [exps] if isinstance(exps, ex.Export) else list(exps)
     if backend is None:
         with mooncake_backend() as be:
-            return kill_table(exps, log, probes=probes, backend=be)
+            return kill_table(exps, log, probes=probes, backend=be, names=names, summary=summary)
     t_all = time.monotonic()
     base = judge(Row("(unmutated)"), exps, backend)
     if base.by is not None or base.crash is not None:
         raise RuntimeError(f"the unmutated runtime fails; fix that first: {base.by or base.crash}")
     table = KillTable()
-    log(f"{'mutant':<34} {'killed':<6} {'shows':<5} {'s':>5}  {'crash':<30} by")
-    for name in MUTANTS:
+    if summary:
+        log(TABLE_HEADER)
+    for name in (MUTANTS if names is None else names):
         row = Row(name)
         t0 = time.monotonic()
         with contextlib.ExitStack() as stack:
@@ -745,15 +754,47 @@ def kill_table(exps: ex.Export | list[ex.Export], log: Callable[[str], None] = p
         by = row.by or f"survived {'every probe and ' if probes else ''}{row.behaviours} behaviours"
         log(f"{name:<34} {'yes' if row.killed else 'NO':<6} {'yes' if row.shows is None else 'NO':<5} "
             f"{row.seconds:5.2f}  {_cell(row.crash, 30):<30} {_cell(by, 150)}")
+    if summary:
+        log_summary(table, exps, probes, time.monotonic() - t_all, log)
+    return table
+
+
+TABLE_HEADER = f"{'mutant':<34} {'killed':<6} {'shows':<5} {'s':>5}  {'crash':<30} by"
+
+
+def log_summary(table: KillTable, exps: list[ex.Export], probes: bool, seconds: float,
+                log: Callable[[str], None]) -> None:
     for r in table.rows.values():
         if r.crash:
             log(f"  crash {r.name}: {r.crash}")
         if r.shows is not None:
             log(f"  shows {r.name}: {r.shows}")
     log(f"[mutants] {sum(table.values())}/{len(table)} killed, {len(table.crashed)} crashed without a kill, "
-        f"{len(table.unshown)} not shown by their shows-probe, in {time.monotonic() - t_all:.1f} s "
+        f"{len(table.unshown)} not shown by their shows-probe, in {seconds:.1f} s "
         f"({'probes + ' if probes else ''}replay on Mooncake of {sum(len(e.behaviours) for e in exps)} "
         f"behaviours of {', '.join(Path(e.cfg).stem for e in exps)})")
+
+
+def _kill_shard(exps: list[ex.Export], names: list[str]) -> list[Row]:
+    return list(kill_table(exps, log=lambda s: print(s, flush=True), names=names, summary=False).rows.values())
+
+
+def kill_table_sharded(exps: list[ex.Export], shards: int, log: Callable[[str], None] = print) -> KillTable:
+    """`kill_table` with the mutants dealt to `shards` processes, each on its own loopback master (a
+    mutant is a patch of this process's modules, so each shard patches its own), rows in the table's order."""
+    if shards <= 1:
+        return kill_table(exps, log)
+    t_all = time.monotonic()
+    names = list(MUTANTS)
+    log(TABLE_HEADER)
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no patch or thread of this one
+    with concurrent.futures.ProcessPoolExecutor(shards, mp_context=ctx) as pool:
+        futures = [pool.submit(_kill_shard, exps, names[k::shards]) for k in range(shards)]
+        rows = {r.name: r for f in futures for r in f.result()}
+    table = KillTable()
+    for name in names:
+        table.add(rows[name])
+    log_summary(table, exps, True, time.monotonic() - t_all, log)
     return table
 
 
@@ -769,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num", type=int, default=200)
     ap.add_argument("--replay-only", action="store_true", help="no probes: what replay alone kills")
     a = ap.parse_args(argv)
-    res = kill_table(exports(a.cfg or [str(c) for c in DEFAULT_CFGS], a.num), probes=not a.replay_only)
+    exps = exports(a.cfg or [str(c) for c in DEFAULT_CFGS], a.num)
+    res = kill_table(exps, probes=False) if a.replay_only else kill_table_sharded(exps, PARALLEL_RUNS)
     return 0 if res.ok else 1
 
 

@@ -14,13 +14,16 @@ Then conformance, on a real Mooncake master on 127.0.0.1
              requests preempted), tla/MC_conformance_sim.cfg (2 ranks, 3 blocks, 2 chunks with a
              partial tail, faults) and tla/MC_conformance_stripe.cfg (the same, each key put by one
              rank: identical KV stored once); the line coverage of the connector's step functions is
-             reported
+             reported. The behaviours are dealt to `REPLAY_SHARDS` processes (one per core), each on its
+             own master; their reports and line coverage are merged
   trace      NDJSON logs written by kvledger during replays, checked by TLC (tla/TraceKVLedger.tla)
   real run   the whole demo (vLLM's real Scheduler, 2 ranks, embedded Mooncake, 240 requests twice,
              ~7,000 events) with the connector's `trace_path` log checked by TLC against the job
              lifecycle (tla/TraceRuntime.tla, conformance.runlog), and a copy corrupted at one event
              rejected at that event; `make test` checks every integration and engine test's log
-  mutants    the runtime mutants' kill table (conformance.mutants)
+  mutants    the runtime mutants' kill table (conformance.mutants), the mutants dealt to one process per core
+
+The TLC runs of the model check, the witnesses and the replay's exports run side by side, one per core.
 
 Each stage is a function returning a `StageResult` (name, ok, figures, detail); the orchestrator passes
 a stage what it needs from earlier ones (the trace stage: the logs the replay stage recorded) and builds
@@ -34,8 +37,12 @@ those stages only (`trace` needs `replay`).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import multiprocessing
+import os
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from conformance import model_check, witness
+from conformance.engine.tlc import PARALLEL_RUNS
 
 ROOT = Path(__file__).resolve().parent.parent
 # the coverage-gated graph has 2 ranks like the CI model-check configs; the 1-rank graph it replaced
@@ -130,47 +138,86 @@ def _mooncake() -> Iterator[Any]:
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
 COVERED = ("kvledger_connector/scheduler_steps.py", "kvledger_connector/jobs.py", "kvledger_connector/scheduler.py")
+#: processes replaying side by side, each on its own loopback master (a behaviour's replay is independent
+#: of the others': each starts from the model's initial state on a fresh driver state)
+REPLAY_SHARDS = PARALLEL_RUNS
 
 
-@contextlib.contextmanager
-def line_coverage(paths: Sequence[str]) -> Iterator[dict[str, float]]:
-    """Line coverage of ``paths`` (relative to the repo) by the code run in the block, this thread only
-    (the replay is single-threaded); the dict is filled when the block ends."""
+def _coverage(data_file: str | None) -> Any:
     import coverage
 
+    return coverage.Coverage(include=[str(ROOT / p) for p in COVERED], data_file=data_file, config_file=False)
+
+
+def line_coverage(data_files: Sequence[str]) -> dict[str, float]:
+    """The share of each of `COVERED`'s statements run by any of the recorded shards."""
+    import coverage
+
+    cov = _coverage(None)
+    data = cov.get_data()
+    for f in data_files:
+        part = coverage.CoverageData(basename=f)
+        part.read()
+        data.update(part)
     out: dict[str, float] = {}
-    cov = coverage.Coverage(include=[str(ROOT / p) for p in paths], data_file=None, config_file=False)
-    cov.start()
-    try:
-        yield out
-    finally:
-        cov.stop()
-        for p in paths:
-            _, stmts, _, missing, _ = cov.analysis2(str(ROOT / p))
-            out[p] = (len(stmts) - len(missing)) / max(len(stmts), 1)
+    for p in COVERED:
+        _, stmts, _, missing, _ = cov.analysis2(str(ROOT / p))
+        out[p] = (len(stmts) - len(missing)) / max(len(stmts), 1)
+    return out
+
+
+def replay_shard(exps: Sequence[Any], shard: tuple[int, int], cov_file: str) -> list[Any]:
+    """One shard of every export replayed on its own master (`replay_export`'s `shard`), the lines of
+    `COVERED` it ran recorded in `cov_file` (this process's main thread: the replay is single-threaded)."""
+    from conformance.engine import replay as rp
+    from conformance.kvdriver import KVDriver
+    from kvledger.errors import LedgerInvariantError
+
+    reps = []
+    with _mooncake() as backend:
+        cov = _coverage(cov_file)
+        cov.start()
+        try:
+            for e in exps:
+                reps.append(rp.replay_export(e, KVDriver(backend, e.consts), stop_after=3, progress=print,
+                                             checks=(LedgerInvariantError,), shard=shard))  # a named invariant
+        finally:
+            cov.stop()
+            cov.save()
+    return reps
 
 
 def replay_stage(_done: Done) -> StageResult:
     from conformance import kvtrace
     from conformance.engine import export as ex
     from conformance.engine import replay as rp
-    from conformance.kvdriver import KVDriver
-    from kvledger.errors import LedgerInvariantError
+    from conformance.engine.tlc import in_parallel
 
-    ci = ex.export(CI_CFG.parent, "KVLedger", CI_CFG.name, num=1000, depth=40, seed=1)
+    made = in_parallel(lambda f: f(), [
+        lambda: ex.export(CI_CFG.parent, "KVLedger", CI_CFG.name, num=1000, depth=40, seed=1),
+        lambda: ex.export(ROOT / "tla", "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1),
+        lambda: ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1),
+        lambda: ex.simulated_export(ONE_RANK_CFG.parent, "KVLedger", ONE_RANK_CFG.name, num=300, depth=40,
+                                    seed=1),
+        lambda: ex.simulated_export(STRIPE_CFG.parent, "KVLedger", STRIPE_CFG.name, num=300, depth=60, seed=1)])
+    ci, faults, sim, one_rank, stripe = made
+    exps = (ci, faults, sim, one_rank, stripe)
     taken, total = ex.coverage(ci.graph, (b for _, b in ci.behaviours))
-    faults = ex.export(ROOT / "tla", "KVLedger", str(FAULTS_CFG), num=200, depth=40, seed=1)
-    sim = ex.simulated_export(SIM_CFG.parent, "KVLedger", SIM_CFG.name, num=300, depth=60, seed=1)
-    one_rank = ex.simulated_export(ONE_RANK_CFG.parent, "KVLedger", ONE_RANK_CFG.name, num=300, depth=40, seed=1)
-    stripe = ex.simulated_export(STRIPE_CFG.parent, "KVLedger", STRIPE_CFG.name, num=300, depth=60, seed=1)
+    n_shards = REPLAY_SHARDS
+    with tempfile.TemporaryDirectory(prefix="kvledger-replay-") as tmp:
+        cov_files = [os.path.join(tmp, f"lines.{k}") for k in range(n_shards)]
+        if n_shards == 1:
+            parts = [replay_shard(exps, (0, 1), cov_files[0])]
+        else:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that runs torch's threads
+            with concurrent.futures.ProcessPoolExecutor(n_shards, mp_context=ctx) as pool:
+                futures = [pool.submit(replay_shard, exps, (k, n_shards), cov_files[k]) for k in range(n_shards)]
+                parts = [f.result() for f in futures]
+        covered = line_coverage(cov_files)
+    reps = [rp.ReplayReport.merged(shards) for shards in zip(*parts)]
+    for e, r in zip(exps, reps):
+        print(f"{r.line()} [{Path(e.cfg).name}, {n_shards} shards]", flush=True)
     with _mooncake() as backend:
-        reps = []
-        with line_coverage(COVERED) as covered:
-            for e in (ci, faults, sim, one_rank, stripe):
-                r = rp.replay_export(e, KVDriver(backend, e.consts), stop_after=3, progress=print,
-                                     checks=(LedgerInvariantError,))  # a named invariant, not a crash
-                print(f"{r.line()} [{Path(e.cfg).name}]", flush=True)
-                reps.append(r)
         logs = kvtrace.record_logs(sim, backend, kvtrace.LOG_DIR, kvtrace.interesting(sim, 4))
         logs += kvtrace.record_logs(faults, backend, kvtrace.LOG_DIR, kvtrace.interesting(faults, 2))
     n = sum(r.behaviours for r in reps)
@@ -262,7 +309,7 @@ def real_run_stage(_done: Done) -> StageResult:
 def mutants_stage(_done: Done) -> StageResult:
     from conformance import mutants
 
-    res = mutants.kill_table(mutants.exports([str(c) for c in mutants.DEFAULT_CFGS], 100))
+    res = mutants.kill_table_sharded(mutants.exports([str(c) for c in mutants.DEFAULT_CFGS], 100), REPLAY_SHARDS)
     killed = sum(res.values())
     crashed, unshown = len(res.crashed), len(res.unshown)
     return StageResult("mutant kill table", res.ok, {"killed": killed, "mutants": len(res), "crashed": crashed,

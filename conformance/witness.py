@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from conformance import model_check
-from conformance.engine.tlc import REPO, TLC_OUT, TLCResult, TLCSetupError, run_tlc
+from conformance.engine.tlc import REPO, TLC_OUT, TLCResult, TLCSetupError, in_parallel, run_tlc
 
 TLA = REPO / "tla"
 SPEC = TLA / "Witness.tla"
@@ -293,10 +293,11 @@ def main(argv: list[str] | None = None, *, witnesses: Iterable[Witness] | None =
         ws = [known[n] for n in args.only]
     missing = [] if args.only else unwitnessed(cfgs, ws)
     t0 = time.monotonic()
-    rows: list[WRow] = []
-    for w in ws:
+
+    def one(w: Witness) -> WRow:
         print(f"[witness] {w.name} ({w.guards}) ...", flush=True)
-        rows.append(run_witness(w, cfgs, spec=spec, xmx=args.xmx, timeout=args.timeout, cfg_dir=cfg_dir))
+        return run_witness(w, cfgs, spec=spec, xmx=args.xmx, timeout=args.timeout, cfg_dir=cfg_dir)
+    rows = in_parallel(one, ws)  # a witness's configs run in turn (the first that reaches it ends the row)
     ok = report(rows, missing, cfgs, time.monotonic() - t0, stories=args.stories,
                 out=lambda s: print(s, flush=True))
     if rows and all(r.errors and not r.reached for r in rows):

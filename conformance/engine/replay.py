@@ -161,6 +161,19 @@ class ReplayReport:
         """The divergences a named check shows (state, refused, check): every one but the crashes."""
         return [d for d in self.divergences if not d.crash]
 
+    @staticmethod
+    def merged(parts: Iterable[ReplayReport]) -> ReplayReport:
+        """One report of an export replayed in shards side by side (its time: the slowest shard's)."""
+        out = ReplayReport()
+        for r in parts:
+            out.behaviours += r.behaviours
+            out.steps += r.steps
+            out.conforming += r.conforming
+            out.divergences += r.divergences
+            out.seconds = max(out.seconds, r.seconds)
+        out.divergences.sort(key=lambda d: d.behaviour)
+        return out
+
     def line(self) -> str:
         crashed = f", {len(self.crashes)} crashed" if self.crashes else ""
         return (f"[replay] {self.conforming}/{self.behaviours} behaviours conform{crashed} "
@@ -170,8 +183,10 @@ class ReplayReport:
 def replay_export(exp: Export, driver: Driver, *, limit: int | None = None,
                   origins: Iterable[str] | None = None, stop_after: int | None = 1,
                   progress: Callable[[str], None] | None = None,
-                  checks: tuple[type[BaseException], ...] = (), crashes_stop: bool = True) -> ReplayReport:
-    """Replay the export's behaviours (optionally only some origins / the first `limit`).
+                  checks: tuple[type[BaseException], ...] = (), crashes_stop: bool = True,
+                  shard: tuple[int, int] = (0, 1)) -> ReplayReport:
+    """Replay the export's behaviours (optionally only some origins / the first `limit`; with
+    ``shard=(k, n)`` only those whose index is k modulo n, so n processes replay an export between them).
 
     Stops after `stop_after` divergences (None: replay everything); with ``crashes_stop=False`` only the
     findings count towards it (a crash is kept and the replay goes on to look for a named check that
@@ -181,7 +196,7 @@ def replay_export(exp: Export, driver: Driver, *, limit: int | None = None,
     wanted = set(origins) if origins is not None else None
     try:
         for idx, (origin, b) in enumerate(exp.behaviours):
-            if wanted is not None and origin not in wanted:
+            if idx % shard[1] != shard[0] or (wanted is not None and origin not in wanted):
                 continue
             if limit is not None and rep.behaviours >= limit:
                 break

@@ -21,6 +21,7 @@ error, an unknown config keyword) raises `TLCSetupError` whose message is ONE li
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import re
@@ -30,7 +31,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 REPO = Path(__file__).resolve().parents[2]  # the repository (this file is conformance/engine/)
 JAR = REPO / ".tools" / "tla2tools.jar"
@@ -485,3 +489,20 @@ def run_tlc(
 
 def run_many(jobs: Iterable[tuple[str, str]], **kw: Any) -> list[TLCResult]:
     return [run_tlc(s, c, **kw) for s, c in jobs]
+
+
+#: processes `make verify` runs side by side: TLC runs (`in_parallel`; each with one worker, whose liveness
+#: check is single-threaded anyway, and a 1 GiB heap), replay shards and mutant shards. One per core, at most 4.
+PARALLEL_RUNS = max(1, min(4, os.cpu_count() or 1))
+
+
+def in_parallel(fn: Callable[[_T], _R], items: Iterable[_T], *, jobs: int = PARALLEL_RUNS) -> list[_R]:
+    """`[fn(x) for x in items]`, up to `jobs` at a time (threads: each waits on its own TLC process), in
+    the items' order. An exception of one call is raised once every call has ended."""
+    todo = list(items)
+    if jobs <= 1 or len(todo) <= 1:
+        return [fn(x) for x in todo]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="tlc") as pool:
+        futures = [pool.submit(fn, x) for x in todo]
+        concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
