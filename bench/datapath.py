@@ -599,7 +599,7 @@ def datapath_suite(args: argparse.Namespace) -> int:
           "the batch), the best ours/off a tag computed after the transfer can reach; cost: median of "
           "per-iteration time(way) / time(off) - 1. Targets (printed, not asserted): "
           + ", ".join(f"{k} >= {v:.1f}" for k, v in TARGETS.items())
-          + f"; * = off target{': ' + ', '.join(below) if below else ' (none)'} (README: bench.datapath)")
+          + f"; * = off target{': ' + ', '.join(below) if below else ' (none)'} (docs/bench.md: bench.datapath)")
     return 0
 
 

@@ -39,7 +39,12 @@ Per way: engine steps, wall time (both passes' step loops), steps in which reque
 held only by save pins ("pin-wait steps"; with the mean of such blocks), store jobs and their pin hold time
 (emit -> release, median and p99, ms and steps), the save queue wait (enqueue -> the store thread starts it,
 median/p99 over ranks' jobs), request-steps waiting for remote KV (loads), deferrals under the caps (ours;
-upstream has no cap), preemptions, store hits (requests and tokens vLLM accepted from the connector),
+upstream has no cap), preemptions, store hits (requests and tokens vLLM accepted from the connector,
+re-admissions after a preemption included), the keys pass 1 left in the store (`keys`: the master's key
+count after pass 1's saves against before; `evict`: keys the master evicted meanwhile), the tokens pass 2's requests were given from the store when
+first admitted (`p2 tok`; a request whose prefix another one is still loading loads it again, where a
+load that ends in the step finds it in vLLM's cache instead), the prompt tokens pass 2 computed (`p2 comp`:
+neither in vLLM's cache nor from the store at first admission), saves given up (`drop`, ours: `saves_dropped`),
 wrong KV (positions read wrong before a compute, S7) and leaked blocks at rest. The instrumentation is the
 bench's (`Probe`): it wraps instance attributes of the harness's objects and reads their state; nothing in
 the shipped code is changed for it.
@@ -59,10 +64,11 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -102,6 +108,17 @@ WORKLOADS = (
              ways=("none", "ours", "ours-mac", "ours-off", "upstream")),
 )
 SLOW_PUT_S = 0.020
+
+
+def master_key_counts(metrics_port: int) -> tuple[int, int]:
+    """The keys the master holds now and the keys it has evicted so far (its `master_key_count` and
+    `master_evicted_key_count` on its loopback metrics port)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        found = dict(line.split()[:2] for line in r.read().decode().splitlines()
+                     if line.startswith(("master_key_count ", "master_evicted_key_count ")))
+    if len(found) != 2:
+        raise RuntimeError(f"master metrics on port {metrics_port}: no master_key_count/master_evicted_key_count")
+    return int(float(found["master_key_count"])), int(float(found["master_evicted_key_count"]))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -153,6 +170,7 @@ class Probe:
     empty_steps: int = 0
     hits: int = 0
     hit_tokens: int = 0
+    p2_first_tokens: dict[str, int] = field(default_factory=dict)  # pass-2 request -> tokens at its admission
     jobs_by_req: Counter = field(default_factory=Counter)
 
     def install(self) -> Probe:
@@ -175,6 +193,8 @@ class Probe:
             if num_external_tokens > 0:
                 self.hits += 1
                 self.hit_tokens += num_external_tokens
+            if request.request_id.startswith("p2-"):  # a re-admission after preemption loads again: not new
+                self.p2_first_tokens.setdefault(request.request_id, num_external_tokens)
             return orig_alloc(request, blocks, num_external_tokens)
         conn.update_state_after_alloc = update_state_after_alloc
         if h.connector_kind == "ours":
@@ -308,7 +328,7 @@ def _extra(way: str, workdir: str) -> dict[str, Any] | None:
 
 
 def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
-            reuse_ids: bool = False) -> dict[str, Any]:
+            reuse_ids: bool = False, count_keys: Callable[[], tuple[int, int]] | None = None) -> dict[str, Any]:
     from testbed.harness import Harness, expected_output
     prompts = prompts_of(wl, n)
     extra = _extra(way, workdir)
@@ -320,9 +340,14 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
         probe = Probe(h).install()
         raws = _wrap_raw(h, put_delay_s=SLOW_PUT_S) if wl.fault == "slow" and way != "none" else []
         wall = 0.0
+        keys0 = count_keys() if count_keys else (0, 0)
+        keys = evicted = 0
         for p in (1, 2):
             if p == 2:
-                h.reset_prefix_cache_when_idle()
+                h.reset_prefix_cache_when_idle()  # idle: every save of pass 1 has ended
+                if count_keys:
+                    now = count_keys()
+                    keys, evicted = now[0] - keys0[0], now[1] - keys0[1]
                 if wl.fault == "evict" and way != "none":
                     raws = _wrap_raw(h, evict_before_get=True)
             for i, pr in enumerate(prompts):
@@ -358,6 +383,11 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             "sync_loads": h.scheduler_connector.scheduler_side.num_sync_loads if ours else None,
             "pin_cap": (h.scheduler_connector.scheduler_side.max_pinned_blocks if ours else None),
             "preemptions": h.stats.preemptions, "hits": probe.hits, "hit_tokens": probe.hit_tokens,
+            "keys": keys, "evicted": evicted, "p2_tokens": sum(probe.p2_first_tokens.values()),
+            "p2_computed": sum(len(pr) - h.stats.local_hit_tokens.get(f"p2-req-{i}", 0)
+                               - probe.p2_first_tokens.get(f"p2-req-{i}", 0) for i, pr in enumerate(prompts))
+            if not reuse_ids else None,
+            "saves_dropped": h.scheduler_connector.scheduler_side.num_saves_dropped if ours else None,
             "wrong_kv": len(h.garbage), "wrong_out": wrong_out, "errors": errors,
             "leaked": h.num_blocks - 1 - h.block_pool.get_num_free_blocks(), "at_rest": problems,
             "jobs_per_req": (statistics.mean(probe.jobs_by_req.values()) if probe.jobs_by_req else 0.0),
@@ -399,8 +429,8 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
           f"steps and wall: medians of {rounds} rounds)")
     hdr = (f"{'way':<11}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
            f"{'hold ms p50':>12}{'p99':>8}{'hold st p50':>12}{'p99':>6}{'queue ms p50':>13}{'p99':>8}"
-           f"{'remote':>7}{'sync':>6}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'wrongKV':>8}{'leak':>5}"
-           f"{'err':>5}")
+           f"{'remote':>7}{'sync':>6}{'defer':>6}{'preempt':>8}{'hits':>5}{'hit tok':>8}{'keys':>6}{'evict':>6}{'p2 tok':>7}{'p2 comp':>8}"
+           f"{'drop':>5}{'wrongKV':>8}{'leak':>5}{'err':>5}")
     print(hdr)
     for way in WAYS:
         r = rows.get(way)
@@ -418,7 +448,8 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
               f"{_f(statistics.median(r['queue_ms']) if r['queue_ms'] else None, '.1f', 13)}"
               f"{_f(_pct(r['queue_ms'], .99), '.1f', 8)}"
               f"{r['remote_wait']:>7}{_f(r['sync_loads'], 'd', 6)}{_f(r['deferrals'], 'd', 6)}{r['preemptions']:>8}{r['hits']:>5}"
-              f"{r['hit_tokens']:>8}{r['wrong_kv'] + r['wrong_out']:>8}{r['leaked']:>5}{r['errors']:>5}")
+              f"{r['hit_tokens']:>8}{r['keys']:>6}{r['evicted']:>6}{r['p2_tokens']:>7}{_f(r['p2_computed'], 'd', 8)}{_f(r['saves_dropped'], 'd', 5)}"
+              f"{r['wrong_kv'] + r['wrong_out']:>8}{r['leaked']:>5}{r['errors']:>5}")
         if r["run_ms"]:
             print(f"   {way}: store job run ms p50 {statistics.median(r['run_ms']):.1f} p99 "
                   f"{_pct(r['run_ms'], .99):.1f}; last report -> release ms p50 "
@@ -474,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                 for way in ways[s:] + ways[:s]:  # rotate: drift spreads over the ways
                     with tempfile.TemporaryDirectory(prefix=f"kvledger-bench-sched-{way}-") as wd:
                         try:
-                            res = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids)
+                            res = run_way(way, wl, n, cfg, wd, reuse_ids=args.reuse_ids,
+                                          count_keys=lambda: master_key_counts(mc.metrics_port))
                         except Exception as e:  # a bench: say what failed and go on
                             res = {"failed": f"{type(e).__name__}: {e}"[:300]}
                             rc = 1 if way != "upstream" else rc

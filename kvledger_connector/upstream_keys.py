@@ -139,7 +139,7 @@ KEYS: tuple[UpstreamKey, ...] = (
                 why="puts carry no replica groups here: remove it or set false"),
     UpstreamKey("enable_cross_layers_blocks", "checked", "extra", "false", "accepted false; true refused (vLLM's "
                 "per-layer layout is stored as is)", _T_REFUSED, accepts=_off,
-                why="a block is stored in vLLM's own per-layer layout here (README: KV cache layouts): remove it or "
+                why="a block is stored in vLLM's own per-layer layout here (docs/models.md: KV cache layouts): remove it or "
                     "set false"),
     # upstream's ZMQ lookup-server port: there is no lookup server here, so any value asks for nothing we lack
     UpstreamKey("lookup_rpc_port", "checked", "extra", "0", "accepted, no effect: there is no lookup server here "
