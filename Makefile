@@ -28,16 +28,17 @@ witness: setup
 # they exit would bury pytest's summary in a log's tail.
 SUMMARIZED = scripts/summarized.sh
 
-# The whole suite, in two tracks side by side (scripts/tracks.sh: one per core, each command's output
-# printed whole when it ends, every command run even after a failure, a status line per command at the
-# end): vLLM 0.32's integration suites and the 0.33 suites but its engine tests; 0.32's engine, model and
-# conformance suites, the pure core again under python -O (safety checks must raise, never assert) and
-# 0.33's engine tests. Each pytest run names its slowest tests.
+# The whole suite (scripts/tracks.sh: each command's output printed whole when it ends, every command run
+# even after a failure, a status line per command at the end). First two tracks side by side, one per core:
+# vLLM 0.32's integration and unit suites; 0.32's model and conformance suites, the pure core again under
+# python -O (safety checks must raise, never assert) and 0.33's suites but the engine's. Then the engine
+# suites of 0.32 and 0.33 alone: an engine's busy-polling processes beside another suite starve its
+# Mooncake master for seconds. Each pytest run names its slowest tests.
 PYTEST = -m pytest -q -rfE -p no:cacheprovider --durations=12
 test: setup
-	scripts/tracks.sh "$(PY) $(PYTEST) tests/integration tests/unit" "$(TEST033) $(SUITES033)" -- \
-		"$(PY) $(PYTEST) tests/engine tests/model tests/conformance" \
-		"$(PY) -O $(PYTEST) tests/unit" "$(TEST033) tests/engine"
+	scripts/tracks.sh "$(PY) $(PYTEST) tests/integration tests/unit" -- \
+		"$(PY) $(PYTEST) tests/model tests/conformance" "$(PY) -O $(PYTEST) tests/unit" "$(TEST033) $(SUITES033)" \
+		== "$(PY) $(PYTEST) tests/engine" "$(TEST033) tests/engine"
 
 # vLLM 0.33.0 (.venv033, layered on .venv by setup): the suites of vLLM's connector API, Scheduler/BlockPool,
 # KV cache planning and allocation, the harness and the real engine. The fault/bounds/replay suites run on 0.32 only.

@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# Run test commands in tracks side by side (one per core): tracks.sh CMD... [-- CMD...]...
-# Each track runs its commands in turn, every one even after a failure. A command's output goes to its
-# own log, printed whole when the command ends (through scripts/summarized.sh, so a failure's summary is
-# its last lines), so two tracks never interleave their lines. Ends with one line per command (status,
-# minutes) and exits 1 if any command failed.
+# Run test commands in tracks side by side (one per core), in phases one after another:
+#   tracks.sh CMD... [-- CMD...]... [== CMD... [-- CMD...]...]...
+# "--" starts another track of the same phase; "==" starts the next phase, once every track of this one
+# ended (a suite that must not share the machine runs alone in a phase of its own). Each track runs its
+# commands in turn, every one even after a failure. A command's output goes to its own log, printed whole
+# when the command ends (through scripts/summarized.sh, so a failure's summary is its last lines), so two
+# tracks never interleave their lines. Ends with one line per command (status, minutes) and exits 1 if
+# any command failed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvledger-tracks.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-
+phases=()    # per phase, its tracks joined by an ASCII record separator
 tracks=()
 current=()
+end_track() {
+    [ ${#current[@]} -gt 0 ] && tracks+=("$(printf '%s\n' "${current[@]}")")
+    current=()
+}
+end_phase() {
+    end_track
+    [ ${#tracks[@]} -gt 0 ] && phases+=("$(printf '%s\x1e' "${tracks[@]}")")
+    tracks=()
+}
 for arg in "$@"; do
-    if [ "$arg" = "--" ]; then
-        tracks+=("$(printf '%s\n' "${current[@]}")")
-        current=()
-    else
-        current+=("$arg")
-    fi
+    case "$arg" in
+        --) end_track ;;
+        ==) end_phase ;;
+        *) current+=("$arg") ;;
+    esac
 done
-[ ${#current[@]} -gt 0 ] && tracks+=("$(printf '%s\n' "${current[@]}")")
-[ ${#tracks[@]} -gt 0 ] || { echo "tracks.sh: no command given" >&2; exit 2; }
+end_phase
+[ ${#phases[@]} -gt 0 ] || { echo "tracks.sh: no command given" >&2; exit 2; }
 
 run_track() {  # $1: track number, $2: its commands, one per line
     local t=$1 n=0 cmd log t0 rc
@@ -41,13 +52,17 @@ run_track() {  # $1: track number, $2: its commands, one per line
     done <<<"$2"
 }
 
-pids=()
-for i in "${!tracks[@]}"; do
-    run_track "$((i + 1))" "${tracks[$i]}" &
-    pids+=($!)
-done
-for p in "${pids[@]}"; do
-    wait "$p"
+n_track=0
+for phase in "${phases[@]}"; do
+    pids=()
+    while IFS= read -r -d $'\x1e' track; do
+        n_track=$((n_track + 1))
+        run_track "$n_track" "$track" &
+        pids+=($!)
+    done <<<"$phase"
+    for p in "${pids[@]}"; do
+        wait "$p"
+    done
 done
 
 status=0

@@ -248,7 +248,9 @@ def test_shutdown_under_load_many_times_never_crashes(mooncake) -> None:
         assert r["alive_after"] == 0 and not r["driver_alive"], r  # every thread ended in the end
         assert r["calls_inside"] == 0, r
         assert r["errors"] == [], r
-        assert r["closed"] == (r["leaked"] == 0), r  # close only fails by leaking (the master is healthy)
+        # close fails by leaking, or by Mooncake's unmount through the master outlasting the close's 5 s bound
+        # (a machine busy with another suite starves the master: the client is then abandoned, never crashed)
+        assert r["closed"] == (r["leaked"] == 0) or (not r["closed"] and r["close_s"] >= 5.0), r
         if r["clean"]:
             assert r["left_running"] == 0, r
     # the race under test happened: some shutdowns gave up on threads still running
