@@ -134,7 +134,7 @@ def parse_tcp_listeners(blob: bytes) -> list[tuple[str, int, Listener]]:
     return out
 
 
-def _read_table(path: str) -> bytes:
+def read_tcp_table(path: str) -> bytes:
     """At most MAX_TCP_TABLE_BYTES of a /proc table, whole lines, stopping past the listeners; b"" when it
     cannot be read."""
     lines: list[bytes] = []
@@ -158,14 +158,14 @@ def _read_table(path: str) -> bytes:
 def loopback_listener(port: int, table: str = "/proc/self/net/tcp") -> Listener | None:
     """The one LISTEN socket on 127.0.0.1:`port` in this network namespace, None if there is none or more
     than one (SO_REUSEPORT: the kernel would share connections between them, so neither is "the" master)."""
-    found = [lst for addr, p, lst in parse_tcp_listeners(_read_table(table)) if p == port and addr == LOOPBACK]
+    found = [lst for addr, p, lst in parse_tcp_listeners(read_tcp_table(table)) if p == port and addr == LOOPBACK]
     return found[0] if len(found) == 1 else None
 
 
 def port_holders(port: int) -> list[tuple[str, Listener]]:
     """Every LISTEN socket on `port`, any address, IPv4 and IPv6 (who took a port: for the warning)."""
     return [(addr, lst) for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6")
-            for addr, p, lst in parse_tcp_listeners(_read_table(table)) if p == port]
+            for addr, p, lst in parse_tcp_listeners(read_tcp_table(table)) if p == port]
 
 
 def holds_socket(pid: int, inode: int) -> bool:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.errors import LedgerInputError
+from kvledger_connector.embedded import parse_tcp_listeners, read_tcp_table
 
 TABLE = "kvledger_transfer"
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -60,23 +60,10 @@ class StorePorts:
     listeners: tuple[Listener, ...]
 
 
-def _address(hex_addr: str) -> str:
-    raw = bytes.fromhex(hex_addr)
-    if sys.byteorder == "little":  # the kernel prints each 32-bit word of the address in host byte order
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(raw))
-
-
 def parse_proc_net_tcp(text: str) -> list[tuple[Listener, int]]:
-    """The LISTEN rows of a /proc/net/tcp or /proc/net/tcp6 text, as (listener, socket inode)."""
-    rows: list[tuple[Listener, int]] = []
-    for line in text.splitlines()[1:]:  # the first line is the header
-        f = line.split()
-        if len(f) < 10 or f[3] != _LISTEN:
-            continue
-        addr, _, port = f[1].partition(":")
-        rows.append((Listener(int(port, 16), _address(addr)), int(f[9])))
-    return rows
+    """The LISTEN rows of a /proc/net/tcp or /proc/net/tcp6 text, as (listener, socket inode): the embedded
+    master's parser (`embedded.parse_tcp_listeners`), malformed lines skipped."""
+    return [(Listener(port, address), lst.inode) for address, port, lst in parse_tcp_listeners(text.encode())]
 
 
 def _proc(pid: int | None) -> str:
@@ -110,14 +97,11 @@ def listeners(pid: int | None = None) -> list[Listener]:
     held = socket_inodes(pid)
     found: set[Listener] = set()
     for table in ("tcp", "tcp6"):
-        try:
-            with open(f"{_proc(pid)}/net/{table}", encoding="ascii") as f:
-                text = f.read()
-        except FileNotFoundError:  # no such process, or (tcp6) IPv6 off
-            if not os.path.exists(_proc(pid)):
-                raise LedgerInputError("pid", pid, "no such process") from None
-            continue
-        found.update(lst for lst, inode in parse_proc_net_tcp(text) if inode in held)
+        blob = read_tcp_table(f"{_proc(pid)}/net/{table}")  # bounded; b"": unreadable, or (tcp6) IPv6 off
+        if not blob and not os.path.exists(_proc(pid)):
+            raise LedgerInputError("pid", pid, "no such process")
+        found.update(Listener(port, address) for address, port, lst in parse_tcp_listeners(blob)
+                     if lst.inode in held)
     return sorted(found)
 
 
