@@ -254,8 +254,8 @@ def _overhead_round(h, prompts: list[list[int]], max_tokens: int, tag: str) -> _
         conn_acc.wrap(conn, name)
     for name in _SCHEDULER_STEP:
         sched_acc.wrap(sched, name, before=(lambda: _wait_workers_idle(h)) if name == "schedule" else None)
-    ss = conn.scheduler_side
-    jobs0, loads0 = ss.ledger.num_jobs_opened, ss.num_loads
+    ss = conn.scheduler_side.steps
+    jobs0, loads0 = ss.ledger.num_jobs_opened, ss.stats.total("loads_emitted")
     steps0, pre0 = h.stats.steps, h.stats.preemptions
     try:
         for i, p in enumerate(prompts):
@@ -273,7 +273,7 @@ def _overhead_round(h, prompts: list[list[int]], max_tokens: int, tag: str) -> _
         if h.stats.outputs.get(f"{tag}-{i}") != h.expected_output(p, max_tokens):
             raise BenchError(f"overhead round {tag}: request {i} produced a wrong output")
     return _RoundResult(h.stats.steps - steps0, sched_acc.total, conn_acc.total, dict(conn_acc.by_name),
-                        ss.ledger.num_jobs_opened - jobs0, ss.num_loads - loads0, h.stats.preemptions - pre0)
+                        ss.ledger.num_jobs_opened - jobs0, ss.stats.total("loads_emitted") - loads0, h.stats.preemptions - pre0)
 
 
 def overhead_suite(args: argparse.Namespace) -> int:

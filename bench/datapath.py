@@ -238,7 +238,7 @@ class _Ours(_Path):
         if job is None:
             raise BenchError(f"the worker refused {spec}: {self.ws.steps.errors[-1:]}")
         self._failed0 = self.ws.steps.stats.total("failed_jobs")
-        return self.ws.steps.keys.keys(hashes), lambda: self.ws._handle_save(job, None)
+        return self.ws.steps.block_shape().builders[0].keys(hashes), lambda: self.ws._handle_save(job, None)
 
     def settle_put(self) -> None:
         self._drop(self._req)

@@ -51,7 +51,7 @@ def stored_vs_needed(window: int, prompt_len: int, *, full_every: int = 2, num_l
             h.run_pass(prompts, 4, tag="a")
             stored = stored_keys(mc.metrics_port)
             rows = []
-            for g, kb in enumerate(h.workers[0].worker_side.steps.group_keys):
+            for g, kb in enumerate(h.workers[0].worker_side.steps.block_shape().builders):
                 w = h.window_of_group[g]
                 needed: set[str] = set()
                 for p in prompts:
@@ -85,7 +85,7 @@ def stored_vs_needed_mamba(prompt_len: int) -> tuple[list[tuple[str, int, int]],
             stored = stored_keys(mc.metrics_port)
             bs = h.block_size
             rows = []
-            for kb in h.workers[0].worker_side.steps.group_keys:
+            for kb in h.workers[0].worker_side.steps.block_shape().builders:
                 needed: set[str] = set()
                 for p in prompts:
                     hashes = h.block_hashes_of(p)

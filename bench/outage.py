@@ -109,8 +109,8 @@ def run_once(fault: str, way: str, window_s: float, stop_s: float) -> Run:
             stores = [h.scheduler_connector.store, *(w.store for w in h.workers)] if ours else []
             return Run(fault, way, len(done), right, steps, wall,
                        1000 * statistics.mean(after) if after else 0.0, 1000 * max(after, default=0.0), inside,
-                       h._num_pinned_jobs(), len(h.garbage), sum(s.num_trips for s in stores),
-                       h.scheduler_connector._lookups.num_deadline_missed if ours else 0)
+                       h._num_pinned_jobs(), len(h.garbage), sum(s.stats.total("breaker_trips") for s in stores),
+                       h.scheduler_connector.stats.total("lookups_past_deadline") if ours else 0)
         finally:
             if frozen is not None:
                 os.kill(frozen, signal.SIGCONT)

@@ -16,7 +16,7 @@ Admit/Compute/Preempt/Finish  vLLM's Scheduler's part, played here: requests in 
                               the block's row. Preempt/Finish then take the connector's notices
                               (`SchedulerSteps.notices`, `request_finished`) -- not on the
                               reset_prefix_cache path (PreemptNotices FALSE), where vLLM tells it nothing
-Lookup(r)                 -> SchedulerSteps.lookup(req, 0) (batch_is_exist through the wrapper)
+Lookup(r)                 -> SchedulerSteps.ask/answer via scheduler.ask_store(req, 0) (batch_is_exist through the wrapper)
 EmitLoad(r)               -> BlockPool allocation, SchedulerSteps.emit_load (pins) + take_loads, and on every
                              rank the load generator's first step (LoadLedger.begin_load)
 EmitStore(r)              -> SchedulerSteps.emit_request_store(r, 0, table): the blocks the job pins, its SaveSpec
@@ -73,10 +73,12 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger, put_positions
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.jobs import JobAction, SaveJob, WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.config import StoreConfig
+from kvledger_connector.scheduler import ask_store
 from kvledger_connector.scheduler_steps import SchedulerSteps, tail_hash
 from testbed.faults import BATCH_OPS, FaultyMooncakeClient, ManualClock, RawFault, faulty_mooncake_store
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
@@ -297,7 +299,7 @@ class KVDriver:
         return self.backend.memory(("stage", w, self.num_chunks),
                                    lambda: torch.zeros(self.num_chunks, ROW, dtype=torch.float32))
 
-    def _buffers(self, ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    def _buffers(self, ids: list[int], parts: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         """(ptrs, sizes) of blocks, as the connector's copy plan gives them: a block's KV row, or while a
         put runs the DMA's copy of it."""
         rows = [self.read_from.get(b, self.kv[b]) for b in ids]
@@ -344,12 +346,13 @@ class KVDriver:
         self.read_from: dict[int, torch.Tensor] = {}  # block id -> the row a put reads (the DMA's copy)
         self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
                                      buffers=self._buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
-                                     keys=self.kb, load_sub_batch_keys=self.sub_batch, lock=no_lock(),
+                                     shape=BlockShape.of_keys([self.kb]), load_sub_batch_keys=self.sub_batch,
+                                     lock=no_lock(),
                                      stripe=(i, len(self.ranks)) if self.stripe else (0, 1))
                       for i, w in enumerate(self.ranks)}
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
         self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
-                                 store=self.store, max_pinned_blocks=self.pin_cap * self.num_blocks,
+                                 max_pinned_blocks=self.pin_cap * self.num_blocks,
                                  save_partial_tail=self.partial_tail, sync_load_max_tokens=SYNC_LOAD_MAX_TOKENS,
                                  trace=tr, max_held_requests=self.max_held)
         self.ss.bind_ledger(self.sched)
@@ -502,8 +505,8 @@ class KVDriver:
         self.requests[r].num_computed_tokens = self.tokens(r, c)
         self._emit("sched", "Compute", req_id=r, chunk=c, block=blk.block_id)
 
-    def _table_of(self, q: str) -> list[int]:
-        return [b.block_id for b in self.table[q]]
+    def _table_of(self, q: str) -> list[list[int]]:
+        return [[b.block_id for b in self.table[q]]]  # one KV cache group
 
     def do_EmitStore(self, a: dict[str, Any]) -> None:
         """vLLM's build_connector_meta with r scheduled (or r held: its deferred save retried): the
@@ -744,7 +747,7 @@ class KVDriver:
         self._engine_synced()
         if self.status[r] != "running" or self.ld[r]["ph"] != "idle":
             raise Refused(f"{r}: no lookup now")
-        ext = self.ss.lookup(self.requests[r], 0)  # vLLM's get_num_new_matched_tokens(req, 0)
+        ext = ask_store(self.ss, self.store, self.requests[r], 0)  # vLLM's get_num_new_matched_tokens(req, 0)
         h = -(-ext // BS)  # chunks: the tail's tokens round up to its block
         self.ld[r].update(ph="done" if h == 0 else "looked", n=h, bad=set(), ext=ext)
         self._emit("sched", "Lookup", req_id=r, hits=h)
@@ -760,7 +763,7 @@ class KVDriver:
         self.table[r] = self.pool.get_new_blocks(ld["n"])
         ids = [b.block_id for b in self.table[r]]
         # vLLM's update_state_after_alloc, then build_connector_meta hands the pinned load to the ranks
-        self.ss.emit_load(self.requests[r], ids, ld["ext"])
+        self.ss.emit_load(self.requests[r], [ids], ld["ext"])
         (spec,) = self.ss.take_loads()
         ld["spec"] = spec
         ld["blocks"], ld["pin"] = list(spec.block_ids), True

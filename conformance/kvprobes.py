@@ -26,6 +26,7 @@ from kvledger.errors import LedgerInvariantError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.load import LoadLedger
 from kvledger.worker import Verdict, WorkerLedger
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.jobs import WorkerSteps, no_lock
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
@@ -103,7 +104,7 @@ class ProbeStore:
         return out
 
 
-def _buffers(ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+def _buffers(ids: list[int], parts: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     return [[i] for i in ids], [[KEY_BYTES]] * len(ids)
 
 
@@ -112,7 +113,8 @@ def rank(store: ProbeStore, tp_rank: int = 0, sub_batch: int = 2) -> WorkerSteps
                                 kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8))
     return WorkerSteps(store=store, ledger=WorkerLedger(tp_rank, max_live_jobs=8),
                        loads=LoadLedger(tp_rank, max_inflight_loads=4), buffers=_buffers, tp_rank=tp_rank,
-                       block_size=BLOCK_SIZE, key_bytes=KEY_BYTES, keys=keys, load_sub_batch_keys=sub_batch,
+                       block_size=BLOCK_SIZE, key_bytes=KEY_BYTES, shape=BlockShape.of_keys([keys]),
+                       load_sub_batch_keys=sub_batch,
                        lock=no_lock())
 
 
@@ -125,7 +127,7 @@ def probe_partial_put_fails_the_job() -> None:
     for code in (-800, 1):
         st = ProbeStore()
         w = rank(st)
-        keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+        keys = w.block_shape().builders[0].keys(HASHES[:3])
         st.mem.update({1: 101, 2: 102, 3: 103})
         st.put_codes[keys[1]] = code
         w.receive("r", 1, 0)
@@ -156,7 +158,7 @@ def probe_pressure_anywhere_in_a_batch() -> None:
     """NO_AVAILABLE_HANDLE on any key of the batch (not only the first) puts the rank under pressure."""
     st = ProbeStore()
     w = rank(st)
-    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.mem.update({1: 101, 2: 102, 3: 103})
     st.put_codes[keys[2]] = -200
     w.receive("r", 1, 0)
@@ -169,7 +171,7 @@ def probe_short_read_is_a_load_error() -> None:
     """A get that read fewer bytes than the key's object is a failed block, reported (S8)."""
     st = ProbeStore()
     w = rank(st, sub_batch=4)
-    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[0]: 201, keys[1]: 202, keys[2]: 203})
     st.get_codes[keys[1]] = KEY_BYTES // 2
     res = w.run_load("r", [4, 5, 6], HASHES[:3])
@@ -182,7 +184,7 @@ def probe_rotated_load_reports_the_right_block() -> None:
     its own key's value."""
     st = ProbeStore()
     w = rank(st, tp_rank=1, sub_batch=2)
-    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[1]: 302, keys[2]: 303})
     res = w.run_load("r", [10, 11, 12], HASHES[:3])
     first = next(c for c in st.calls if c[0] == "batch_get")[1][0]
@@ -226,7 +228,7 @@ def probe_put_resumes_at_the_saved_offset() -> None:
     w.run_save("r", 1, 2, [1, 2], HASHES[:2])
     w.receive("r", 2, 0)
     w.run_save("r", 2, 4, [1, 2, 3, 4], HASHES[:4])
-    keys = w.keys.keys(HASHES[:4])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:4])
     lost = [i for i, k in enumerate(keys) if k not in st.data]
     check(not lost, f"blocks {lost} never reached the store (the put resumed past the saved offset)")
     puts = [c[1] for c in st.calls if c[0] == "batch_is_exist"]
@@ -244,7 +246,7 @@ def probe_stale_and_skipped_jobs_put_nothing() -> None:
     plan = w.begin_save(1, 2)
     check(plan.verdict is Verdict.STALE, f"a job of a superseded generation is {plan.verdict.value}")
     w.report_save(1)
-    st.put_codes[w.keys.key(HASHES[0])] = -200  # type: ignore[union-attr]
+    st.put_codes[w.block_shape().builders[0].key(HASHES[0])] = -200
     w.run_save("r", 2, 1, [1], HASHES[:1])  # pressure: generation 1 is skipped until a put succeeds
     w.receive("r", 3, 1)
     w.run_save("r", 3, 2, [1, 2], HASHES[:2])
@@ -339,24 +341,24 @@ def _layout(**kw: Any) -> KeyLayout:
                      kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, **kw)
 
 
-def parts_rank(store: ProbeStore, layouts: Sequence[KeyLayout], part_groups: Sequence[int] | None = None,
-               sub_batch: int = 2, reads: list[tuple[int, int]] | None = None) -> WorkerSteps:
+def parts_rank(store: ProbeStore, layouts: Sequence[KeyLayout], sub_batch: int = 2,
+               reads: list[tuple[int, int]] | None = None) -> WorkerSteps:
     """A rank whose block is several keys, a key builder per part (a head shard of the TP-shared layout, a
-    KV cache group of a hybrid model; ``part_groups`` as WorkerSteps takes it); ``reads``: every (block id,
-    part) its buffers hand to a store call, in order."""
+    KV cache group of a hybrid model: `BlockShape.of_keys`, each part's group from its layout); ``reads``:
+    every (block id, part) its buffers hand to a store call, in order."""
     def buffers(ids: list[int], parts: list[int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
         if reads is not None:
             reads.extend(zip(ids, parts if parts is not None else [0] * len(ids)))
         return _buffers(ids)
     return WorkerSteps(store=store, ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
                        buffers=buffers, tp_rank=0, block_size=BLOCK_SIZE, key_bytes=KEY_BYTES,
-                       group_keys=[KeyBuilder(lay) for lay in layouts], part_groups=part_groups,
+                       shape=BlockShape.of_keys([KeyBuilder(lay) for lay in layouts]),
                        load_sub_batch_keys=sub_batch, lock=no_lock())
 
 
 def tp_shared_rank(store: ProbeStore, sub_batch: int = 3) -> WorkerSteps:
     """The TP-shared layout: a block is a key per head shard (2 here), one KV cache group."""
-    return parts_rank(store, [_layout(heads=(j, 2)) for j in range(2)], part_groups=[0, 0], sub_batch=sub_batch)
+    return parts_rank(store, [_layout(heads=(j, 2)) for j in range(2)], sub_batch=sub_batch)
 
 
 def hybrid_rank(store: ProbeStore, reads: list[tuple[int, int]] | None = None) -> WorkerSteps:
@@ -371,7 +373,7 @@ def probe_a_block_of_several_keys_loads_only_when_every_key_did() -> None:
     a later key of the block failing (in a later sub-batch or the same one), is a load error of that block."""
     st = ProbeStore()
     w = tp_shared_rank(st)  # sub-batches of 3 keys: block 5's two keys fall in two sub-batches
-    shard = [w.group_keys[j].keys(HASHES[:3]) for j in range(2)]
+    shard = [w.block_shape().parts[j].builder.keys(HASHES[:3]) for j in range(2)]
     check(shard[0][0] != shard[1][0], f"head shards 0 and 1 share the key {shard[0][0]!r}")
     st.data.update(dict.fromkeys(shard[0] + shard[1], 1))
     gen = w.load_steps("r", [4, 5], HASHES[:2])
@@ -406,9 +408,10 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
     job = w.receive_save(SaveSpec("r", 1, 0, 0, 2, (11, 21, 12, 22), tuple(HASHES[:2]), num_groups=2))
     check(job is not None and job.block_ids == (11, 21, 12, 22),
           f"the first spec resolved to {job and job.block_ids}, expected (11, 21, 12, 22)")
-    st.put_codes[w.group_keys[1].key(HASHES[1])] = -800  # group 1's key of block 1 fails: the offset stays 0
+    group1 = w.block_shape().parts[1].builder
+    st.put_codes[group1.key(HASHES[1])] = -800  # group 1's key of block 1 fails: the offset stays 0
     assert job is not None
-    w.run_save("r", 1, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block, 2)
+    w.run_save("r", 1, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
     off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
     check(off == 0, f"a put with a failed key moved the offset to {off}")
     st.put_codes.clear()
@@ -420,7 +423,7 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
           f"null_before=(0, 2) resolved the job's ids to {ids}, expected (11, 0, 12, 0, 13, 23): group 1's "
           f"blocks 0 and 1 null, group 0's kept")
     assert job is not None
-    w.run_save("r", 2, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block, 2)
+    w.run_save("r", 2, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
     freed = sorted({(21, 1), (22, 1)} & set(reads))
     check(not freed, f"the resuming rank read blocks {freed} (block id, group) that vLLM freed")
     check(sorted(reads) == [(13, 0), (23, 1)], f"the resuming put read {reads}, expected [(13, 0), (23, 1)]")

@@ -386,8 +386,8 @@ def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if e
 
 
 def _mismatch_loaded(orig):  # the tag is computed and compared, and a mismatching block loaded all the same
-    def _verified(self, slot, keys, block_ids, res, groups=None):
-        orig(self, slot, keys, block_ids, res, groups)
+    def _verified(self, slot, keys, block_ids, res, parts=None):
+        orig(self, slot, keys, block_ids, res, parts)
         return res
     return _verified
 
@@ -408,12 +408,13 @@ def _start_time_unread(orig):  # liveness by pid alone: a reused pid keeps a dea
 # ---------------------------------------------------------------- worker side: TP-shared blocks, SentBlocks, removal
 def _shared_block_one_key(orig):  # the load begun without the rank's keys per block: a TP-shared block
     def begin_load(self, req_id, block_ids):  # counts loaded after its first head shard's key
-        parts = self.key_parts
-        self.key_parts = 1
+        loads = self.loads
+        begin = loads.begin_load
+        loads.begin_load = lambda r, ids, keys_per_block=1: begin(r, ids, keys_per_block=1)
         try:
             return orig(self, req_id, block_ids)
         finally:
-            self.key_parts = parts
+            del loads.begin_load
     return begin_load
 
 
@@ -476,8 +477,8 @@ _mismatch_removed_unforced = _with_remove(lambda store: lambda key, force=False:
 
 
 def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch, the good ones too
-    def _verified(self, slot, keys, block_ids, res, groups=None):
-        out = orig(self, slot, keys, block_ids, res, groups)
+    def _verified(self, slot, keys, block_ids, res, parts=None):
+        out = orig(self, slot, keys, block_ids, res, parts)
         if any(c == int(StoreCode.INTEGRITY_MISMATCH) for c in out):
             for k, c in zip(keys, out):
                 if c != int(StoreCode.INTEGRITY_MISMATCH):
@@ -487,8 +488,8 @@ def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch,
 
 
 def _mismatch_removed_inline(orig):  # the loading thread removes the object (a sync load: the model runner's)
-    def _verified(self, slot, keys, block_ids, res, groups=None):
-        out = orig(self, slot, keys, block_ids, res, groups)
+    def _verified(self, slot, keys, block_ids, res, parts=None):
+        out = orig(self, slot, keys, block_ids, res, parts)
         self.remove_mismatched()
         return out
     return _verified

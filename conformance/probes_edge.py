@@ -43,6 +43,7 @@ from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.scheduler_steps import SchedulerSteps
 from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.scheduler import ask_store
 
 SECRET = b"probe-secret-of-32-bytes-exactly"
 
@@ -171,14 +172,14 @@ def _dir_privacy_unchecked(orig):  # a runtime dir others may enter is taken to 
 
 
 def _verify_skipped(orig):  # the tags are never compared: every block read is taken as verified
-    def verify(self, slot, keys, block_ids, kv_groups=None, rows=None):
+    def verify(self, slot, keys, block_ids, parts=None, rows=None):
         return [True] * len(keys)
     return verify
 
 
 def _verify_rows_by_place(orig):  # each key checked against the trailer row of its place among those asked
-    def verify(self, slot, keys, block_ids, kv_groups=None, rows=None):
-        return orig(self, slot, keys, block_ids, kv_groups)
+    def verify(self, slot, keys, block_ids, parts=None, rows=None):
+        return orig(self, slot, keys, block_ids, parts)
     return verify
 
 
@@ -345,12 +346,12 @@ def probe_lookup_deadline_behind_an_abandoned_call() -> None:
 
 
 def _waits_behind_abandoned_call(orig):  # a lookup waits for the abandoned call to leave the store first
-    def batch_is_exist(self, keys):
+    def check_exist(self, keys):
         busy = object.__getattribute__(self, "_kvl_busy")
         with busy:
             pass
         return orig(self, keys)
-    return batch_is_exist
+    return check_exist
 
 
 # ---------------------------------------------------------------- 5. the rendezvous metadata URL
@@ -536,14 +537,15 @@ def _reset_log_quiet() -> Any:
     return quiet(reset_mod.__name__)
 
 
-def _reset_rig(store: _RemovingStore) -> tuple[SchedulerSteps, reset_mod.StoreRemovals, _Waits]:
+def _reset_rig(store: _RemovingStore) -> tuple[SchedulerSteps, reset_mod.StoreRemovals, _Waits, DeadlineStore]:
     """A scheduler side whose lookups go through the reset gate to `store`, as the connector wires them, and
     its removals without a thread (the probe runs them)."""
     waits = _Waits()
     removals = reset_mod.StoreRemovals(store, background=False, wait=waits)
     side = sched().steps
-    side.store = reset_mod.ResetGate(store, removals)
-    return side, removals, waits
+    bounded = DeadlineStore(store, DEADLINE_S, gate=removals)
+    bounded.stop()  # calls go direct (no helper thread), the gate still first
+    return side, removals, waits, bounded
 
 
 def probe_reset_switches_the_weights_version() -> None:
@@ -560,7 +562,7 @@ def probe_reset_switches_the_weights_version() -> None:
     store = _RemovingStore({k for kb in new_kbs for k in kb.keys(a.block_hashes)}
                            | {k for kb in old_kbs for k in kb.keys(b.block_hashes)})
     store.rc = int(StoreCode.RPC_FAIL)
-    side, removals, waits = _reset_rig(store)
+    side, removals, waits, bounded = _reset_rig(store)
     old_regex = reset_mod.engine_key_regex(side.key_builders)
     with _reset_log_quiet():
         ok = connector_mod.reset_scheduler_side(side, removals, ("v2", new_kbs))
@@ -573,7 +575,7 @@ def probe_reset_switches_the_weights_version() -> None:
     check(store.removals == [], f"the reset called the store on the engine thread: {store.removals}")
     for req in (a, b):
         side.on_new_request(req)
-    hit_a, hit_b = side.lookup(a, 0), side.lookup(b, 0)
+    hit_a, hit_b = ask_store(side, bounded, a, 0), ask_store(side, bounded, b, 0)
     check(hit_a == 2 * BS, f"a prompt stored under the new version's keys hits {hit_a} tokens, not {2 * BS}")
     check(hit_b == 0, f"a prompt stored only under the old version's keys hits {hit_b} tokens after the switch")
     with _reset_log_quiet():
@@ -583,8 +585,9 @@ def probe_reset_switches_the_weights_version() -> None:
     check(store.removals == [old_regex] * n, f"the old keys' removal was tried {len(store.removals)} times "
                                              f"({store.removals[:2]}...), not {n} times {old_regex!r}")
     check(waits.waits == want, f"failed removals were retried after {waits.waits} s, not {want}")
-    check(removals.num_given_up == 1 and side.weights_version == "v2",
-          f"after {n} failed tries: {removals.num_given_up} removals given up, weights version "
+    given_up = removals.counts.total("reset_removals_given_up")
+    check(given_up == 1 and side.weights_version == "v2",
+          f"after {n} failed tries: {given_up} removals given up, weights version "
           f"{side.weights_version!r}")
 
 
@@ -595,25 +598,25 @@ def probe_reset_keeping_the_version_misses_until_the_removal_is_done() -> None:
     a = Req("a", 2 * BS + 1)
     s = sched()
     store = _RemovingStore({k for kb in s.steps.key_builders for k in kb.keys(a.block_hashes)})
-    side, removals, _ = _reset_rig(store)
+    side, removals, _, bounded = _reset_rig(store)
     side.on_new_request(a)
-    check(side.lookup(a, 0) == 2 * BS, "before the reset the stored prompt does not hit")
+    check(ask_store(side, bounded, a, 0) == 2 * BS, "before the reset the stored prompt does not hit")
     store.rc = int(StoreCode.RPC_FAIL)
     with _reset_log_quiet():
         ok = connector_mod.reset_scheduler_side(side, removals)
     check(ok is True, f"a reset keeping the version returned {ok}")
-    hit = side.lookup(a, 0)
+    hit = ask_store(side, bounded, a, 0)
     check(hit == 0, f"after the reset, its removal not yet run, the stored prompt hits {hit} tokens")
     with _reset_log_quiet():
         removals.run_pending()
-    hit = side.lookup(a, 0)
-    check(removals.num_given_up == 1 and hit == 0,
-          f"with the removal given up ({removals.num_given_up}) the stored prompt hits {hit} tokens")
+    hit = ask_store(side, bounded, a, 0)
+    given_up = removals.counts.total("reset_removals_given_up")
+    check(given_up == 1 and hit == 0, f"with the removal given up ({given_up}) the stored prompt hits {hit} tokens")
     store.rc = 2
     with _reset_log_quiet():
         check(connector_mod.reset_scheduler_side(side, removals) is True, "the second reset was refused")
         removals.run_pending()
-    hit = side.lookup(a, 0)
+    hit = ask_store(side, bounded, a, 0)
     check(hit == 2 * BS, f"after a removal succeeded the prompt (the double removes nothing) hits {hit} tokens, "
                          f"not {2 * BS}: lookups stay off")
 
@@ -634,9 +637,9 @@ def _switch_after_removal(orig):  # the old order: remove on the engine thread, 
 
 
 def _gate_always_open(orig):  # the reset's keys answer from the store while their removal is owed
-    def batch_is_exist(self, keys):
-        return object.__getattribute__(self, "_kvl_store").batch_is_exist(keys)
-    return batch_is_exist
+    def gate_closed(self):
+        return False
+    return gate_closed
 
 
 def _removal_never_retried(orig):  # one failed try gives the removal up
@@ -682,7 +685,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "integrity_rows_by_place": [(integrity.BlockSeal, "verify", _verify_rows_by_place)],
     "tp_shared_head_owner_modulo": [(engine_facts, "kv_head_shard", _head_owner_modulo)],
     "breaker_backoff_never_doubles": [(MooncakeStore, "backoff_s", _backoff_never_doubles)],
-    "lookup_waits_behind_abandoned_call": [(DeadlineStore, "batch_is_exist", _waits_behind_abandoned_call)],
+    "lookup_waits_behind_abandoned_call": [(DeadlineStore, "check_exist", _waits_behind_abandoned_call)],
     "rendezvous_metadata_url_master_port": [(embedded.EmbeddedMooncake, "metadata_server",
                                              _metadata_url_on_master_port)],
     "rendezvous_attach_metadata_from_master_port": [(rendezvous, "parse_info", _attach_metadata_from_master_port)],
@@ -692,7 +695,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "weights_switch_keeps_old_keys": [(SchedulerSteps, "switch_weights_version", _switch_keeps_old_key_builders)],
     # the reset's order (switch first, remove after, off the engine thread), its gate and its retries
     "reset_switch_after_removal": [(connector_mod, "reset_scheduler_side", _switch_after_removal)],
-    "reset_gate_always_open": [(reset_mod.ResetGate, "batch_is_exist", _gate_always_open)],
+    "reset_gate_always_open": [(DeadlineStore, "gate_closed", _gate_always_open)],
     "reset_removal_never_retried": [(reset_mod.StoreRemovals, "_remove", _removal_never_retried)],
 }
 

@@ -213,9 +213,9 @@ def probe_the_store_never_trusts_an_unauthenticated_master() -> None:
     with quiet("kvledger_connector.store"):  # the unauthentic master is the probe's own doing
         res = st.batch_is_exist(["k"])
         check(st.breaker_open and raw.calls == 0 and res == [int(StoreCode.UNHEALTHY_SKIPPED)]
-              and st.num_unauthentic == 1,
+              and st.stats.total("master_unauthentic") == 1,
               f"a call to a master that is not authentic answered {res} with {raw.calls} client call(s), breaker "
-              f"{'open' if st.breaker_open else 'closed'}, {st.num_unauthentic} counted")
+              f"{'open' if st.breaker_open else 'closed'}, {st.stats.total('master_unauthentic')} counted")
         clock.t += st.skip_remaining_s + 1e-6
         check(not st.probe() and st.breaker_open and raw.calls == 0,
               f"a probe of a master that is not authentic closed the breaker or reached it ({raw.calls} calls)")

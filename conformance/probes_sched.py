@@ -21,9 +21,12 @@ from conformance.kvprobes import ProbeFailed, ProbeStore, check
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector import config as connector_config
+from kvledger_connector import scheduler_steps
+from kvledger_connector.config import max_job_blocks
 from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
-from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable, generation_of, max_job_blocks
+from kvledger_connector.scheduler import ask_store
+from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable, generation_of
 
 BS = 4  # tokens per block
 
@@ -54,8 +57,13 @@ class Sched:
             t.extend(b.block_id for b in self.pool.get_new_blocks(n - len(t)))
         return t
 
+    def tables_of(self, req_id: str) -> list[list[int]] | None:
+        """The request's block tables as vLLM hands them: one per KV cache group (one here)."""
+        t = self.table.get(req_id)
+        return None if t is None else [t]
+
     def step(self, scheduled: dict[str, int]) -> list[SaveSpec]:
-        return self.steps.emit_stores(scheduled, self.table.get)
+        return self.steps.emit_stores(scheduled, self.tables_of)
 
     def stored(self, req: DriverRequest, n: int, shards: Sequence[int] = (0,)) -> None:
         """Blocks [0, n) of ``req`` in the store, for the given shards."""
@@ -70,7 +78,7 @@ def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: b
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
     store = ProbeStore()
     steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
-                           store=store, max_pinned_blocks=pins, save_partial_tail=partial_tail,
+                           max_pinned_blocks=pins, save_partial_tail=partial_tail,
                            sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy,
                            max_held_requests=held)
     steps.bind_ledger(led)
@@ -86,10 +94,10 @@ def _hybrid(second: str, jobs_cap: int = 4, pins: int = 32) -> Sched:
                                        kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, store=ProbeStore(), max_pinned_blocks=pins,
-                           num_groups=2)
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, max_pinned_blocks=pins,
+                           num_groups=2, sync_load_max_tokens=0, max_held_requests=0)
     steps.bind_ledger(led)
-    return Sched(steps, led, pool, steps.store, {})
+    return Sched(steps, led, pool, ProbeStore(), {})
 
 
 def _hybrid_tables(s: Sched, n: int) -> tuple[list[int], list[int]]:
@@ -184,9 +192,9 @@ def probe_finish_notice_keeps_a_reused_id() -> None:
     new = Req("a", 2 * BS + 1)
     s.stored(new, 2)
     s.steps.on_new_request(new)
-    ext = s.steps.lookup(new, 0)
+    ext = ask_store(s.steps, s.store, new, 0)
     check(ext == 2 * BS, f"the new request's lookup hit {ext} tokens, expected {2 * BS}")
-    s.steps.emit_load(new, s.alloc("a (new)", 3), ext)
+    s.steps.emit_load(new, [s.alloc("a (new)", 3)], ext)
     drops = s.steps.notices(["a"], [])
     check(drops == [DropNotice("a", 0, True)], f"the finish notice closes {drops}")
     loads = s.steps.take_loads()
@@ -214,8 +222,8 @@ def probe_failed_load_blocks_are_saved() -> None:
     req = Req("a", 2 * BS + 1)
     s.stored(req, 2)
     s.steps.on_new_request(req)
-    ext = s.steps.lookup(req, 0)
-    s.steps.emit_load(req, s.alloc("a", 3), ext)
+    ext = ask_store(s.steps, s.store, req, 0)
+    s.steps.emit_load(req, [s.alloc("a", 3)], ext)
     s.steps.take_loads()
     s.steps.collect_loads(["a"])
     # the policy kept block 0 only (block 1 failed): vLLM recomputes from there
@@ -232,7 +240,7 @@ def probe_lookup_needs_every_shard() -> None:
     req = Req("a", 2 * BS + 1)
     s.stored(req, 2, shards=(0,))
     s.steps.on_new_request(req)
-    ext = s.steps.lookup(req, 0)
+    ext = ask_store(s.steps, s.store, req, 0)
     check(ext == 0, f"a lookup hit {ext} tokens with shard 1's keys missing")
 
 
@@ -253,7 +261,7 @@ def _sync_loaded(sync_load_max_tokens: int, policy: str = "fail") -> tuple[Sched
     req = Req("a", 3 * BS + 1)
     s.stored(req, 2)
     s.steps.on_new_request(req)
-    ext = s.steps.lookup(req, 0)
+    ext = ask_store(s.steps, s.store, req, 0)
     s.alloc("a", 4)
     return s, req, ext
 
@@ -263,7 +271,7 @@ def probe_save_waits_for_the_sync_load() -> None:
     ranks reported the load (a failed block would make the blocks computed after it wrong; the model's
     EmitStore needs the load done). Then the job covers every block from 0."""
     s, req, ext = _sync_loaded(1 << 10)
-    spec = s.steps.emit_load(req, s.table["a"], ext)
+    spec = s.steps.emit_load(req, [s.table["a"]], ext)
     check(spec is not None and spec.sync, f"a load of {ext} tokens under a limit of 1024 is not sync: {spec}")
     req.num_computed_tokens = ext
     early = s.step({"a": req.num_prompt_tokens - ext})
@@ -280,7 +288,7 @@ def probe_reused_id_with_a_pinned_load_loads_async() -> None:
     report releases the oldest pinned load of its req_id, so a sync report must never meet an older one."""
     s, req, ext = _sync_loaded(1 << 10)
     s.ledger.pin_load("a", s.alloc("old", 1))
-    spec = s.steps.emit_load(req, s.table["a"], ext)
+    spec = s.steps.emit_load(req, [s.table["a"]], ext)
     check(spec is not None and not spec.sync, f"a load of a req_id with a pinned load is sync: {spec}")
 
 
@@ -292,9 +300,9 @@ def probe_failed_sync_load_block_is_saved_once_recomputed() -> None:
     req = Req("a", 2 * BS + 1)
     s.stored(req, 2)
     s.steps.on_new_request(req)
-    ext = s.steps.lookup(req, 0)
+    ext = ask_store(s.steps, s.store, req, 0)
     s.alloc("a", 3)
-    s.steps.emit_load(req, s.table["a"], ext)
+    s.steps.emit_load(req, [s.table["a"]], ext)
     req.num_computed_tokens = ext
     early = s.step({"a": 1})
     check(early == [], f"the step of the sync load opened {early} before the load was reported")
@@ -309,7 +317,7 @@ def probe_recompute_policy_loads_async() -> None:
     """Under kv_load_failure_policy "recompute" no load is sync, however short: vLLM would keep a failed sync
     load's blocks in its prefix cache (evicted only under "fail"), for a later hit to read."""
     s, req, ext = _sync_loaded(1 << 10, policy="recompute")
-    spec = s.steps.emit_load(req, s.table["a"], ext)
+    spec = s.steps.emit_load(req, [s.table["a"]], ext)
     check(spec is not None and not spec.sync, f"a load under the recompute policy is sync: {spec}")
 
 
@@ -317,7 +325,7 @@ def probe_save_waits_for_a_shared_block_of_a_sync_load() -> None:
     """A request whose table shares a block with another's unreported sync load (a prefix-cache hit on it in
     the same schedule()) opens no store job until that load is reported: the block's bytes are not known."""
     s, req, ext = _sync_loaded(1 << 10)
-    s.steps.emit_load(req, s.table["a"], ext)
+    s.steps.emit_load(req, [s.table["a"]], ext)
     other = Req("b", 3 * BS + 1)
     s.steps.on_new_request(other)
     s.table["b"] = s.table["a"][:2] + [b.block_id for b in s.pool.get_new_blocks(2)]
@@ -412,7 +420,7 @@ def probe_a_deferred_job_saves_a_freed_window_block_only_while_vllm_caches_it() 
 def _lookup(s: Sched, req: DriverRequest, num_computed_tokens: int) -> int:
     """``lookup``, an exception in it a check failure: a mutated hit rule may index past the store's answers."""
     try:
-        return s.steps.lookup(req, num_computed_tokens)
+        return ask_store(s.steps, s.store, req, num_computed_tokens)
     except Exception as e:  # noqa: BLE001 - what the probe saw
         raise ProbeFailed(f"the lookup raised {type(e).__name__}: {e}") from e
 
@@ -453,9 +461,10 @@ def _lone_sliding() -> Sched:
                               extra=(("group", "0"), ("window", str(2 * BS)))))
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=32, first_job_id=1)
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[kb], store=ProbeStore(), max_pinned_blocks=32)
+    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[kb], max_pinned_blocks=32,
+                           sync_load_max_tokens=0, max_held_requests=0)
     steps.bind_ledger(led)
-    return Sched(steps, led, pool, steps.store, {})
+    return Sched(steps, led, pool, ProbeStore(), {})
 
 
 def probe_a_lone_sliding_group_never_pins_or_loads_the_null_block() -> None:
@@ -466,11 +475,11 @@ def probe_a_lone_sliding_group_never_pins_or_loads_the_null_block() -> None:
     req = Req("a", 4 * BS + 1)
     s.steps.on_new_request(req)
     s.stored(req, 4)
-    n = s.steps.lookup(req, 0)
+    n = ask_store(s.steps, s.store, req, 0)
     check(n == 4 * BS, f"the lookup answered {n} tokens, the store holds a hit of {4 * BS}")
     table = [0, 0] + [b.block_id for b in s.pool.get_new_blocks(3)]  # vLLM: null below the window
     try:
-        spec = s.steps.emit_load(req, table, n)
+        spec = s.steps.emit_load(req, [table], n)
     except LedgerInputError as e:
         check(False, f"the load of a lone sliding group's hit was refused: {e}")
         return
@@ -488,8 +497,8 @@ def probe_a_failed_load_is_requeued_once_under_recompute() -> None:
         req = Req("a", 3 * BS + 1)
         s.steps.on_new_request(req)
         s.stored(req, 2)
-        n = s.steps.lookup(req, 0)
-        spec = s.steps.emit_load(req, s.alloc("a", 4), n)
+        n = ask_store(s.steps, s.store, req, 0)
+        spec = s.steps.emit_load(req, [s.alloc("a", 4)], n)
         check(spec is not None, "no load for a stored hit")
         s.steps.note_load_errors({spec.block_ids[0]} if spec is not None else set())
         want = policy == "recompute"
@@ -504,9 +513,9 @@ def probe_a_load_that_cannot_be_planned_is_pinned_and_reported_failed() -> None:
     req = Req("a", 3 * BS + 1)
     s.steps.on_new_request(req)
     s.stored(req, 2)
-    n = s.steps.lookup(req, 0)
+    n = ask_store(s.steps, s.store, req, 0)
     table = s.alloc("a", 4)
-    spec = s.steps.refuse_load(req, table, n, "a table vLLM would not hand over")
+    spec = s.steps.refuse_load(req, [table], n, "a table vLLM would not hand over")
     check(spec is not None and bool(spec.refused) and list(spec.block_ids) == table[:2],
           f"the refused load is {spec}")
     check(s.ledger.has_pinned_load("a"), "the refused load holds no pin (its report would find none)")
@@ -540,9 +549,9 @@ def probe_the_outboxes_drain_each_step() -> None:
     sizes = []
     for r in reqs:
         s.steps.on_new_request(r)
-        n = s.steps.lookup(r, 0)
+        n = ask_store(s.steps, s.store, r, 0)
         if n:
-            s.steps.emit_load(r, s.alloc(r.request_id, 3), n)
+            s.steps.emit_load(r, [s.alloc(r.request_id, 3)], n)
         loads = s.steps.take_loads()
         jobs = _run(s, r, 2 * BS + 1 - n) if not n else []
         if n:
@@ -563,7 +572,7 @@ def probe_the_outboxes_drain_each_step() -> None:
 
 
 def probe_a_save_given_up_is_counted_only_for_a_deferred_finish() -> None:
-    """``saves_dropped`` (and ``num_saves_dropped``) counts a save given up: a request that finishes while its
+    """``saves_dropped`` counts a save given up: a request that finishes while its
     save is deferred adds exactly 1; one that finishes with its save done (its job still pinned), a deferral
     itself, and steps after it add nothing."""
     s = sched(jobs_cap=1)
@@ -571,20 +580,20 @@ def probe_a_save_given_up_is_counted_only_for_a_deferred_finish() -> None:
     for r in (a, b):
         s.steps.on_new_request(r)
 
-    def dropped() -> tuple[int, float]:
-        return s.steps.num_saves_dropped, s.steps.stats.total("saves_dropped")
+    def dropped() -> float:
+        return s.steps.stats.total("saves_dropped")
 
     (ja,) = _run(s, a, BS + 1)
     check(_run(s, b, BS + 1) == [] and s.steps.num_deferred == 1, "b's save was not deferred at the cap of 1")
-    check(dropped() == (0, 0), f"a deferral counted as a save given up: {dropped()}")
+    check(dropped() == 0, f"a deferral counted as a save given up: {dropped()}")
     s.steps.request_finished(a)  # its save done: a job, still pinned
-    check(dropped() == (0, 0), f"a request finishing with its save done counted a save given up: {dropped()}")
+    check(dropped() == 0, f"a request finishing with its save done counted a save given up: {dropped()}")
     s.steps.request_finished(b)  # deferred: its save is given up
-    check(dropped() == (1, 1), f"a request finishing while deferred counted {dropped()}, expected (1, 1)")
+    check(dropped() == 1, f"a request finishing while deferred counted {dropped()}, expected 1")
     s.steps.notices(["a", "b"], [])
     s.steps.collect({ja.store_job_id: 1})
     check(s.step({}) == [] and s.steps.num_deferred == 0, "the finished request's deferred save was retried")
-    check(dropped() == (1, 1), f"the steps after the finishes moved the count to {dropped()}")
+    check(dropped() == 1, f"the steps after the finishes moved the count to {dropped()}")
 
 
 def probe_a_deferred_save_holds_its_finished_request_until_it_is_stored() -> None:
@@ -614,7 +623,8 @@ def probe_a_deferred_save_holds_its_finished_request_until_it_is_stored() -> Non
     s.steps.note_freed(["b"])
     check(not s.steps.has_pending_push_work() and s.steps.num_held_requests == 0,
           "the held request is still counted after vLLM freed its blocks")
-    check(s.steps.num_saves_dropped == 0 and s.steps.releases() == [], "a held save was given up or re-sent")
+    check(s.steps.stats.total("saves_dropped") == 0 and s.steps.releases() == [],
+          "a held save was given up or re-sent")
 
 
 def probe_held_requests_are_bounded() -> None:
@@ -628,8 +638,8 @@ def probe_held_requests_are_bounded() -> None:
         _run(s, r, BS + 1)  # a opens the one job; b and c are deferred
     held = [s.steps.request_finished(r) for r in reqs[1:]]
     check(held == [True, False], f"with max_held_requests 1 the deferred finishes were held {held}")
-    check(s.steps.num_held_requests == 1 and s.steps.num_saves_dropped == 1,
-          f"{s.steps.num_held_requests} held, {s.steps.num_saves_dropped} given up; expected 1 and 1")
+    check(s.steps.num_held_requests == 1 and s.steps.stats.total("saves_dropped") == 1,
+          f"{s.steps.num_held_requests} held, {s.steps.stats.total('saves_dropped')} given up; expected 1 and 1")
 
 
 def probe_a_request_ended_by_an_error_is_never_held() -> None:
@@ -643,7 +653,8 @@ def probe_a_request_ended_by_an_error_is_never_held() -> None:
     _run(s, b, BS + 1)  # deferred at the cap
     check(s.steps.request_finished(b, may_hold=False) is False and s.steps.num_held_requests == 0,
           "a request ended by an error was held for its deferred save")
-    check(s.steps.num_saves_dropped == 1, f"{s.steps.num_saves_dropped} saves given up; expected 1")
+    given_up = s.steps.stats.total("saves_dropped")
+    check(given_up == 1, f"{given_up} saves given up; expected 1")
 
 
 def probe_a_mamba_hit_ends_at_its_last_state_key() -> None:
@@ -721,7 +732,7 @@ def probe_the_pin_cap_holds_a_job_of_every_kv_group() -> None:
     s.steps.on_new_request(req)
     full, win = _hybrid_tables(s, 4)
     jobs = s.steps.emit_stores({"a": 4 * BS}, {"a": (full, win)}.get)
-    check(len(jobs) == 1 and s.steps.num_saves_dropped == 0,
+    check(len(jobs) == 1 and s.steps.stats.total("saves_dropped") == 0,
           f"the longest prompt of a 2-group model under the derived cap {cap} opened {jobs}")
 
 
@@ -753,8 +764,9 @@ def _pins_from_saved_offset(orig):  # a job pins only the blocks new since the l
         skip = st.saved_blocks if st is not None else 0
 
         def table(q: str) -> Any:
-            t = table_of(q)
-            return None if t is None else [0] * min(skip, len(t)) + list(t[skip:])  # 0: vLLM's null block
+            tables = table_of(q)
+            return None if tables is None else [[0] * min(skip, len(t)) + list(t[skip:])  # 0: vLLM's null block
+                                                for t in tables]
         return orig(self, saves, req_id, num_scheduled, table, boundary_states)
     return emit_store
 
@@ -816,14 +828,14 @@ def _load_counted_whole(orig):  # every block of a load counts as saved, failed 
     return load_done
 
 
-def _lookup_own_shard_only(orig):  # the lookup asks its own shard's keys only
-    def _query(self, request, gen, num_computed_tokens):
+def _lookup_own_shard_only(orig):  # the lookup asks, and judges, its own shard's keys only
+    def own_shard(self, *args):
         kbs, self.key_builders = self.key_builders, self.key_builders[:1]
         try:
-            return orig(self, request, gen, num_computed_tokens)
+            return orig(self, *args)
         finally:
             self.key_builders = kbs
-    return _query
+    return own_shard
 
 
 def _preempt_notice_off_by_one(orig):  # the notice names the new generation, not the one that ended
@@ -871,30 +883,26 @@ def _sync_under_recompute(orig):  # the policy is not asked: short loads go sync
 
 
 def _state_rows_by_position(orig):  # a Mamba group saves its align-mode row by position, not vLLM's hand-offs
-    def _state_rows(self, tables, offers, lo, hi):
-        return tables
+    def _state_rows(tables, offers, lo, hi, block_size, state_groups):
+        return list(tables)
     return _state_rows
 
 
 def _state_hit_as_full(orig):  # a Mamba group's keys asked at every block of the hit, as full attention's
-    def _hit_run(self, res, start, n, m):
+    def _hit_run(self, rows, start, n):
         prop = KeyLayout.is_state
         KeyLayout.is_state = property(lambda _lay: False)  # type: ignore[method-assign,assignment]
         try:
-            return orig(self, res, start, n, m)
+            return orig(self, rows, start, n)
         finally:
             KeyLayout.is_state = prop  # type: ignore[method-assign]
     return _hit_run
 
 
 def _kept_block_unchecked(orig):  # a deferred job's kept blocks used whatever vLLM's record says now
-    def _with_kept_blocks(self, st, tables, lo, hi):
-        out, filled = [list(t) for t in tables], 0
-        for (g, p), (block_id, _) in st.kept_blocks.items():
-            if lo <= p < min(hi, len(out[g])) and out[g][p] == 0:
-                out[g][p], filled = block_id, filled + 1
-        return out, filled
-    return _with_kept_blocks
+    def _kept_blocks(self, st):
+        return {at: (block_id, True) for at, (block_id, _) in st.kept_blocks.items()}
+    return _kept_blocks
 
 
 def _deferral_keeps_no_block(orig):  # a deferred job keeps nothing vLLM may give back (states, window blocks)
@@ -904,7 +912,7 @@ def _deferral_keeps_no_block(orig):  # a deferred job keeps nothing vLLM may giv
 
 
 def _sliding_saves_every_block(orig):  # a sliding-window group saves every block, vLLM's rule ignored
-    def _reachable_rows(self, request, tables, lo, hi):
+    def _reachable_rows(tables, reachable, lo, hi):
         return tables
     return _reachable_rows
 
@@ -973,12 +981,10 @@ def _deferred_finish_not_counted(orig):  # a request finishing while deferred gi
 
 
 def _state_key_one_block_late(orig):  # the Mamba state key asked at block start + h, not start + h - 1
-    def _hit_run(self, res, start, n, m):
-        late = list(res)  # each state builder's answers moved one block on: the shipped rule then reads h
-        for s, kb in enumerate(self.key_builders):
-            if kb.layout.is_state:
-                late[s * m:(s + 1) * m] = list(res[s * m + 1:(s + 1) * m]) + [0]
-        return orig(self, late, start, n, m)
+    def _hit_run(self, rows, start, n):
+        # each state builder's answers moved one block on: the shipped rule then reads h
+        late = [list(row[1:]) + [0] if kb.layout.is_state else row for row, kb in zip(rows, self.key_builders)]
+        return orig(self, late, start, n)
     return _hit_run
 
 
@@ -1053,17 +1059,18 @@ MUTANTS: dict[str, list[Patch]] = {
     "sched_finish_notice_wipes_reused_id": [(SchedulerSteps, "notices", _finish_notice_wipes_reused_id)],
     "sched_generation_not_checked": [(_RequestTable, "current", _generation_not_checked)],
     "sched_failed_load_counted_saved": [(SchedulerSteps, "load_done", _load_counted_whole)],
-    "sched_lookup_own_shard_only": [(SchedulerSteps, "_query", _lookup_own_shard_only)],
+    "sched_lookup_own_shard_only": [(SchedulerSteps, "ask", _lookup_own_shard_only),
+                                    (SchedulerSteps, "_hit", _lookup_own_shard_only)],
     "sched_preempt_notice_off_by_one": [(SchedulerSteps, "notices", _preempt_notice_off_by_one)],
     "sched_sends_from_saved_offset": [(SchedulerSteps, "emit_store", _sends_from_saved_offset)],
     "sched_save_during_sync_load": [(SchedulerSteps, "emit_store", _save_during_sync_load)],
     "sched_sync_despite_pinned_load": [(SchedulerSteps, "load_is_async", _sync_despite_pinned_load)],
     "sched_sync_under_recompute": [(SchedulerSteps, "load_is_async", _sync_under_recompute)],
     "sched_save_reads_a_loading_block": [(SchedulerSteps, "emit_store", _save_reads_a_loading_block)],
-    "sched_state_rows_by_position": [(SchedulerSteps, "_state_rows", _state_rows_by_position)],
+    "sched_state_rows_by_position": [(scheduler_steps, "_state_rows", _state_rows_by_position)],
     "sched_state_hit_as_full": [(SchedulerSteps, "_hit_run", _state_hit_as_full)],
-    "sched_sliding_saves_every_block": [(SchedulerSteps, "_reachable_rows", _sliding_saves_every_block)],
-    "sched_kept_block_unchecked": [(SchedulerSteps, "_with_kept_blocks", _kept_block_unchecked)],
+    "sched_sliding_saves_every_block": [(scheduler_steps, "_reachable_rows", _sliding_saves_every_block)],
+    "sched_kept_block_unchecked": [(SchedulerSteps, "_kept_blocks", _kept_block_unchecked)],
     "sched_deferral_keeps_no_block": [(SchedulerSteps, "_keep_blocks", _deferral_keeps_no_block)],
     "sched_lone_group_as_full_attention": [(SchedulerSteps, "emit_load", _lone_group_as_full_attention)],
     "sched_failed_load_never_requeued": [(SchedulerSteps, "requeue_after_failed_load", _failed_load_never_requeued)],

@@ -100,6 +100,7 @@ def worker_side(store: Any, *, num_blocks: int = NUM_BLOCKS, secret: bytes | Non
     import torch
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
+    from kvledger_connector.block_shape import BlockShape
     from kvledger_connector.config import ConnectorConfig, StoreConfig
     from kvledger_connector.integrity import IntegrityKey
     from kvledger_connector.keys import KeyBuilder, KeyLayout
@@ -118,7 +119,7 @@ def worker_side(store: Any, *, num_blocks: int = NUM_BLOCKS, secret: bytes | Non
     keys = KeyBuilder(KeyLayout(model=model, tp_rank=0, tp_size=1, block_size=bs, dtype="torch.float32",
                                 kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=4))
     cfg = ConnectorConfig(store=StoreConfig(load_sub_batch_keys=load_sub_batch_keys), block_size=bs)
-    ws = WorkerSide(cfg, store=store, keys=keys, tp_rank=0, max_requests=16,
+    ws = WorkerSide(cfg, store=store, shape=BlockShape.of_keys([keys]), tp_rank=0, max_requests=16,
                     integrity=IntegrityKey("mac", secret) if secret is not None else None)
     ws.register_kv_caches(plan_block_copies(kv, layout="LBNHC", block_size=bs, num_blocks=num_blocks), kv)
     return ws, kv

@@ -45,7 +45,11 @@ the ``transitions`` machines, which are kept as the definition (diagrams, equiva
 
 Tracing: pass ``trace=`` a :class:`~kvledger.trace.TraceSink` (e.g. :class:`~kvledger.trace.NdjsonTrace`)
 to get one event per action; the schema is data, ``kvledger.trace.EVENTS`` (``check_event`` validates one).
+
+Counting: pass ``counts=`` a :class:`~kvledger.counts.Counter` (the connector's recorder) to count the
+ledgers' events there; without one each ledger counts into its own :class:`~kvledger.counts.Counts`.
 """
+from .counts import Counter, Counts
 from .errors import INVARIANTS, LedgerError, LedgerInputError, LedgerInvariantError
 from .load import LoadLedger, LoadResult, load_order, rotation
 from .metadata import aggregate, aggregate_all, aggregate_into, check_completed
@@ -54,6 +58,7 @@ from .trace import ListTrace, NdjsonTrace, TraceSink
 from .worker import StoreRequestState, Verdict, WorkerLedger, put_positions
 
 __all__ = [
+    "Counter", "Counts",
     "INVARIANTS", "LedgerError", "LedgerInputError", "LedgerInvariantError",
     "LoadLedger", "LoadResult", "load_order", "rotation",
     "aggregate", "aggregate_all", "aggregate_into", "check_completed",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from . import codes as _codes
+from .counts import Counter, Counts
 from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
 from .trace import TraceSink
 
@@ -67,10 +68,13 @@ class _Load:
 
 class LoadLedger:
     """Bounds: ``max_inflight_loads`` loads begun and not finished; ``max_error_blocks`` block ids
-    reported and not yet taken (vLLM takes them every step, so this is only reached if nobody does)."""
+    reported and not yet taken (vLLM takes them every step, so this is only reached if nobody does).
+
+    Counted into ``counts`` (the connector's recorder, or the ledger's own `Counts`): loads_finished. The
+    blocks reported failed are counted by the caller that reports them (load_errors_reported)."""
 
     def __init__(self, rank: int = 0, *, max_inflight_loads: int, max_error_blocks: int = 1 << 20,
-                 trace: TraceSink | None = None) -> None:
+                 trace: TraceSink | None = None, counts: Counter | None = None) -> None:
         check_positive_int("rank", rank, allow_zero=True)
         check_positive_int("max_inflight_loads", max_inflight_loads)
         check_positive_int("max_error_blocks", max_error_blocks)
@@ -82,8 +86,7 @@ class LoadLedger:
         self._errors: set[int] = set()
         self._next_load_id = 0
         self._trace = trace
-        self.num_failed_blocks = 0
-        self.num_loads_finished = 0
+        self.counts: Counter = counts if counts is not None else Counts()
 
     def begin_load(self, req_id: str, block_ids: Sequence[int], keys_per_block: int = 1) -> int:
         """Start a load of ``block_ids`` (the blocks the keys load into) for ``req_id``; a block is stored
@@ -141,7 +144,6 @@ class LoadLedger:
             ld.loaded.discard(b)
             ld.failed.add(b)
         self._errors.update(new)
-        self.num_failed_blocks += len(new)
         if new:
             ld.reasons.append(reason)
 
@@ -177,7 +179,7 @@ class LoadLedger:
                 "S8", f"rank {self.rank}: load {load_id} of {ld.req_id!r} would finish with blocks {pend} "
                       f"neither loaded nor reported (call fail_pending first)")
         del self._loads[load_id]
-        self.num_loads_finished += 1
+        self.counts.add("loads_finished")
         if self._trace is not None:
             self._trace.emit(self._actor, "Load", {
                 "load": load_id, "req_id": ld.req_id, "attempted": ld.attempted,

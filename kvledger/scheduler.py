@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
+from .counts import Counter, Counts
 from .errors import LedgerInputError, LedgerInvariantError, check_positive_int
 from .trace import TraceSink
 
@@ -46,10 +47,15 @@ class BlockPoolLike(Protocol[B]):
 
 class SchedulerLedger:
     """Job ids, pins and the cap. ``max_pinned_blocks`` counts block pins (a block pinned by two jobs
-    counts twice): an upper bound on distinct pinned blocks, so the cap on it bounds them too."""
+    counts twice): an upper bound on distinct pinned blocks, so the cap on it bounds them too.
+
+    Counted into ``counts`` (the connector's recorder, or the ledger's own `Counts`): jobs_released,
+    unknown_reports, loads_pinned, loads_released. A deferred `open_job` is not counted here: its caller
+    sees the None and counts the deferred save."""
 
     def __init__(self, block_pool: BlockPoolLike[Any], *, world_size: int, max_inflight_jobs: int,
-                 max_pinned_blocks: int, first_job_id: int = 0, trace: TraceSink | None = None) -> None:
+                 max_pinned_blocks: int, first_job_id: int = 0, trace: TraceSink | None = None,
+                 counts: Counter | None = None) -> None:
         check_positive_int("world_size", world_size)
         check_positive_int("max_inflight_jobs", max_inflight_jobs)
         check_positive_int("max_pinned_blocks", max_pinned_blocks)
@@ -76,13 +82,8 @@ class SchedulerLedger:
         # one pinned load (S9 LoadsPinned, checked), so load-pinned blocks <= the pool's blocks.
         self._loads: dict[str, list[list[Any]]] = {}
         self._load_dest: dict[int, str] = {}
-        self.num_loads_pinned = 0
-        self.num_loads_released = 0
         self.peak_load_pinned_blocks = 0
-        # counters
-        self.num_jobs_released = 0
-        self.num_deferrals = 0
-        self.num_unknown_reports = 0
+        self.counts: Counter = counts if counts is not None else Counts()
         self.peak_pinned_blocks = 0
         self.peak_inflight_jobs = 0
 
@@ -115,7 +116,6 @@ class SchedulerLedger:
             if n > self._max_pins:
                 raise LedgerInputError("block_ids", f"{n} blocks for {req_id!r}",
                                        f"more than max_pinned_blocks={self._max_pins}: never admissible")
-            self.num_deferrals += 1
             return None
         try:
             blocks = list(map(self._get_block, ids))
@@ -158,7 +158,7 @@ class SchedulerLedger:
     def collect(self, completed: Mapping[int, int]) -> int:
         """Collect: consume merged worker reports ``{job_id: number of ranks that finished it}``.
 
-        An unknown job id is ignored and counted (``num_unknown_reports``). When a job's ``ranks_left``
+        An unknown job id is ignored and counted (``unknown_reports``). When a job's ``ranks_left``
         reaches 0 its blocks are freed in reverse pin order (tail first). Returns the number of jobs released.
 
         A count that would take ``ranks_left`` below 0 raises ``LedgerInvariantError`` (S5 ReportedOnce) and
@@ -174,7 +174,7 @@ class SchedulerLedger:
         for job_id, n in completed.items():
             rec = pinned.get(job_id)
             if rec is None:
-                self.num_unknown_reports += 1
+                self.counts.add("unknown_reports")
                 if unknown is not None:
                     unknown.append(job_id)
                 continue
@@ -199,7 +199,8 @@ class SchedulerLedger:
             released += 1
             if rel_ids is not None:
                 rel_ids.append(job_id)
-        self.num_jobs_released += released
+        if released:
+            self.counts.add("jobs_released", released)
         if trace is not None:
             trace.emit("sched", "Collect", {
                 "completed": {str(k): v for k, v in completed.items()},
@@ -246,7 +247,7 @@ class SchedulerLedger:
         self._loads.setdefault(req_id, []).append([blocks, self._world_size])
         for b in ids:
             self._load_dest[b] = req_id
-        self.num_loads_pinned += 1
+        self.counts.add("loads_pinned")
         n = len(self._load_dest)
         if n > self.peak_load_pinned_blocks:
             self.peak_load_pinned_blocks = n
@@ -292,7 +293,8 @@ class SchedulerLedger:
                 del self._load_dest[blk.block_id]
             free(reversed(rec[0]))
             released.append(req_id)
-        self.num_loads_released += len(released)
+        if released:
+            self.counts.add("loads_released", len(released))
         if self._trace is not None:
             self._trace.emit("sched", "CollectLoad", {
                 "completed": dict(completed), "released": released,
@@ -390,22 +392,28 @@ class SchedulerLedger:
         return job_id in self._pinned
 
     def stats(self) -> dict[str, int]:
+        """The live sizes and peaks, and the counters' totals as ``counts`` holds them (a shared recorder's
+        totals are those of every ledger counting into it)."""
+        total = self.counts.total
         return {
             "inflight_jobs": len(self._pinned), "pinned_blocks": self._num_pins,
-            "jobs_opened": self.num_jobs_opened, "jobs_released": self.num_jobs_released,
-            "deferrals": self.num_deferrals, "unknown_reports": self.num_unknown_reports,
+            "jobs_opened": self.num_jobs_opened, "jobs_released": int(total("jobs_released")),
+            "unknown_reports": int(total("unknown_reports")),
             "peak_pinned_blocks": self.peak_pinned_blocks, "peak_inflight_jobs": self.peak_inflight_jobs,
             "pinned_loads": self.num_pinned_loads, "load_pinned_blocks": len(self._load_dest),
-            "loads_pinned": self.num_loads_pinned, "loads_released": self.num_loads_released,
+            "loads_pinned": int(total("loads_pinned")), "loads_released": int(total("loads_released")),
         }
 
     def release_all(self) -> int:
         """Free every pin now (engine shutdown, after the workers stopped: no DMA can read and no load
         can write any more), load pins included. Returns the number of store jobs released."""
+        loads = 0
         for fifo in self._loads.values():
             for blocks, _ in fifo:
                 self._pool.free_blocks(reversed(blocks))
-                self.num_loads_released += 1
+                loads += 1
+        if loads:
+            self.counts.add("loads_released", loads)
         self._loads.clear()
         self._load_dest.clear()
         n = 0
@@ -414,5 +422,6 @@ class SchedulerLedger:
             self._num_pins -= len(blocks)
             self._pool.free_blocks(reversed(blocks))
             n += 1
-        self.num_jobs_released += n
+        if n:
+            self.counts.add("jobs_released", n)
         return n

@@ -39,11 +39,11 @@ from urllib.parse import urlsplit
 from kvledger.errors import LedgerInputError
 from kvledger_connector import upstream_keys as upstream
 from kvledger_connector.ownfile import read_own_file
-from kvledger_connector.scheduler_steps import LOAD_FAILURE_POLICIES, max_job_blocks
 from kvledger_connector.upstream_keys import ENV_CONFIG_PATH
 
-__all__ = ["ENV_CONFIG_PATH", "KEYS", "ConfigError", "ConnectorConfig", "EngineFigures", "Key", "Settings",
-           "StoreConfig", "advertised_address", "derive_pin_cap", "parse_size", "read_settings"]
+__all__ = ["ENV_CONFIG_PATH", "KEYS", "LOAD_FAILURE_POLICIES", "ConfigError", "ConnectorConfig", "EngineFigures",
+           "Key", "Settings", "StoreConfig", "advertised_address", "derive_pin_cap", "max_job_blocks", "parse_size",
+           "read_settings"]
 
 _EXTRA = "kv_connector_extra_config"
 _ENVIRONMENT = "environment"
@@ -85,6 +85,15 @@ KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", 
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
+#: vLLM's ``kv_load_failure_policy`` values
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+def max_job_blocks(max_model_len: int, block_size: int) -> int:
+    """The most blocks one store job pins of a KV cache group: the longest request's table,
+    ceil(max_model_len / block_size). A partial tail is the table's own last block (read in place, never a
+    copy-on-write block outside the table), so it adds nothing."""
+    return -(-max_model_len // block_size)
 
 
 @dataclass(frozen=True)
@@ -714,8 +723,8 @@ class EngineFigures(Protocol):
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
                    max_inflight_jobs: int, num_kv_groups: int = 1) -> int:
     """The default ``max_pinned_blocks``: ``max(L, min(P // 2, J * L))`` with L the most blocks one store
-    job pins (`scheduler_steps.max_job_blocks`: the longest request's table, times the KV cache groups of
-    a hybrid model, whose tables share the pool), P the GPU block pool, J = max_inflight_jobs.
+    job pins (`max_job_blocks`: the longest request's table, times the KV cache groups of a hybrid model,
+    whose tables share the pool), P the GPU block pool, J = max_inflight_jobs.
 
     Why: a store job pins the blocks it reads until every rank reported. While its request runs they are
     the request's own blocks; after the request finishes or is preempted they stay out of the free pool.

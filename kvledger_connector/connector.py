@@ -53,9 +53,9 @@ from kvledger_connector.integrity import CHECKSUM_ONLY, IntegrityKey
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
 from kvledger_connector.rendezvous import AttachedMooncake
-from kvledger_connector.reset import ResetGate, StoreRemovals, reset_scheduler_side
+from kvledger_connector.reset import StoreRemovals, reset_scheduler_side
 from kvledger_connector.scheduler import SchedulerSide
-from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder, TimedLookups
+from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
 from kvledger_connector.store import KVStore, MooncakeStore
 from kvledger_connector.worker import WorkerSide
 
@@ -157,27 +157,25 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             # lookups only: this client contributes no memory
             self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
             builders = self._key_builders()
-            # the engine step's store calls, each bounded by lookup_timeout_ms
-            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
             # the resets' removals run on their own thread; until one is done its keys answer "missing"
             self.removals = StoreRemovals(self.store, stats=self.stats)
-            gated = ResetGate(bounded, self.removals)
+            # the engine step's store calls: gated by the removals, each bounded by lookup_timeout_ms, timed
+            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats,
+                                                    gate=self.removals)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
-                                                store=TimedLookups(gated, self.stats),  # lookup histogram
-                                                weights_version=facts.weights_version)
+                                                store=bounded, weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group
                 self.scheduler_side.events = StoreEvents(
-                    key_builders=builders, store=gated, block_size=cfg.block_size, max_pending=cfg.max_kv_events,
+                    key_builders=builders, store=bounded.untimed(), block_size=cfg.block_size,
+                    max_pending=cfg.max_kv_events,
                     stats=self.stats, group_specs=spec_metadata([g.spec for g in facts.groups] or [facts.spec]))
         else:
             self.store = store if store is not None else self._connect(sc)
-            builders = [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for()]
             self.worker_side = WorkerSide(
-                cfg, store=self.store, keys=builders[0] if len(builders) == 1 else builders,
-                part_groups=facts.part_groups,
+                cfg, store=self.store, shape=facts.block_shape(max_key_bytes=sc.max_key_bytes, namespace=sc.namespace),
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
-                rekey=lambda v: [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in facts.layouts_for(v)])
+                rekey=lambda v: facts.block_shape(v, max_key_bytes=sc.max_key_bytes, namespace=sc.namespace).builders)
 
     @property
     def store_config(self) -> StoreConfig:

@@ -1,5 +1,7 @@
-"""The scheduler's store calls, each with a deadline: a store that does not answer costs an engine step at
-most ``lookup_timeout_ms``, once, then nothing until the store answers again.
+"""The scheduler's store calls, in one wrapper (`DeadlineStore`): gated while a reset's removal is owed,
+skipped while the store's breaker is open, each bounded by a deadline, the prefix lookups timed, every
+outcome counted into the one counter sink. A store that does not answer costs an engine step at most
+``lookup_timeout_ms``, once, then nothing until the store answers again.
 
     scheduler thread                         kvledger-lookup thread (one per scheduler side)
     batch_is_exist(keys) ──put──► queue ──► store.batch_is_exist(keys) ──► result ──► done.set()
@@ -8,11 +10,16 @@ most ``lookup_timeout_ms``, once, then nothing until the store answers again.
                                      (`MooncakeStore.trip`): later calls are skipped at once until its
                                      prober sees the master answer
 
-Only existence checks (lookups, the KV-events check) go through here: they read no GPU memory, so a call
-abandoned past its deadline may finish whenever it does and harm nothing; its late answer is dropped.
-While the abandoned call is still inside the client, new calls are not queued behind it: they answer
-UNHEALTHY_SKIPPED at once, so at most one call is inside the store through here. A store whose breaker is
-open answers without the round trip through the thread.
+In order, per call: the reset's gate (`StoreRemovals.gated`, kvledger_connector/reset.py) answers every
+key "missing" while the keys may still hold pre-reset KV; a store whose breaker is open answers without the
+round trip through the thread; otherwise the call goes through the thread, bounded. ``batch_is_exist`` is a
+prefix lookup: its duration (gated ones included) goes to ``lookup_s`` and its histogram; the KV-events
+check goes through `untimed` (the same calls, not a prefix lookup, kept out of ``lookup_s``).
+
+Only existence checks go through here: they read no GPU memory, so a call abandoned past its deadline may
+finish whenever it does and harm nothing; its late answer is dropped. While the abandoned call is still
+inside the client, new calls are not queued behind it: they answer UNHEALTHY_SKIPPED at once (counted in
+``lookups_skipped_busy``), so at most one call is inside the store through here.
 
 Why a thread and not Mooncake's own RPC timeout: a call to a master that just died spends ~4-5 s in
 Mooncake's reconnect attempts (measured), well past `rpc_timeout_ms`, and `MC_RPC_TIMEOUT_MS` is
@@ -23,13 +30,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from kvledger.counts import Counter, Counts
+from kvledger.errors import LedgerInputError
 from kvledger_connector.store import StoreCode
 
 logger = logging.getLogger(__name__)
+
+
+class Gate(Protocol):
+    """What the gate of these calls needs: True while the keys may still hold pre-reset KV."""
+
+    @property
+    def gated(self) -> bool: ...
 
 
 @dataclass
@@ -40,38 +57,63 @@ class _Call:
 
 
 class DeadlineStore:
-    """``store`` with each ``batch_is_exist`` bounded by ``timeout_s`` (see the module doc). Everything else,
-    attribute reads and writes included, is the wrapped store's own."""
+    """``store`` as the scheduler calls it (see the module doc). ``gate``: an object whose ``gated`` is True
+    while a reset's removal is owed (`StoreRemovals`), or None. ``stats``: the counter sink (the connector's
+    `StatsRecorder`; its own `Counts` when None), read as ``counts``. Everything else, attribute reads and
+    writes included, is the wrapped store's own."""
 
-    def __init__(self, store: Any, timeout_s: float, stats: Any = None) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"DeadlineStore timeout_s={timeout_s!r}: must be > 0")
+    def __init__(self, store: Any, timeout_s: float, stats: Counter | None = None, *,
+                 gate: Gate | None = None) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise LedgerInputError("timeout_s", timeout_s, "a store call's deadline must be > 0 seconds")
         object.__setattr__(self, "_kvl_store", store)
-        object.__setattr__(self, "_kvl_timeout_s", timeout_s)
+        object.__setattr__(self, "_kvl_timeout_s", float(timeout_s))
+        object.__setattr__(self, "_kvl_gate", gate)
         object.__setattr__(self, "_kvl_q", queue.SimpleQueue())
         object.__setattr__(self, "_kvl_busy", threading.Lock())  # held while a call is inside the store
         object.__setattr__(self, "_kvl_thread", None)
         object.__setattr__(self, "_kvl_stopped", False)
-        object.__setattr__(self, "_kvl_stats", stats)  # a StatsRecorder (lookups_past_deadline) or None
-        object.__setattr__(self, "num_deadline_missed", 0)  # calls answered as timed out
-        object.__setattr__(self, "num_skipped_busy", 0)  # calls answered at once: an abandoned one still inside
+        object.__setattr__(self, "_kvl_stats", stats if stats is not None else Counts())
+
+    @property
+    def counts(self) -> Counter:
+        """The counter sink these calls count into (lookup_s, lookups_past_deadline, lookups_skipped_busy)."""
+        return self._kvl_stats
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        store = self._kvl_store
+        """A prefix lookup: `check_exist`, its duration added to ``lookup_s`` (one call of its histogram)."""
+        t0 = time.perf_counter()
+        try:
+            return self.check_exist(keys)
+        finally:
+            self._kvl_stats.add("lookup_s", time.perf_counter() - t0)
+
+    def untimed(self) -> UntimedChecks:
+        """These calls for existence checks that are not prefix lookups (the KV-events check)."""
+        return UntimedChecks(self)
+
+    def gate_closed(self) -> bool:
+        """Whether the reset's gate answers every key "missing" now."""
+        gate = self._kvl_gate
+        return gate is not None and bool(gate.gated)
+
+    def check_exist(self, keys: Sequence[str]) -> list[int]:
+        """The gated, breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
         n = len(keys)
+        if self.gate_closed():
+            return [0] * n
+        store = self._kvl_store
         if self._kvl_stopped or getattr(store, "breaker_open", False):
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
         if not self._kvl_busy.acquire(blocking=False):  # an abandoned call is still inside
-            object.__setattr__(self, "num_skipped_busy", self.num_skipped_busy + 1)
+            self._kvl_stats.add("lookups_skipped_busy")
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
         call = _Call(list(keys))
         self._start()
         self._kvl_q.put(call)
         if call.done.wait(self._kvl_timeout_s):
             return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
-        object.__setattr__(self, "num_deadline_missed", self.num_deadline_missed + 1)
-        if self._kvl_stats is not None:
-            self._kvl_stats.add("lookups_past_deadline")
+        self._kvl_stats.add("lookups_past_deadline")
         trip = getattr(store, "trip", None)
         if trip is not None:
             trip()
@@ -108,3 +150,13 @@ class DeadlineStore:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._kvl_store, name, value)
+
+
+class UntimedChecks:
+    """A `DeadlineStore`'s existence checks, not timed as prefix lookups (`DeadlineStore.untimed`)."""
+
+    def __init__(self, calls: DeadlineStore) -> None:
+        self._calls = calls
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return self._calls.check_exist(keys)

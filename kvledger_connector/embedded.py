@@ -54,6 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvledger.counts import Counter, Counts
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -295,7 +297,9 @@ class EmbeddedMooncake:
         self.supervise = supervise
         self.on_restart = on_restart
         self.master_inode = 0  # the master's listener (socket inode) since its last start; 0: none yet
-        self.num_master_restarts = 0  # by the supervisor
+        # the counter sink: master_restarts (by the supervisor; `wait_restarts` reads it, so a recorder handed
+        # in here is one no other master counts into)
+        self.stats: Counter = Counts()
         self._start_lock = threading.Lock()  # the supervisor vs restart_master: one starts the master
         self._restarted = threading.Condition()
         self._supervisor: threading.Thread | None = None
@@ -414,10 +418,10 @@ class EmbeddedMooncake:
             if not started:  # restart_master started it: wait on that one
                 continue
             with self._restarted:
-                self.num_master_restarts += 1
+                self.stats.add("master_restarts")
                 self._restarted.notify_all()
             logger.warning("embedded mooncake_master restarted (pid %s, restart %d) on %s", self.master_pid,
-                           self.num_master_restarts, self.master_address)
+                           self.stats.total("master_restarts"), self.master_address)
             self._announce()
 
     def _restart(self) -> bool:
@@ -448,7 +452,7 @@ class EmbeddedMooncake:
     def wait_restarts(self, n: int, timeout: float) -> bool:
         """Whether the supervisor has restarted the master at least ``n`` times within ``timeout`` seconds."""
         with self._restarted:
-            return self._restarted.wait_for(lambda: self.num_master_restarts >= n, timeout)
+            return self._restarted.wait_for(lambda: self.stats.total("master_restarts") >= n, timeout)
 
     def start_holder(self, segment_size: int) -> int:
         """Start a storage-only `mooncake_client` contributing `segment_size` bytes to the pool (RPC port on

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvledger_connector.config import BY_NAME, ConfigError
-from kvledger_connector.keys import KeyLayout
+from kvledger_connector.block_shape import BlockShape
+from kvledger_connector.keys import KeyBuilder, KeyLayout
 from kvledger_connector.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
                                         plan_state_copies)
 from kvledger_connector.ownfile import read_own_file
@@ -382,7 +383,7 @@ class EngineFacts:
             integrity_tag) for g in groups]
         # a table of the request's every block (one full-attention group) is keyed as it always was; anything
         # else keys each group by its layers, its window or state, and is served by the groups' rules
-        per_group = len(groups) > 1 or groups[0].window is not None
+        per_group = [(g.window, g.state) for g in groups] != [(None, False)]
         if per_group:
             layouts = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
                 ("group", str(g.index)), ("window", str(g.window or 0)),
@@ -454,10 +455,13 @@ class EngineFacts:
         one the facts were built under)."""
         return [part for lay in self._rank_layouts(weights_version) for part in self._parts(lay)]
 
-    @property
-    def part_groups(self) -> list[int]:
-        """The KV cache group of each part of `layouts_for` (its block table in a SaveSpec or LoadSpec)."""
-        return [g for g in range(self.num_groups) for _ in range(self.key_parts)]
+    def block_shape(self, weights_version: str | None = None, *, max_key_bytes: int = 512,
+                    namespace: str = "") -> BlockShape:
+        """This rank's block (kvledger_connector/block_shape.py): the parts of `layouts_for`, in order, each
+        with its KV cache group, the group's kind and its key builder, under `weights_version` (default: the
+        one the facts were built under)."""
+        return BlockShape.of_keys([KeyBuilder(lay, max_key_bytes, namespace)
+                                   for lay in self.layouts_for(weights_version)])
 
     def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks

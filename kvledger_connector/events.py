@@ -74,7 +74,7 @@ class StoreEvents:
                 raise LedgerInputError(name, v, "must be an int >= 1")
         self.group_specs = list(group_specs)
         self.key_builders = list(key_builders)
-        self.store = store  # not TimedLookups: these checks are not prefix lookups (kept out of lookup_s)
+        self.store = store  # DeadlineStore.untimed(): these checks are not prefix lookups (kept out of lookup_s)
         self.block_size = block_size
         self.max_pending = max_pending
         self.max_announced = max_announced
@@ -83,9 +83,6 @@ class StoreEvents:
         self._jobs: dict[int, _JobBlocks] = {}
         self._announced: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # (KV cache group, block hash)
         self.lost_track = False  # an announced hash was forgotten (cap): a reset must clear everything
-        self.num_dropped = 0
-        self.num_stored_blocks = 0
-        self.num_removed_blocks = 0
 
     @property
     def key_builders(self) -> list[KeyBuilder]:
@@ -105,7 +102,6 @@ class StoreEvents:
     def _emit(self, event: KVCacheEvent) -> None:
         if len(self._pending) >= self.max_pending:
             self._pending.popleft()  # oldest first: a router that lags loses history, not the present
-            self.num_dropped += 1
             self.stats.add("kv_events_dropped")
         self._pending.append(event)
 
@@ -182,7 +178,7 @@ class StoreEvents:
                 kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))
             for h in hashes[i:j]:
                 self._remember(group, h)
-            self.num_stored_blocks += j - i
+            self.stats.add("kv_events_stored_blocks", j - i)
             parent = hashes[j - 1]
             i = j
 
@@ -194,7 +190,7 @@ class StoreEvents:
 
     # ------------------------------------------------------------------ removed
     def looked_up(self, hashes: Sequence[bytes], codes: Sequence[int]) -> None:
-        """A prefix lookup's ``batch_is_exist`` answer (shard-major, as SchedulerSteps._query asks): an announced
+        """A prefix lookup's ``batch_is_exist`` answer (shard-major: `lookup_keys`' order): an announced
         block of a group that some shard of that group answered 0 for is gone (evicted or removed); an error
         code proves nothing."""
         if not self._announced:
@@ -210,7 +206,7 @@ class StoreEvents:
                     del self._announced[(g, h)]
                 self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in gone], medium=MEDIUM,
                                         group_idx=g))
-                self.num_removed_blocks += len(gone)
+                self.stats.add("kv_events_removed_blocks", len(gone))
 
     def store_reset(self) -> None:
         """Every key of this engine was removed (reset_cache)."""
@@ -222,7 +218,8 @@ class StoreEvents:
                 if hs:
                     self._emit(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in hs], medium=MEDIUM,
                                             group_idx=g))
-        self.num_removed_blocks += len(self._announced)
+        if self._announced:
+            self.stats.add("kv_events_removed_blocks", len(self._announced))
         self._announced.clear()
         self.lost_track = False
 

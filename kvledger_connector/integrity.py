@@ -252,8 +252,9 @@ class BlockSeal:
     once (the store thread, the load threads, the step's sync load): `slot` takes one for a call, and with
     it that slot's staging rows.
 
-    A hybrid model's KV cache groups: one copy plan per group (equal block bytes), and the calls name each
-    block's group (``kv_groups``), whose views its tag is computed from."""
+    One copy plan per part of a block (`BlockShape`: a hybrid model's KV cache groups, the TP-shared layout's
+    head shards; equal block bytes), and the calls name each block's part (``parts``, default part 0), whose
+    views its tag is computed from."""
 
     def __init__(self, ikey: IntegrityKey, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
                  kv_caches: Mapping[str, Any], *, slots: int, max_keys: int) -> None:
@@ -280,7 +281,7 @@ class BlockSeal:
         if device is None:
             raise KVLayoutError("integrity: no KV cache tensors to read blocks from")
         self.device = device
-        self._segs = [self._group(p, flats) for p in plans]  # per KV cache group
+        self._segs = [self._group(p, flats) for p in plans]  # per part of a block
         self._views = [[g.view for g in segs] for segs in self._segs]
         self._offsets = [[g.offset for g in segs] for segs in self._segs]
         self.num_chunks = -(-self.block_bytes // CHUNK)
@@ -291,7 +292,6 @@ class BlockSeal:
         self._free: queue.Queue[int] = queue.Queue(maxsize=slots)
         for i in range(slots):
             self._free.put_nowait(i)
-        self.num_mismatches = 0
         self.trailer_bytes = TRAILER_BYTES
         if ikey.construction == "b3":
             self._b3_key = ikey.b3_key
@@ -341,57 +341,56 @@ class BlockSeal:
         close()
         return out
 
-    def _check_group(self, kv_group: int) -> None:
-        if not 0 <= kv_group < len(self._segs):
-            raise LedgerInputError("kv_group", kv_group, f"not one of this seal's {len(self._segs)} groups")
+    def _check_part(self, part: int) -> None:
+        if part.__class__ is not int or not 0 <= part < len(self._views):
+            raise LedgerInputError("part", part, f"not one of this seal's {len(self._views)} parts of a block")
 
-    def _by_group(self, n: int, kv_groups: Sequence[int] | None) -> dict[int, list[int]]:
-        """Indices 0..n-1 by KV cache group (``kv_groups``: each block's; None or one group: all group 0)."""
-        if kv_groups is None or len(self._segs) == 1:
-            return {0: list(range(n))}
-        if len(kv_groups) != n:
-            raise LedgerInputError("kv_groups", len(kv_groups), f"one per block ({n})")
+    def _by_part(self, n: int, parts: Sequence[int] | None) -> dict[int, list[int]]:
+        """Indices 0..n-1 by part of a block (``parts``: each block's; None: all part 0)."""
+        parts = [0] * n if parts is None else parts
+        if len(parts) != n:
+            raise LedgerInputError("parts", len(parts), f"one per block ({n})")
         out: dict[int, list[int]] = {}
-        for i, g in enumerate(kv_groups):
-            out.setdefault(g, []).append(i)
-        for g in out:
-            self._check_group(g)
+        for i, p in enumerate(parts):
+            out.setdefault(p, []).append(i)
+        for p in out:
+            self._check_part(p)
         return out
 
     # ------------------------------------------------------------------ tags
-    def _gather(self, block_ids: Sequence[int], kv_group: int = 0) -> torch.Tensor:
+    def _gather(self, block_ids: Sequence[int], part: int = 0) -> torch.Tensor:
         """mm8: the blocks' objects, zero-padded to whole chunks: int8 [n, num_chunks * CHUNK] (one call; an
         index_select of these views runs at a fraction of memcpy speed on a CPU)."""
         buf = torch.empty((len(block_ids), self.num_chunks * CHUNK), dtype=torch.int8, device=self.device)
         buf[:, self.block_bytes:].zero_()
-        gather_rows(self._views[kv_group], self._offsets[kv_group], [int(b) for b in block_ids], buf)
+        gather_rows(self._views[part], self._offsets[part], [int(b) for b in block_ids], buf)
         return buf
 
     def _digests(self, buf: torch.Tensor) -> np.ndarray:
         return _host(mm8_digests(buf, self._a, self._u)).view(np.uint64)
 
-    def digests(self, block_ids: Sequence[int], kv_groups: Sequence[int] | None = None) -> np.ndarray:
+    def digests(self, block_ids: Sequence[int], parts: Sequence[int] | None = None) -> np.ndarray:
         """mm8's T of each block (uint64 [n, LANES]), from the KV cache as it is now.
 
         Every torch call releases the GIL and takes it back, and in an engine whose main thread is busy in
         Python each take can wait out the interpreter's switch interval: a load's latency then grows with
         its count of torch calls, not its bytes (`bench.engine` measured it). Up to FEW_BLOCKS blocks, one
         TorchScript call does it all; a larger batch amortises its calls and takes the faster copies.
-        ``kv_groups``: each block's KV cache group (several groups; default group 0)."""
+        ``parts``: each block's part of a block (default part 0)."""
         if self.ikey.construction != "mm8":
             raise LedgerInputError("construction", self.ikey.construction, "digests are mm8's first level")
         out = np.empty((len(block_ids), LANES), dtype=np.uint64)
-        for g, at in self._by_group(len(block_ids), kv_groups).items():
+        for g, at in self._by_part(len(block_ids), parts).items():
             out[at] = self._digests_of([block_ids[i] for i in at], g)
         return out
 
-    def _digests_of(self, block_ids: Sequence[int], kv_group: int) -> np.ndarray:
-        self._check_group(kv_group)
+    def _digests_of(self, block_ids: Sequence[int], part: int) -> np.ndarray:
+        self._check_part(part)
         if len(block_ids) <= FEW_BLOCKS:
-            t = mm8_digests_few(self._views[kv_group], [int(b) for b in block_ids], self._a, self._u,
+            t = mm8_digests_few(self._views[part], [int(b) for b in block_ids], self._a, self._u,
                                 self.num_chunks * CHUNK - self.block_bytes)
             return _host(t).view(np.uint64)
-        return self._digests(self._gather(block_ids, kv_group))
+        return self._digests(self._gather(block_ids, part))
 
     def _b3(self, bound: bytes, data: Any) -> bytes:
         """One block's b3 tag: its bytes in one `update`, inside which `blake3` releases the GIL."""
@@ -400,8 +399,8 @@ class BlockSeal:
         return h.digest(TAG_BYTES)
 
     def tags(self, slot: int, keys: Sequence[str], nonces: Sequence[bytes], block_ids: Sequence[int],
-             kv_groups: Sequence[int] | None = None, rows: Mapping[int, torch.Tensor] | None = None) -> list[bytes]:
-        """The TAG_BYTES of each block (of KV cache group ``kv_groups``) under its key and nonce, from the KV
+             parts: Sequence[int] | None = None, rows: Mapping[int, torch.Tensor] | None = None) -> list[bytes]:
+        """The TAG_BYTES of each block (of part ``parts``) under its key and nonce, from the KV
         cache as it is now; ``rows``: key index -> a copy of that block's object to tag instead (a partial
         tail's staging row, zero-padded to whole chunks). ``slot``: the caller's (its staging rows)."""
         n = len(keys)
@@ -418,14 +417,14 @@ class BlockSeal:
             digests = np.empty((n, LANES), dtype=np.uint64)
             if rest:
                 digests[rest] = self.digests([block_ids[i] for i in rest],
-                                             None if kv_groups is None else [kv_groups[i] for i in rest])
+                                             None if parts is None else [parts[i] for i in rest])
             for i, row in rows.items():
                 digests[i] = self._digests(row[None, :])[0]
             return [_mm8_tag(self.ikey, k, d, nc) for k, d, nc in zip(keys, digests, nonces)]
         bind = self.ikey.bind
         for i, row in rows.items():
             out[i] = self._b3(bind(keys[i], nonces[i]), _host(row[:self.block_bytes]))
-        for g, at in self._by_group(n, kv_groups).items():
+        for g, at in self._by_part(n, parts).items():
             at = [i for i in at if i not in rows]
             here = self._in_place[g]
             if here is not None:
@@ -434,10 +433,10 @@ class BlockSeal:
                 continue
             stage = self._stage[slot]
             for s in range(0, len(at), self._rows):
-                part = at[s:s + self._rows]
-                gather_rows(self._views[g], self._offsets[g], [int(block_ids[i]) for i in part], stage)
-                got = _host(stage[:len(part)])
-                for r, i in enumerate(part):
+                chunk = at[s:s + self._rows]
+                gather_rows(self._views[g], self._offsets[g], [int(block_ids[i]) for i in chunk], stage)
+                got = _host(stage[:len(chunk)])
+                for r, i in enumerate(chunk):
                     out[i] = self._b3(bind(keys[i], nonces[i]), got[r])
         return out
 
@@ -465,8 +464,8 @@ class BlockSeal:
         return [(self._arena.data_ptr(), self._arena.numel()), (self._staging.data_ptr(), self._staging.numel())]
 
     def seal(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], stages: Sequence[int] = (),
-             kv_groups: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
-        """Write the trailers of ``keys`` (block ``block_ids``, of parts ``kv_groups``) into ``slot``: their
+             parts: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+        """Write the trailers of ``keys`` (block ``block_ids``, of parts ``parts``, default part 0) into ``slot``: their
         pointers, in key order, and for each of ``stages`` (indices into ``keys``: a partial tail's keys, at
         most one per part of a block) the pointer of a copy of that block's object, made from the very bytes
         its tag was computed over. A partial tail block is put from that copy: decode may write the block's
@@ -479,17 +478,18 @@ class BlockSeal:
                 or any(i.__class__ is not int or not 0 <= i < len(keys) for i in stages)):
             raise LedgerInputError("stages", stages, f"distinct key indices, at most {self._staging.shape[1]} "
                                    f"(one per part of a block)")
-        several = kv_groups is not None and len(self._segs) > 1
+        if parts is not None and len(parts) != len(keys):
+            raise LedgerInputError("parts", len(parts), f"one per key ({len(keys)} keys)")
         rows: dict[int, torch.Tensor] = {}
         for j, i in enumerate(stages):  # the staged ones are tagged from their copies
-            g = kv_groups[i] if several else 0  # type: ignore[index]
-            self._check_group(g)
+            g = 0 if parts is None else parts[i]
+            self._check_part(g)
             row = rows[i] = self._staging[slot, j]
             gather_rows(self._views[g], self._offsets[g], [int(block_ids[i])], row[None, :])
         n = len(keys)
         blob = os.urandom(NONCE_BYTES * n)
         nonces = [blob[i * NONCE_BYTES:(i + 1) * NONCE_BYTES] for i in range(n)]
-        tags = self.tags(slot, keys, nonces, block_ids, kv_groups, rows)
+        tags = self.tags(slot, keys, nonces, block_ids, parts, rows)
         raw = b"".join(MAGIC + nc + t for nc, t in zip(nonces, tags))
         if self._arena_np is not None:  # host memory: written without a torch call
             self._arena_np[slot, :n] = np.frombuffer(raw, dtype=np.uint8).reshape(n, TRAILER_BYTES)
@@ -498,8 +498,8 @@ class BlockSeal:
         return self.trailer_ptrs(slot, n), [self._staging[slot, j].data_ptr() for j in range(len(stages))]
 
     def verify(self, slot: int, keys: Sequence[str], block_ids: Sequence[int],
-               kv_groups: Sequence[int] | None = None, rows: Sequence[int] | None = None) -> list[bool]:
-        """Whether each block read into ``block_ids`` (of KV cache groups ``kv_groups``) with its trailer in
+               parts: Sequence[int] | None = None, rows: Sequence[int] | None = None) -> list[bool]:
+        """Whether each block read into ``block_ids`` (of parts ``parts``, default part 0) with its trailer in
         ``slot`` matches its tag. ``rows``: each key's trailer row in the slot, where the keys are some of a
         get's (its row is its place in the get); default 0..n-1, the get's keys in order."""
         n = len(keys)
@@ -512,8 +512,7 @@ class BlockSeal:
         got = self._arena_np[slot, at] if self._arena_np is not None else self._arena[slot, at].cpu().numpy()
         raws = [row.tobytes() for row in got]
         nonces = [raw[len(MAGIC):len(MAGIC) + NONCE_BYTES] for raw in raws]
-        tags = self.tags(slot, keys, nonces, block_ids, kv_groups)
+        tags = self.tags(slot, keys, nonces, block_ids, parts)
         out = [raw[:len(MAGIC)] == MAGIC and hmac.compare_digest(raw, MAGIC + nc + t)
                for raw, nc, t in zip(raws, nonces, tags)]
-        self.num_mismatches += out.count(False)
         return out

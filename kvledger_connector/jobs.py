@@ -48,10 +48,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, TypeVar
 
 from kvledger import codes
+from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger, put_positions
-from kvledger_connector.keys import KeyBuilder, dense_table
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.metadata import (DropNotice, LoadSpec, SaveSpec, check_drop_notice, check_job_id,
                                          check_load_spec, check_req_id, check_save_spec, reportable_blocks)
 from kvledger_connector.stats import StatsRecorder
@@ -68,8 +69,9 @@ MAX_ERRORS_KEPT = 64  # handler errors remembered for inspection (bounded)
 # left out fails its next load again and is queued then)
 MAX_PENDING_REMOVALS = 256
 
-# (ptrs, sizes) per id, as the store's batch calls take them: the connector's KV cache plan, or a driver's
-Buffers = Callable[[list[int]], tuple[list[list[int]], list[list[int]]]]
+# (ptrs, sizes) per (block id, part of a block), as the store's batch calls take them: the connector's KV cache
+# plans, or a driver's
+Buffers = Callable[[list[int], list[int]], tuple[list[list[int]], list[list[int]]]]
 
 
 class JobAction(enum.Enum):
@@ -128,9 +130,8 @@ class SaveJob:
     job_id: int
     end_block: int
     full_end_block: int
-    block_ids: tuple[int, ...]  # num_groups per block, block major (SaveSpec.num_groups)
+    block_ids: tuple[int, ...]  # an id per KV cache group of a block, block major (SaveSpec.num_groups)
     block_hashes: tuple[Any, ...]
-    num_groups: int = 1
 
 
 class SentBlocks:
@@ -147,12 +148,12 @@ class SentBlocks:
     it is refused as input error, and its job reported at once: a cache miss, never a wrong block) and each
     by the request's table."""
 
-    def __init__(self, max_requests: int) -> None:
+    def __init__(self, max_requests: int, counts: Counter | None = None) -> None:
         if max_requests.__class__ is not int or max_requests <= 0:
             raise LedgerInputError("max_requests", max_requests, "must be an int > 0")
         self.max_requests = max_requests
         self._tables: dict[str, tuple[int, list[int], list[Any]]] = {}  # req_id -> (generation, ids, hashes)
-        self.num_evicted = 0
+        self.counts: Counter = counts if counts is not None else Counts()  # sent_tables_evicted
 
     def __len__(self) -> int:
         return len(self._tables)
@@ -186,7 +187,7 @@ class SentBlocks:
             self._tables.pop(spec.req_id, None)
             if len(self._tables) >= self.max_requests:
                 del self._tables[next(iter(self._tables))]  # the oldest: its next spec is refused
-                self.num_evicted += 1
+                self.counts.add("sent_tables_evicted")
         self._tables[spec.req_id] = (spec.generation, ids, hashes)
         return (tuple(ids) + tuple(spec.block_ids[n_new * g:]),
                 tuple(hashes) + tuple(spec.block_hashes[n_new:]))
@@ -207,55 +208,40 @@ class WorkerSteps:
     shares it with the model runner thread); store calls run outside it."""
 
     def __init__(self, *, store: Any, ledger: WorkerLedger, loads: LoadLedger, buffers: Buffers,
-                 tp_rank: int, block_size: int, key_bytes: int = 0, keys: KeyBuilder | None = None,
+                 tp_rank: int, block_size: int, key_bytes: int = 0, shape: BlockShape | None = None,
                  load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
                  lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
-                 group_keys: Sequence[KeyBuilder] | None = None, part_groups: Sequence[int] | None = None,
                  num_blocks: int | None = None) -> None:
         """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
-        ``stripe``: (this rank's replica index, replicas) among ranks that share keys
-        (`kvledger.put_positions`); default the key layout's, else (0, 1). ``group_keys``: one key builder
-        per part of a block, instead of ``keys``: per KV cache group (a hybrid model) and, in the TP-shared
-        layout, per head shard; ``part_groups``: each part's KV cache group (default: part i is group i),
-        every group with as many parts. ``buffers`` then also takes each entry's part. ``num_blocks``: blocks of
-        the registered KV cache, the range a spec's block ids are checked against (0: none registered, every
-        id refused; None: a driver's own buffers, ids not bounded above)."""
+        ``shape``: this rank's block (kvledger_connector/block_shape.py), its parts' key builders; None: no
+        keys, every job fails. ``buffers`` takes each entry's block id and part. ``stripe``: (this rank's
+        replica index, replicas) among ranks that share keys (`kvledger.put_positions`); default the shape's,
+        else (0, 1). ``num_blocks``: blocks of the registered KV cache, the range a spec's block ids are
+        checked against (0: none registered, every id refused; None: a driver's own buffers, ids not bounded
+        above)."""
         if block_size.__class__ is not int or block_size <= 0:
             raise LedgerInputError("block_size", block_size, "must be an int > 0")
         if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
             raise LedgerInputError("load_sub_batch_keys", load_sub_batch_keys, "must be an int > 0")
+        if shape is not None and not isinstance(shape, BlockShape):
+            raise LedgerInputError("shape", type(shape).__name__, "must be a BlockShape")
         self.store = store  # tests may wrap it (e.g. to hold the store thread)
         self.ledger = ledger
-        self.sent = SentBlocks(ledger.max_requests)
         self.loads = loads
         self.buffers = buffers
         self.tp_rank = tp_rank
         self.block_size = block_size
         self.key_bytes = key_bytes  # set once the KV cache is registered (with the trailer, under a seal)
         self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/integrity.py); None: off
-        if group_keys is not None and keys is not None:
-            raise LedgerInputError("group_keys", len(group_keys), "given with keys: one or the other")
-        self.group_keys: list[KeyBuilder] = list(group_keys) if group_keys is not None else (
-            [keys] if keys is not None else [])
-        parts = list(range(max(1, len(self.group_keys)))) if part_groups is None else list(part_groups)
-        self.num_kv_groups = max(parts) + 1 if parts else 1
-        self.key_parts = len(parts) // self.num_kv_groups  # keys per block and KV cache group
-        if (parts != [g for g in range(self.num_kv_groups) for _ in range(self.key_parts)]
-                or (self.group_keys and len(parts) != len(self.group_keys))):
-            raise LedgerInputError("part_groups", parts, f"each KV cache group's parts together, as many per group, "
-                                   f"one per key builder ({len(self.group_keys)})")
-        self.part_groups = parts
-        # one full-attention group (`keys.dense_table`, the scheduler side's rule too): a job's ids are its
-        # every block and a failed load is reported by block; else null ids are nothing to put and a failed
-        # load is reported per request
-        self.dense_table = self.num_kv_groups == 1 and dense_table(kb.layout for kb in self.group_keys)
+        # swapped whole by a weights-version switch (`BlockShape.rekeyed`); the threads read it once per job
+        self.shape = shape
         if stripe is None:
-            kb0 = keys if keys is not None else (self.group_keys[0] if self.group_keys else None)
-            stripe = (kb0.layout.replica, kb0.layout.kv_replicas) if kb0 is not None else (0, 1)
+            stripe = shape.stripe if shape is not None else (0, 1)
         put_positions(0, 0, *stripe)  # checks it
         self.stripe = stripe
         self.sub_batch = load_sub_batch_keys
         self.stats = stats or StatsRecorder()
+        self.sent = SentBlocks(ledger.max_requests, counts=self.stats)
         self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
         self.num_blocks = num_blocks
         # keys of objects that failed their integrity tag, in order, each once (bounded): removed by
@@ -274,16 +260,27 @@ class WorkerSteps:
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
 
     @property
-    def keys(self) -> KeyBuilder | None:
-        """The key builder of KV cache group 0 (the only one, but for hybrid models)."""
-        return self.group_keys[0] if self.group_keys else None
+    def dense_table(self) -> bool:
+        """One full-attention group (`BlockShape.dense_table`, the scheduler side's rule too): a job's ids are
+        its every block and a failed load is reported by block; else null ids are nothing to put and a
+        failed load is reported per request."""
+        return self.shape is None or self.shape.dense_table
 
-    @keys.setter
-    def keys(self, kb: KeyBuilder) -> None:
-        if len(self.group_keys) > 1:
-            raise LedgerInputError("keys", kb, f"this rank has {len(self.group_keys)} KV cache groups: set "
-                                   f"group_keys")
-        self.group_keys = [kb]
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups of this rank's blocks (a SaveSpec's ids per block, a LoadSpec's group range)."""
+        return self.shape.num_groups if self.shape is not None else 1
+
+    @property
+    def keys_per_block(self) -> int:
+        """A block's keys in its KV cache group (`BlockShape.keys_per_block`)."""
+        return self.shape.keys_per_block if self.shape is not None else 1
+
+    def block_shape(self) -> BlockShape:
+        if self.shape is None:
+            raise LedgerInputError("shape", None, "a BlockShape (its parts' KeyBuilders) is needed to turn block "
+                                   "hashes into keys")
+        return self.shape
 
     def note_error(self, msg: str) -> None:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
@@ -325,6 +322,9 @@ class WorkerSteps:
         twice: the spec is dropped, kept in ``errors``)."""
         try:
             check_save_spec(spec, num_blocks=self.num_blocks, null_ok=not self.dense_table)
+            if spec.num_groups != self.num_groups:
+                raise LedgerInputError(f"SaveSpec job {spec.store_job_id} num_groups", spec.num_groups,
+                                       f"this rank's blocks are of {self.num_groups} KV cache group(s)")
             with self.lock:
                 known = self.ledger.knows_job(spec.store_job_id)
             if known:
@@ -342,8 +342,7 @@ class WorkerSteps:
             self.note_error(f"refused: {e}")
             self.reject_save(spec.store_job_id)
             return None
-        return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes,
-                       spec.num_groups)
+        return SaveJob(spec.req_id, spec.store_job_id, spec.end_block, spec.full_end_block, ids, hashes)
 
     def _refuse_save(self, spec: Any, err: LedgerInputError) -> None:
         """A malformed SaveSpec: its job, where its id can be reported, registered in no generation and
@@ -404,14 +403,17 @@ class WorkerSteps:
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
     def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None,
-            tails: Sequence[int] = (), groups: Sequence[int] | None = None) -> list[int]:
-        """Put: the keys not in the store yet are put from ``buffers(ids)`` (``before_read``: wait for the
-        forward's writes first); ``tails``: the indices of a partial tail block's keys (one per part of the
-        block), whose later slots decode may still write; ``groups``: each block's part (hybrid models, head
-        shards). Returns one code per key (0 for a key already present)."""
+            tails: Sequence[int] = (), parts: Sequence[int] | None = None) -> list[int]:
+        """Put: the keys not in the store yet are put from ``buffers(ids, parts)`` (``before_read``: wait for
+        the forward's writes first); ``tails``: the indices of a partial tail block's keys (one per part of the
+        block), whose later slots decode may still write; ``parts``: each key's part of a block (default part
+        0). Returns one code per key (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
+        parts = [0] * len(keys) if parts is None else list(parts)
+        if len(parts) != len(keys):
+            raise LedgerInputError("parts", len(parts), f"one part per key ({len(keys)} keys)")
         if not keys:
             return []
         todo = codes.missing(self.store_call("batch_is_exist", len(keys), keys), len(keys))
@@ -421,15 +423,15 @@ class WorkerSteps:
         if before_read is not None:
             before_read()
         put_keys, put_ids = [keys[j] for j in todo], [ids[j] for j in todo]
-        put_groups = None if groups is None else [groups[j] for j in todo]
-        ptrs, sizes = self._buffers(put_ids, put_groups)
+        put_parts = [parts[j] for j in todo]
+        ptrs, sizes = self.buffers(put_ids, put_parts)
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
         else:  # each object ends in its trailer (kvledger_connector/integrity.py), tagged from the blocks read
             with self.seal.slot(len(todo)) as slot:
                 stages = [j for j, i in enumerate(todo) if i in tails]
-                trailers, staged = self.seal.seal(slot, put_keys, put_ids, stages, put_groups)
+                trailers, staged = self.seal.seal(slot, put_keys, put_ids, stages, put_parts)
                 for j, ptr in zip(stages, staged):  # a tail is sent from the copy its tag was computed over
                     ptrs[j], sizes[j] = [ptr], [self.seal.block_bytes]
                 res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, trailers)],
@@ -442,11 +444,6 @@ class WorkerSteps:
             out[j] = c
         self.stats.add("put_bytes", self.key_bytes * sum(1 for c in res if c == codes.STORED))
         return out
-
-    def _buffers(self, ids: list[int], groups: list[int] | None) -> tuple[list[list[int]], list[list[int]]]:
-        if groups is None:
-            return self.buffers(ids)
-        return self.buffers(ids, groups)  # type: ignore[call-arg]
 
     def record_put(self, job_id: int, put_codes: Sequence[int], num_keys: int, saved_tokens: int
                    ) -> codes.PutOutcome:
@@ -488,7 +485,7 @@ class WorkerSteps:
 
     def save_steps(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                    block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                   full_end_block: int | None = None, num_groups: int = 1) -> SaveSteps:
+                   full_end_block: int | None = None) -> SaveSteps:
         """One store job as a generator, already started: it stands at START (nothing done). Each
         ``next()`` does the next model action and returns its `SaveStep`:
 
@@ -508,16 +505,15 @@ class WorkerSteps:
         generator would run none of it, and the job would never be reported.
         ``full_end_block`` (default ``end_block``): where the saved offset moves on success — before a
         partial tail block, which is stored under its own key and saved whole later if decode fills it.
-        ``num_groups`` > 1 (a hybrid model): ``block_ids`` holds that many ids per block (`SaveSpec`), and a
-        block is saved only when every group's key of it is (a null id has nothing to put)."""
-        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block,
-                             num_groups)
+        ``block_ids``: an id per KV cache group of each block (`SaveSpec`); a block is saved only when every
+        part's key of it is (a null id has nothing to put)."""
+        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block)
         next(gen)  # START
         return gen
 
     def _save_job(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                   block_hashes: Sequence[Any], before_read: Callable[[], None] | None,
-                  full_end_block: int | None, num_groups: int = 1) -> SaveSteps:
+                  full_end_block: int | None) -> SaveSteps:
         nxt = JobAction.DMA_READ  # the action under way or next: the one a failure ends
         verdict: Verdict | None = None
         try:
@@ -530,14 +526,10 @@ class WorkerSteps:
                 if plan.run:  # this rank's share of the job's keys (all of them unless ranks share keys)
                     pos = put_positions(plan.start, plan.end, *self.stripe)
                     partial = full_end_block is not None and full_end_block < end_block  # the last is a tail
-                    if len(self.group_keys) <= 1 and num_groups == 1 and self.dense_table:
-                        keys = self._key_list([block_hashes[i] for i in pos])
-                        tails = [pos.index(end_block - 1)] if partial and end_block - 1 in pos else []
-                        res = self.put(keys, [block_ids[i] for i in pos], before_read, tails)
-                    else:  # a partial tail is a key per part of its block, each staged
-                        keys, ids, groups, at = self._group_entries(pos, block_ids, block_hashes, num_groups)
-                        tails = [j for j, i in enumerate(at) if partial and i == end_block - 1]
-                        res = self.put(keys, ids, before_read, tails, groups)
+                    keys, ids, parts, at = self._entries(pos, block_ids, block_hashes)
+                    # a partial tail is a key per part of its block, each staged
+                    tails = [j for j, i in enumerate(at) if partial and i == end_block - 1]
+                    res = self.put(keys, ids, before_read, tails, parts)
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
@@ -566,34 +558,30 @@ class WorkerSteps:
 
     def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                  block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                 full_end_block: int | None = None, num_groups: int = 1) -> None:
+                 full_end_block: int | None = None) -> None:
         """One store job, as the store thread runs it: `save_steps` drained."""
-        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block,
-                                 num_groups):
+        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block):
             pass
 
-    def _key_list(self, hashes: Sequence[Any], part: int = 0) -> list[str]:
-        if not self.group_keys:
-            raise LedgerInputError("keys", None, "a KeyBuilder is needed to turn block hashes into keys")
-        if not 0 <= part < len(self.group_keys):
-            raise LedgerInputError("part", part, f"not a part of this rank's blocks (0..{len(self.group_keys) - 1})")
-        return self.group_keys[part].keys(hashes)
-
-    def _group_entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any],
-                       num_groups: int) -> tuple[list[str], list[int], list[int], list[int]]:
-        """(keys, block ids, parts, positions) of blocks ``pos``: one entry per part whose group's block is
-        not null."""
-        if num_groups != self.num_kv_groups:
-            raise LedgerInputError("num_groups", num_groups, f"this rank has {self.num_kv_groups} KV cache groups")
+    def _entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any]
+                 ) -> tuple[list[str], list[int], list[int], list[int]]:
+        """(keys, block ids, parts, positions) of blocks ``pos``, part by part, each key its part's builder's.
+        A table that may hold vLLM's null block (`dense_table` false) has nothing to put there; in a dense
+        one a null id is an error the buffers report."""
+        shape = self.block_shape()
+        stride, sparse = shape.num_groups, not shape.dense_table
+        if len(block_ids) < len(block_hashes) * stride:
+            raise LedgerInputError("block_ids", len(block_ids), f"an id per KV cache group ({stride}) of each of "
+                                   f"{len(block_hashes)} blocks")
         keys: list[str] = []
         ids: list[int] = []
         parts: list[int] = []
         positions: list[int] = []
-        for part, g in enumerate(self.part_groups):
-            at = [i for i in pos if block_ids[i * num_groups + g] != 0]
-            keys += self._key_list([block_hashes[i] for i in at], part)
-            ids += [block_ids[i * num_groups + g] for i in at]
-            parts += [part] * len(at)
+        for p, part in enumerate(shape.parts):
+            at = [i for i in pos if not (sparse and block_ids[i * stride + part.group] == 0)]
+            keys += part.builder.keys([block_hashes[i] for i in at])
+            ids += [block_ids[i * stride + part.group] for i in at]
+            parts += [p] * len(at)
             positions += at
         return keys, ids, parts, positions
 
@@ -605,7 +593,7 @@ class WorkerSteps:
         and is finished (its request never waits, vLLM's policy acts on the blocks); a spec without a req_id
         names no request to report and is only kept in ``errors``."""
         try:
-            check_load_spec(spec, num_blocks=self.num_blocks, num_groups=self.num_kv_groups)
+            check_load_spec(spec, num_blocks=self.num_blocks, num_groups=self.num_groups)
         except LedgerInputError as e:
             self.stats.add("refused_specs")
             req_id: Any = getattr(spec, "req_id", None)
@@ -626,18 +614,21 @@ class WorkerSteps:
 
     def begin_load(self, req_id: str, block_ids: Sequence[int]) -> int:
         with self.lock:  # a block is loaded once all its keys are (several in the TP-shared layout)
-            load_id = self.loads.begin_load(req_id, block_ids, keys_per_block=self.key_parts)
+            load_id = self.loads.begin_load(req_id, block_ids, keys_per_block=self.keys_per_block)
         self.stats.add("loads")
         return load_id
 
     def load_batch(self, load_id: int, keys: Sequence[str], block_ids: Sequence[int],
-                   groups: Sequence[int] | None = None) -> list[tuple[int, int]]:
-        """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key; ``groups``: their KV
-        cache groups, hybrid models), classified by :mod:`kvledger.codes`. Returns (block id, code) of each
-        block not loaded (already reported)."""
+                   parts: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key; ``parts``: each key's
+        part of a block, default part 0), classified by :mod:`kvledger.codes`. Returns (block id, code) of
+        each block not loaded (already reported)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
-        ptrs, sizes = self._buffers(list(block_ids), None if groups is None else list(groups))
+        parts = [0] * len(keys) if parts is None else list(parts)
+        if len(parts) != len(keys):
+            raise LedgerInputError("parts", len(parts), f"one part per key ({len(keys)} keys)")
+        ptrs, sizes = self.buffers(list(block_ids), parts)
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_get", len(keys), list(keys), ptrs, sizes)
@@ -646,7 +637,7 @@ class WorkerSteps:
                 tails = self.seal.trailer_ptrs(slot, len(keys))
                 res = self.store_call("batch_get", len(keys), list(keys), [p + [t] for p, t in zip(ptrs, tails)],
                                       [s + [self.seal.trailer_bytes] for s in sizes])
-                res = self._verified(slot, keys, block_ids, res, groups)
+                res = self._verified(slot, keys, block_ids, res, parts)
         self.stats.add("get_s", time.perf_counter() - t0)
         self.stats.add("gets")
         self.stats.add("get_keys", len(keys))
@@ -658,7 +649,7 @@ class WorkerSteps:
         return bad
 
     def _verified(self, slot: int, keys: Sequence[str], block_ids: Sequence[int], res: list[int],
-                  groups: Sequence[int] | None = None) -> list[int]:
+                  parts: Sequence[int] | None = None) -> list[int]:
         """The get's codes with every object read whole but failing its tag turned into INTEGRITY_MISMATCH
         (a load error: vLLM's policy acts, the bytes are never used). Such an object is removed from the
         store: it would fail every later load of its key, and while it exists no save replaces it."""
@@ -668,7 +659,7 @@ class WorkerSteps:
         if not whole:
             return res
         ok = self.seal.verify(slot, [keys[i] for i in whole], [block_ids[i] for i in whole],
-                              None if groups is None else [groups[i] for i in whole], rows=whole)
+                              None if parts is None else [parts[i] for i in whole], rows=whole)
         out = list(res)
         for i, good in zip(whole, ok):
             if not good:
@@ -759,7 +750,7 @@ class WorkerSteps:
                 bad: list[tuple[int, int]] = []
                 try:
                     bad = self.load_batch(load_id, [k for k, _, _ in sub], [b for _, b, _ in sub],
-                                          None if len(self.group_keys) <= 1 else [p for _, _, p in sub])
+                                          [p for _, _, p in sub])
                 except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
                     reason = str(e)  # its blocks stay pending: reported when the load finishes
                     self.note_error(f"load {req_id}: {e}")
@@ -781,37 +772,32 @@ class WorkerSteps:
 
     def _sub_batches(self, load_id: int, req_id: str, block_ids: Sequence[int],
                      block_hashes: Sequence[Any], groups: Sequence[int] = ()) -> list[list[tuple[str, int, int]]]:
-        """The (key, block id, part) sub-batches of a load in this rank's order, a key per part of each
-        block's KV cache group (`part_groups`); oversized keys reported here."""
+        """The (key, block id, part) sub-batches of a load in this rank's order: a key per part of each
+        block's KV cache group (``groups``, default group 0), each its part's builder's, which also reports
+        it if it is too long."""
+        shape = self.block_shape()
         n = len(block_ids)
         if n != len(block_hashes):
             raise LedgerInputError("LoadSpec.block_hashes", len(block_hashes), f"{n} block ids for {req_id!r}")
-        if groups and (len(groups) != n or len(set(block_ids)) != n):
+        if groups and (len(set(block_ids)), len(groups)) != (n, n):
             raise LedgerInputError("LoadSpec.groups", len(groups), f"one per block id, ids unique ({n} ids)")
-        if groups and not all(g.__class__ is int and 0 <= g < self.num_kv_groups for g in groups):
+        if groups and not all(g.__class__ is int and 0 <= g < shape.num_groups for g in groups):
             raise LedgerInputError("LoadSpec.groups", sorted(set(groups)),
-                                   f"KV cache groups of this rank are 0..{self.num_kv_groups - 1}")
-        if not n:
-            return []
-        if len(self.group_keys) <= 1 and not groups:
-            keys = self._key_list(block_hashes)
-            targets = [(b, 0) for b in block_ids]
-        else:
-            kp = self.key_parts
-            parts = [(b, h, g * kp + j) for b, h, g in zip(block_ids, block_hashes, groups or [0] * n)
-                     for j in range(kp)]
-            keys = [self._key_list([h], p)[0] for _, h, p in parts]
-            targets = [(b, p) for b, _, p in parts]
+                                   f"KV cache groups of this rank are 0..{shape.num_groups - 1}")
+        entries = [(shape.parts[p].builder.key(h), b, p) for b, h, g in zip(block_ids, block_hashes, groups or [0] * n)
+                   for p in shape.parts_of(g)]
         # rotated by tp_rank: the ranks start on different keys of the store
-        order = [(k, b, p) for k, (b, p) in load_pairs(keys, targets, self.tp_rank)]
-        kb: KeyBuilder = self.keys  # type: ignore[assignment]  (_key_list checked it)
-        fits, too_long = kb.split_by_length([k for k, _, _ in order])
+        order = [(k, b, p) for k, (b, p) in load_pairs([k for k, _, _ in entries], [(b, p) for _, b, p in entries],
+                                                       self.tp_rank)]
+        too_long = [j for j, (k, _, p) in enumerate(order) if not shape.parts[p].builder.fits(k)]
         if too_long:
+            cap = shape.parts[order[too_long[0]][2]].builder.max_key_bytes
             self.stats.fail_code(int(StoreCode.KEY_TOO_LONG), len(too_long))
             with self.lock:
                 self.loads.record_failed(load_id, [order[j][1] for j in too_long],
-                                         f"key longer than max_key_bytes={kb.max_key_bytes}")
-        order = [order[j] for j in fits]
+                                         f"key longer than max_key_bytes={cap}")
+            drop = set(too_long)
+            order = [o for j, o in enumerate(order) if j not in drop]
         return [order[lo:lo + self.sub_batch] for lo in range(0, len(order), self.sub_batch)]
 
     def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],

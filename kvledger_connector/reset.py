@@ -53,7 +53,7 @@ this one never reads them.
 
 Without a version change the keys stay where they are, so until their removal is done they may hold
 pre-reset KV: every existence check of the scheduler (lookups, the KV-events check) answers "missing"
-(`ResetGate`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
+(the gate of `kvledger_connector.deadline.DeadlineStore`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
 the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
 After any reset the scheduler side forgets what it learned from the store: cached lookup answers, save
 trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
@@ -66,6 +66,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.store import StoreCode
@@ -118,12 +119,16 @@ class StoreRemovals:
 
     The gate: the pattern of keys the engine still reads whose removal is owed (a reset that kept the
     weights version); `gated` holds until a removal of that pattern that began after the gate was set
-    succeeds, or a later reset switches the version (then nothing reads those keys)."""
+    succeeds, or a later reset switches the version (then nothing reads those keys).
 
-    def __init__(self, store: Any, *, stats: Any = None, background: bool = True,
+    Counted into ``stats`` (the connector's recorder; its own `Counts` when None), read as ``counts``:
+    reset_removals (patterns removed), reset_removed_keys, reset_removal_retries, reset_removals_given_up,
+    reset_removals_dropped."""
+
+    def __init__(self, store: Any, *, stats: Counter | None = None, background: bool = True,
                  wait: Callable[[float], bool] | None = None) -> None:
         self.store = store
-        self.stats = stats  # a StatsRecorder or None
+        self.counts: Counter = stats if stats is not None else Counts()
         self._background = background
         self._stopping = threading.Event()
         self.wait: Callable[[float], bool] = wait if wait is not None else self._stopping.wait
@@ -134,11 +139,6 @@ class StoreRemovals:
         self._seq = 0  # submits so far
         self._gate: tuple[str, int] | None = None  # (pattern, seq of the submit that set it)
         self._thread: threading.Thread | None = None
-        self.num_removed_keys = 0
-        self.num_removals = 0  # patterns removed
-        self.num_retries = 0
-        self.num_given_up = 0
-        self.num_dropped = 0
 
     @property
     def can_remove(self) -> bool:
@@ -164,8 +164,7 @@ class StoreRemovals:
             self._pending[regex] = self._seq  # a pattern already waiting keeps its place: it has not begun
             while len(self._pending) > MAX_PENDING_REMOVALS:
                 dropped, _ = self._pending.popitem(last=False)
-                self.num_dropped += 1
-                self._count("reset_removals_dropped")
+                self.counts.add("reset_removals_dropped")
                 # never the gate's: each submit sets or lifts the gate, so it is the newest's if any
                 logger.warning("reset_cache: %d removals waiting; the oldest (%s) dropped: nothing reads its "
                                "keys, they age out by eviction", MAX_PENDING_REMOVALS + 1, dropped)
@@ -178,10 +177,6 @@ class StoreRemovals:
 
     def _gate_on(self, regex: str) -> bool:
         return self._gate is not None and self._gate[0] == regex
-
-    def _count(self, name: str, value: int = 1) -> None:
-        if self.stats is not None:
-            self.stats.add(name, value)
 
     def _take(self) -> tuple[str, int] | None:
         """The oldest pending pattern, marked running (under the lock); None when there is none."""
@@ -234,25 +229,21 @@ class StoreRemovals:
                 with self._lock:
                     if self._gate is not None and self._gate[0] == regex and self._gate[1] <= seq:
                         self._gate = None
-                    self.num_removed_keys += rc
-                    self.num_removals += 1
-                self._count("reset_removed_keys", rc)
+                self.counts.add("reset_removals")
+                self.counts.add("reset_removed_keys", rc)
                 logger.info("reset_cache: removed %d keys matching %s", rc, regex)
                 return
             if attempt == REMOVAL_ATTEMPTS:
                 break
             wait = removal_backoff_s(attempt)
-            with self._lock:
-                self.num_retries += 1
-            self._count("reset_removal_retries")
+            self.counts.add("reset_removal_retries")
             logger.warning("reset_cache: remove_by_regex(%r) failed with %s (try %d of %d); again in %.0f s",
                            regex, StoreCode.label(rc), attempt, REMOVAL_ATTEMPTS, wait)
             if self.wait(wait):
                 return  # stopped
         with self._lock:
-            self.num_given_up += 1
             gated = self._gate_on(regex)
-        self._count("reset_removals_given_up")
+        self.counts.add("reset_removals_given_up")
         logger.error("reset_cache: keys matching %s not removed after %d tries (last: %s); %s", regex,
                      REMOVAL_ATTEMPTS, StoreCode.label(rc),
                      "lookups stay off until a reset's removal succeeds" if gated
@@ -268,27 +259,6 @@ class StoreRemovals:
         self._stopping.set()
         with self._lock:
             self._changed.notify_all()
-
-
-class ResetGate:
-    """The scheduler's store for existence checks (lookups, the KV-events check): each answered "missing"
-    while `StoreRemovals.gated` (the keys may still hold pre-reset KV), else the wrapped store's answer.
-    Everything else, attribute reads and writes included, is the wrapped store's own."""
-
-    def __init__(self, store: Any, removals: StoreRemovals) -> None:
-        object.__setattr__(self, "_kvl_store", store)
-        object.__setattr__(self, "_kvl_removals", removals)
-
-    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        if self._kvl_removals.gated:
-            return [0] * len(keys)
-        return self._kvl_store.batch_is_exist(keys)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_kvl_store"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._kvl_store, name, value)
 
 
 def refusal(side: SchedulerSide) -> str | None:
@@ -336,7 +306,6 @@ def reset_scheduler_side(side: SchedulerSide, removals: StoreRemovals,
         side.events.store_reset()
     removals.submit(old, gate=not switch)
     side.stats.add("resets")
-    side.num_resets += 1
     logger.info("reset_cache: keys matching %s queued for removal%s", old,
                 "" if switch else "; lookups miss until they are removed")
     return True

@@ -1,8 +1,9 @@
 """Scheduler side of the connector: vLLM's scheduler-side hooks, adapted to the thread-free steps.
 
 Runs in vLLM's scheduler thread only (no lock). Every decision is kvledger_connector/scheduler_steps.py's
-(`SchedulerSteps`, which the conformance replay drives too); this class only reads vLLM's objects — the
-Request, the allocator's block ids, SchedulerOutput, KVConnectorOutput — and hands plain values on.
+(`SchedulerSteps`, which the conformance replay drives too; `SchedulerSide.steps`); this class only reads
+vLLM's objects — the Request, the allocator's block ids (one list per KV cache group), SchedulerOutput,
+KVConnectorOutput — and hands plain values on.
 Per engine step, in vLLM's order::
 
     schedule()
@@ -43,38 +44,84 @@ from kvledger_connector.store import KVStore
 logger = logging.getLogger(__name__)
 
 
-class SchedulerSide(SchedulerSteps):
+class SchedulerSide:
+    """vLLM's scheduler-side hooks over `steps` (the decisions), which it holds and calls."""
+
     def __init__(self, config: ConnectorConfig, *, key_builders: Sequence[KeyBuilder], store: KVStore | None,
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  weights_version: str = "") -> None:
         if not isinstance(config, ConnectorConfig):
             raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
-        super().__init__(block_size=config.block_size, world_size=config.world_size, key_builders=key_builders,
-                         store=store, max_pinned_blocks=config.max_pinned_blocks,
-                         save_enabled=config.save_enabled, load_enabled=config.load_enabled,
-                         save_decode=config.save_decode, save_partial_tail=config.save_partial_tail,
-                         max_lookup_cache=config.max_lookup_cache,
-                         sync_load_max_tokens=config.sync_load_max_tokens,
-                         kv_load_failure_policy=config.kv_load_failure_policy, stats=stats, trace=trace,
-                         weights_version=weights_version, num_groups=config.num_kv_groups,
-                         max_held_requests=config.max_held_requests)
+        self.steps = SchedulerSteps(
+            block_size=config.block_size, world_size=config.world_size, key_builders=key_builders,
+            max_pinned_blocks=config.max_pinned_blocks, save_enabled=config.save_enabled,
+            load_enabled=config.load_enabled, save_decode=config.save_decode,
+            save_partial_tail=config.save_partial_tail, max_lookup_cache=config.max_lookup_cache,
+            sync_load_max_tokens=config.sync_load_max_tokens, kv_load_failure_policy=config.kv_load_failure_policy,
+            stats=stats, trace=trace, weights_version=weights_version, num_groups=config.num_kv_groups,
+            max_held_requests=config.max_held_requests)
         self.config = config
-        self.max_inflight_jobs = config.max_inflight_jobs
+        self.store = store  # the lookups' calls (the store-call wrapper); None: no lookups
         self._kv_cache_manager: Any = None
         self._step = 0
 
+    # ------------------------------------------------------------------ what the connector and reset.py read
+    @property
+    def stats(self) -> StatsRecorder:
+        return self.steps.stats
+
+    @property
+    def ledger(self) -> SchedulerLedger | None:
+        return self.steps.ledger
+
+    @property
+    def key_builders(self) -> list[KeyBuilder]:
+        return self.steps.key_builders
+
+    @property
+    def weights_version(self) -> str:
+        return self.steps.weights_version
+
+    @property
+    def events(self) -> Any:
+        return self.steps.events
+
+    @events.setter
+    def events(self, events: Any) -> None:
+        self.steps.events = events
+
+    def switch_weights_version(self, weights_version: str, key_builders: Sequence[KeyBuilder]) -> None:
+        self.steps.switch_weights_version(weights_version, key_builders)
+
+    def forget_store_knowledge(self) -> None:
+        self.steps.forget_store_knowledge()
+
+    def has_pending_loads(self) -> bool:
+        return self.steps.has_pending_loads()
+
+    def requests_with_computed_kv(self) -> list[str]:
+        return self.steps.requests_with_computed_kv()
+
+    def has_pending_push_work(self) -> bool:
+        return self.steps.has_pending_push_work()
+
+    def release_all(self) -> None:
+        self.steps.release_all()
+
     # ------------------------------------------------------------------ binding
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
-        self.bind_ledger(SchedulerLedger(block_pool, world_size=self.world_size,
-                                         max_inflight_jobs=self.max_inflight_jobs,
-                                         max_pinned_blocks=self.max_pinned_blocks, trace=self.trace))
-        if self.state_groups or self.sliding_groups:  # blocks vLLM may give back while a job is deferred
-            self.block_hash_of = vllm_block_hash_of(block_pool)
+        steps = self.steps
+        steps.bind_ledger(SchedulerLedger(block_pool, world_size=steps.world_size,
+                                          max_inflight_jobs=self.config.max_inflight_jobs,
+                                          max_pinned_blocks=steps.max_pinned_blocks, trace=steps.trace,
+                                          counts=steps.stats))
+        if steps.state_groups or steps.sliding_groups:  # blocks vLLM may give back while a job is deferred
+            steps.block_hash_of = vllm_block_hash_of(block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
-        if self.sliding_groups:
-            self.reachable_blocks = vllm_reachable_blocks(kv_cache_manager)
+        if self.steps.sliding_groups:
+            self.steps.reachable_blocks = vllm_reachable_blocks(kv_cache_manager)
 
     # ------------------------------------------------------------------ vLLM's hooks
     def _hook_error(self, hook: str, e: BaseException) -> None:
@@ -82,21 +129,22 @@ class SchedulerSide(SchedulerSteps):
         self.stats.add("hook_errors")
 
     def _log_step_errors(self) -> None:
-        while self.errors:
-            logger.error("KVLedgerConnector: %s", self.errors.popleft())
+        while self.steps.errors:
+            logger.error("KVLedgerConnector: %s", self.steps.errors.popleft())
 
     def on_new_request(self, request: Any) -> None:
         try:
-            super().on_new_request(request)
+            self.steps.on_new_request(request)
         except Exception as e:  # its lookups then answer from a fresh state, or miss
             self._hook_error("on_new_request", e)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        steps = self.steps
         try:
-            if self.requeue_after_failed_load(request):
+            if steps.requeue_after_failed_load(request):
                 return None, False  # vLLM skips it this step: out of its queue of KV-holding requests
-            ext = self.lookup(request, num_computed_tokens)
-            return (ext, self.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
+            ext = ask_store(steps, self.store, request, num_computed_tokens)
+            return (ext, steps.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
         except Exception as e:  # a cache miss
             self._hook_error("get_num_new_matched_tokens", e)
             return 0, False
@@ -107,40 +155,35 @@ class SchedulerSide(SchedulerSteps):
         ids: Any = ()
         try:
             ids = blocks.get_block_ids()  # one list per KV cache group
-            ids = ids[0] if self.num_groups == 1 else ids
-            self.emit_load(request, ids, num_external_tokens)
+            self.steps.emit_load(request, ids, num_external_tokens)
         except Exception as e:  # vLLM counts on the load: it is reported failed instead
             self._hook_error("update_state_after_alloc", e)
             try:
-                self.refuse_load(request, ids, num_external_tokens, f"{type(e).__name__}: {e}")
+                self.steps.refuse_load(request, ids, num_external_tokens, f"{type(e).__name__}: {e}")
             except Exception as e2:
                 self._hook_error("update_state_after_alloc (refusing the load)", e2)
         self._log_step_errors()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
+        steps = self.steps
         self._step += 1
-        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=self.weights_version)
-        meta.drops = self.notices(sorted(scheduler_output.finished_req_ids),
-                                  sorted(scheduler_output.preempted_req_ids or ())) + self.releases()
-        meta.loads = self.take_loads()
+        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version)
+        meta.drops = steps.notices(sorted(scheduler_output.finished_req_ids),
+                                   sorted(scheduler_output.preempted_req_ids or ())) + steps.releases()
+        meta.loads = steps.take_loads()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         manager = self._kv_cache_manager
 
-        one = self.num_groups == 1
-
-        def table_of(req_id: str) -> Any:  # the table, or one per KV cache group
+        def table_of(req_id: str) -> Any:  # one table per KV cache group
             if block_state is not None:
                 ids = block_state.get_block_ids(req_id)
                 if ids:
-                    return ids[0] if one else ids
-            if manager is None:
-                return None
-            ids = manager.get_block_ids(req_id)
-            return ids[0] if one else ids
+                    return ids
+            return None if manager is None else manager.get_block_ids(req_id)
 
-        offers = getattr(block_state, "boundary_state_offloads", None) if self.state_groups else None
+        offers = getattr(block_state, "boundary_state_offloads", None) if steps.state_groups else None
         try:  # each request's save is guarded inside (`emit_stores`): this catches what is not a request's
-            meta.saves = self.emit_stores(scheduler_output.num_scheduled_tokens, table_of, offers)
+            meta.saves = steps.emit_stores(scheduler_output.num_scheduled_tokens, table_of, offers)
         except Exception as e:
             self._hook_error("build_connector_meta", e)
         self._log_step_errors()
@@ -155,30 +198,44 @@ class SchedulerSide(SchedulerSteps):
             self._hook_error("update_connector_output", LedgerInputError(
                 "kv_connector_worker_meta", type(meta).__name__, "expected KVLedgerWorkerMetadata"))
             meta = None
-        steps: list[tuple[str, Any, Any]] = [  # load errors first, while the loads still hold their pins
-            ("invalid_block_ids", self.note_load_errors, getattr(connector_output, "invalid_block_ids", None)),
-            ("failed_recving", self.note_failed_loads, getattr(connector_output, "failed_recving", None)),
-            ("finished_recving", self.collect_loads, getattr(connector_output, "finished_recving", None)),
-            ("finished_sending", self.note_freed, getattr(connector_output, "finished_sending", None)),
+        s = self.steps
+        reports: list[tuple[str, Any, Any]] = [  # load errors first, while the loads still hold their pins
+            ("invalid_block_ids", s.note_load_errors, getattr(connector_output, "invalid_block_ids", None)),
+            ("failed_recving", s.note_failed_loads, getattr(connector_output, "failed_recving", None)),
+            ("finished_recving", s.collect_loads, getattr(connector_output, "finished_recving", None)),
+            ("finished_sending", s.note_freed, getattr(connector_output, "finished_sending", None)),
         ]
         if meta is not None:
-            steps += [("completed_loads", self.collect_sync_loads, meta.completed_loads),
-                      ("completed_saves", self.collect, meta.completed_saves)]
-        for name, apply, value in steps:
+            reports += [("completed_loads", s.collect_sync_loads, meta.completed_loads),
+                        ("completed_saves", s.collect, meta.completed_saves)]
+        for name, apply, value in reports:
             try:
                 apply(value)
             except Exception as e:
                 self._hook_error(f"update_connector_output {name}", e)
 
-    def request_finished(self, request: Any) -> tuple[bool, None]:  # type: ignore[override]
+    def request_finished(self, request: Any) -> tuple[bool, None]:
         """Delays the free only for a request held for its deferred save (`SchedulerSteps.request_finished`):
         every store job pinned its own blocks."""
         try:  # vLLM set the status first: FINISHED_ERROR ends e.g. a request whose KV load failed under "fail"
             errored = getattr(getattr(request, "status", None), "name", None) == "FINISHED_ERROR"
-            return SchedulerSteps.request_finished(self, request, may_hold=not errored), None
+            return self.steps.request_finished(request, may_hold=not errored), None
         except Exception as e:
             self._hook_error("request_finished", e)
         return False, None
+
+
+def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_tokens: int) -> int:
+    """Lookup (`SchedulerSteps.ask` / `answer`) with its one store call made here, at the edge: vLLM's
+    `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked."""
+    ask = steps.ask(request, num_computed_tokens)
+    if isinstance(ask, int) or store is None:
+        return 0 if store is None else ask
+    try:
+        codes = store.batch_is_exist(list(ask.keys))
+    except Exception:  # the store wrapper returns codes; a raising test double is a miss
+        codes = None
+    return steps.answer(request, ask, codes)
 
 
 def vllm_block_hash_of(block_pool: Any) -> Any:

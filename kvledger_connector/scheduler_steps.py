@@ -8,11 +8,11 @@ brings its own), block tables and scheduled token counts arrive as plain ids and
 model action at a time, bringing only the schedule and the store. There is no second copy of a rule::
 
     model action      step                                  decision
-    Lookup(r)         SchedulerSteps.lookup(req, n)          longest run of blocks every shard holds, plus
-                                                             the prompt's partial tail (opt-in); cached
+    Lookup(r)         SchedulerSteps.ask(req, n) -> keys,    longest run of blocks every shard holds, plus
+                      .answer(req, ask, codes)               the prompt's partial tail (opt-in); cached
     EmitLoad(r)       SchedulerSteps.emit_load(req, ids, n)  destination blocks -> SchedulerLedger.pin_load
-    EmitStore(r)      SchedulerSteps.emit_stores(sched, tbl) `save_end`, `StoreRange`: which blocks a job pins (the
-                                                             table's full blocks, then the tail block);
+    EmitStore(r)      SchedulerSteps.emit_stores(sched, tbl) `save_end`, `StoreRange`, `plan_store`: which blocks a
+                                                             job pins (the tables' full blocks, then the tail);
                                                              DEFER at the caps, retried in later steps
     Preempt / Finish  SchedulerSteps.notices(fin, pre)       the generation each DropGeneration closes
     Collect           SchedulerSteps.collect(completed)      pins released, ascending job id order
@@ -81,19 +81,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
+from kvledger_connector.config import LOAD_FAILURE_POLICIES, ConnectorConfig
 from kvledger_connector.keys import KeyBuilder, dense_table, partial_tail_hash
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 from kvledger_connector.stats import StatsRecorder
-
-#: the code a lookup counts when the store call itself raised (a raising test double, a client bug)
-LOOKUP_RAISED = -9003
-
-
-def max_job_blocks(max_model_len: int, block_size: int) -> int:
-    """The most blocks one store job can pin: the longest request's table, ceil(max_model_len /
-    block_size). A partial tail is the table's own last block (read in place, never a copy-on-write
-    block outside the table), so it adds nothing."""
-    return -(-max_model_len // block_size)
+from kvledger_connector.store import StoreCode
 
 
 class RequestLike(Protocol):
@@ -137,6 +129,20 @@ def tail_hash(request: RequestLike, num_tokens: int, tokens: Sequence[int] | Non
     return partial_tail_hash(request.block_hashes[k - 1], tokens[k * block_size:num_tokens])
 
 
+def lookup_keys(key_builders: Sequence[KeyBuilder], hashes: Sequence[bytes]) -> list[str]:
+    """The keys a lookup asks ``batch_is_exist`` for, shard-major: every hash's key under builder 0, then
+    under builder 1, ... (`shard_answers` reads the answers back in this order)."""
+    return [k for kb in key_builders for k in kb.keys(hashes)]
+
+
+def shard_answers(res: Sequence[int], num_builders: int, num_hashes: int) -> list[Sequence[int]]:
+    """``batch_is_exist``'s answers to `lookup_keys`, one row per key builder: ``rows[s][i]`` answers builder
+    ``s``'s key of hash ``i``."""
+    if len(res) != num_builders * num_hashes:
+        raise LedgerInputError("batch_is_exist", len(res), f"one answer per key ({num_builders * num_hashes})")
+    return [res[s * num_hashes:(s + 1) * num_hashes] for s in range(num_builders)]
+
+
 @dataclass(frozen=True)
 class StoreRange:
     """What EmitStore pins and puts for one request: the table's blocks [0, end) (every one: a rank resumes
@@ -163,11 +169,117 @@ def save_end(*, token_len: int, num_prompt_tokens: int, num_tokens: int, num_has
 
 
 @dataclass(frozen=True)
+class StorePlan:
+    """One store job's blocks (`plan_store`)."""
+
+    rows: tuple[tuple[int, ...], ...]  # each KV cache group's table as the job reads it (null: nothing there)
+    pins: tuple[int, ...]  # blocks of [0, end) the job pins, group by group
+    tail_pins: tuple[int, ...]  # the partial tail's block, one per group that holds one
+    sent_ids: tuple[int, ...]  # ids of blocks [sent_blocks, reach) the ranks get, block major, one per group
+    null_before: tuple[int, ...]  # per group, its null blocks before its first real one in [0, end); () dense
+    kept_used: int  # null positions filled from a deferred job's kept blocks
+    kept_expired: tuple[tuple[int, int], ...]  # kept blocks due here whose prefix-cache record changed
+
+
+def plan_store(rng: StoreRange, tables: Sequence[Sequence[int]], *, sent_blocks: int, block_size: int,
+               dense: bool, state_groups: frozenset[int], offers: Sequence[tuple[int, int, int]],
+               kept: Mapping[tuple[int, int], tuple[int, bool]], reachable: Mapping[int, Sequence[bool]]
+               ) -> StorePlan:
+    """EmitStore's choice of blocks for the job of `rng`, from plain values: the request's tables (one per KV
+    cache group, each at least ``rng.reach`` long), the blocks [0, sent_blocks) whose ids the ranks hold
+    already, vLLM's Mamba hand-offs of this step (``offers``: (group, block id, boundary tokens)), a deferred
+    job's kept blocks ((group, block) -> (block id, its prefix-cache record unchanged)) and each sliding-window
+    group's mask of blocks [sent_blocks, end) a later hit can use. The rows are rewritten in that order (state
+    offers, kept blocks, masks); with ``dense`` (one full-attention group, `keys.dense_table`) the table is the
+    request's every block, else null ids are nothing to pin."""
+    lo, hi = sent_blocks, rng.end
+    rows = _state_rows(tables, offers, lo, hi, block_size, state_groups)
+    rows, kept_used, kept_expired = _with_kept_blocks(rows, kept, lo, hi)
+    rows = _reachable_rows(rows, reachable, lo, hi)
+    if dense:
+        pins = tuple(rows[0][:hi])
+        tail_pins = tuple(rows[0][hi:rng.reach])
+        null_before: tuple[int, ...] = ()
+    else:
+        pins = tuple(b for t in rows for b in t[:hi] if b != 0)
+        tail_pins = tuple(t[p] for t in rows for p in range(hi, rng.reach) if t[p] != 0)
+        null_before = tuple(_leading_nulls(t, hi) for t in rows)
+    sent_ids = tuple(t[p] for p in range(lo, rng.reach) for t in rows)
+    return StorePlan(tuple(tuple(t) for t in rows), pins, tail_pins, sent_ids, null_before, kept_used, kept_expired)
+
+
+def _state_rows(tables: Sequence[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int,
+                block_size: int, state_groups: frozenset[int]) -> list[Sequence[int]]:
+    """The tables with each Mamba group's row replaced by this step's offered states in blocks [lo, hi):
+    block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens, else null.
+    vLLM's align-mode row is not the states by position (it keeps a running state and nulls the rest),
+    and vLLM promises an offered block's bytes only for its step: an earlier step's offer is used only
+    as a deferred job's kept block (`_with_kept_blocks`), so a lagging rank never reads a state block
+    that was given back."""
+    if not state_groups:
+        return list(tables)
+    at = {(g, tokens // block_size - 1): b for g, b, tokens in offers
+          if g in state_groups and tokens > 0 and tokens % block_size == 0 and lo < tokens // block_size <= hi}
+    return [[at.get((k, p), 0) for p in range(len(t))] if k in state_groups else t for k, t in enumerate(tables)]
+
+
+def _with_kept_blocks(tables: list[Sequence[int]], kept: Mapping[tuple[int, int], tuple[int, bool]], lo: int,
+                      hi: int) -> tuple[list[Sequence[int]], int, tuple[tuple[int, int], ...]]:
+    """The tables with the null positions of [lo, hi) filled from a deferred job's kept blocks whose
+    prefix-cache record is unchanged, how many were filled, and the kept blocks due here whose record
+    changed (evicted, or the entry moved: not saved)."""
+    if not kept:
+        return tables, 0, ()
+    out = [list(t) for t in tables]
+    filled, expired = 0, []
+    for (g, p), (block_id, live) in kept.items():
+        if not lo <= p < min(hi, len(out[g])) or out[g][p] != 0:
+            continue
+        if live:
+            out[g][p] = block_id
+            filled += 1
+        else:
+            expired.append((g, p))
+    return out, filled, tuple(expired)
+
+
+def _reachable_rows(tables: list[Sequence[int]], reachable: Mapping[int, Sequence[bool]], lo: int, hi: int
+                    ) -> list[Sequence[int]]:
+    """The tables with each sliding-window group's blocks [lo, hi) that no later hit can use (its mask in
+    ``reachable``) made null: nothing to pin or put. Blocks before ``lo`` were sent already and keep what
+    they were sent as."""
+    if not reachable or hi <= lo:
+        return tables
+    out = list(tables)
+    for k, mask in reachable.items():
+        if len(mask) != hi - lo:
+            raise LedgerInputError("reachable_blocks", len(mask), f"one per block of [{lo}, {hi})")
+        row = list(tables[k])
+        for i, keep in enumerate(mask):
+            if not keep:
+                row[lo + i] = 0
+        out[k] = row
+    return out
+
+
+@dataclass(frozen=True)
 class _Lookup:
     generation: int
     num_computed_tokens: int
     hit_tokens: int
     tail_hash: bytes | None = None  # the partial tail counted in hit_tokens, if it was
+
+
+@dataclass(frozen=True)
+class LookupAsk:
+    """The store call a lookup needs (`SchedulerSteps.ask`): `batch_is_exist` of ``keys``, in `lookup_keys`'
+    order, for the blocks ``hashes`` from block ``start`` and the partial ``tail``."""
+    keys: tuple[str, ...]
+    generation: int
+    num_computed_tokens: int
+    start: int
+    hashes: tuple[Any, ...]
+    tail: bytes | None
 
 
 @dataclass
@@ -313,13 +425,12 @@ MAX_STEP_ERRORS = 64
 #: a refused load's reason as the ranks get it (`LoadSpec.refused`)
 MAX_REFUSAL_CHARS = 200
 
-#: vLLM's ``kv_load_failure_policy`` values
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # the loads whose outcomes decide whether a short load may still run inside the step (`load_is_async`)
 LOAD_OUTCOME_WINDOW = 16
 
-#: a request's block table (group 0) by req_id, or None when the scheduler has none for it now
-TableOf = Callable[[str], "Sequence[int] | None"]
+#: a request's block tables (one per KV cache group, as vLLM's ``get_block_ids()``) by req_id, or None when
+#: the scheduler has none for it now
+TableOf = Callable[[str], "Sequence[Sequence[int]] | None"]
 
 
 class SchedulerSteps:
@@ -327,11 +438,15 @@ class SchedulerSteps:
     driver): no lock. ``ledger`` is bound once the block pool is known (`bind_ledger`)."""
 
     def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
-                 store: Any, max_pinned_blocks: int, save_enabled: bool = True, load_enabled: bool = True,
-                 save_decode: bool = False, save_partial_tail: bool = False, max_lookup_cache: int = 1 << 16,
-                 sync_load_max_tokens: int = 0, kv_load_failure_policy: str = "fail",
+                 max_pinned_blocks: int, save_enabled: bool = ConnectorConfig.save_enabled,
+                 load_enabled: bool = ConnectorConfig.load_enabled, save_decode: bool = ConnectorConfig.save_decode,
+                 save_partial_tail: bool = ConnectorConfig.save_partial_tail,
+                 max_lookup_cache: int = ConnectorConfig.max_lookup_cache,
+                 sync_load_max_tokens: int = ConnectorConfig.sync_load_max_tokens,
+                 kv_load_failure_policy: str = ConnectorConfig.kv_load_failure_policy,
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
-                 weights_version: str = "", num_groups: int = 1, max_held_requests: int = 0) -> None:
+                 weights_version: str = "", num_groups: int = ConnectorConfig.num_kv_groups,
+                 max_held_requests: int = ConnectorConfig.max_held_requests) -> None:
         for name, v in (("block_size", block_size), ("world_size", world_size),
                         ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
             if v.__class__ is not int or v < 1:
@@ -360,7 +475,7 @@ class SchedulerSteps:
         self.sliding_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.window is not None)
         # one full-attention group (`keys.dense_table`): a table is the request's every block; else every
         # group's rule applies (null ids nothing to pin or load, loads async and failed per request)
-        self.dense_table = num_groups == 1 and dense_table(kb.layout for kb in self.key_builders)
+        self.dense_table = dense_table(kb.layout for kb in self.key_builders)
         # vLLM's own rule for which of a sliding-window group's blocks a later hit can use (the blocks its
         # local prefix cache keeps: `reachable_block_mask`): (request, group, start block, end block) -> a
         # mask of blocks [start, end), or None for all. Set by the connector from vLLM's KV cache manager;
@@ -373,7 +488,6 @@ class SchedulerSteps:
         # unchanged: the block still holds those bytes, as for vLLM's own prefix hits. Set by the connector
         # from vLLM's BlockPool; None here: a deferred job saves only what its request still holds
         self.block_hash_of: Callable[[int], object | None] | None = None
-        self.store = store
         self.max_pinned_blocks = max_pinned_blocks
         self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
         self.load_enabled = load_enabled  # kv_role kv_consumer | kv_both
@@ -395,23 +509,10 @@ class SchedulerSteps:
         self.max_held_requests = max_held_requests
         self._held: dict[str, int | None] = {}
         self._freeing: dict[str, None] = {}
-        # whole-run counters (demo report, tests)
-        self.num_lookups = 0
-        self.num_match_calls = 0  # lookups asked (repeats for a waiting request are answered from the cache)
-        self.num_store_queries = 0
-        self.num_loads = 0
-        self.num_sync_loads = 0
-        self.num_async_after_failures = 0  # short loads made async because most recent loads failed
+        # whole-run counts with no counter in kvledger_connector.stats.COUNTERS yet (tests, demo report)
         self._load_outcomes: deque[bool] = deque(maxlen=LOAD_OUTCOME_WINDOW)  # True: the load failed
         self._failed_loads: set[str] = set()  # req_ids of pinned loads with a noted load error
-        self.num_tail_saves = 0  # store jobs that carried a partial tail
-        self.num_tail_hits = 0  # lookups answered with a partial tail
-        self.num_saves_dropped = 0  # saves given up: request finished while deferred past the hold bound, or job > cap
-        self.num_held = 0  # requests held past their finish for a deferred save (`request_finished`)
         self.peak_held_requests = 0  # most held (deferred, or released and not yet freed) at once
-        self.num_failed_load_requeues = 0  # lookups answered "not yet" after a failed load (requeue_after_failed_load)
-        self.num_resets = 0  # reset_cache calls accepted: old keys queued for removal (kvledger_connector/reset.py)
-        self.num_refused_loads = 0  # loads `emit_load` could not plan, reported failed (`refuse_load`)
         # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
         self.errors: deque[str] = deque(maxlen=MAX_STEP_ERRORS)
         # KV events for routers (kvledger_connector/events.py); set by the connector when kv events are enabled
@@ -457,65 +558,66 @@ class SchedulerSteps:
         if st is None or not self._reqs.current(st).requeue:
             return False
         st.requeue = False
-        self.num_failed_load_requeues += 1
         self.stats.add("failed_load_requeues")
         return True
 
-    def lookup(self, request: RequestLike, num_computed_tokens: int) -> int:
-        """Lookup: tokens beyond ``num_computed_tokens`` that the store holds for every shard (block aligned
-        unless a partial tail hits; never the whole prompt: vLLM must compute at least one token). Same
-        question, same answer: cached per (req_id, generation, num_computed_tokens) while it waits."""
-        self.num_match_calls += 1
+    def ask(self, request: RequestLike, num_computed_tokens: int) -> int | LookupAsk:
+        """Lookup, first half: the answer when there is one without the store (tokens beyond
+        ``num_computed_tokens``: 0 with loads off or nothing to ask; the cached answer of the same question,
+        per (req_id, generation, num_computed_tokens) while it waits), else the one store call to make
+        (`LookupAsk`), whose codes go to `answer`. The steps make no store call: the caller does
+        (`kvledger_connector.scheduler.ask_store`)."""
         st = self._reqs.ensure(request)
-        if self.store is None or not self.load_enabled:  # nothing to ask, nothing to cache
+        if not self.load_enabled:  # nothing to ask, nothing to cache
             return 0
         gen = generation_of(request)
         hit = st.lookup
-        if hit is None or hit.generation != gen or hit.num_computed_tokens != num_computed_tokens:
-            hit = self._query(request, gen, num_computed_tokens)
-            self._reqs.set_lookup(st, hit)
-        return max(hit.hit_tokens - num_computed_tokens, 0)
-
-    def _query(self, request: RequestLike, gen: int, num_computed_tokens: int) -> _Lookup:
-        self.num_lookups += 1
+        if hit is not None and hit.generation == gen and hit.num_computed_tokens == num_computed_tokens:
+            return max(hit.hit_tokens - num_computed_tokens, 0)
         bs = self.block_size
-        miss = _Lookup(gen, num_computed_tokens, num_computed_tokens)
-        if self.store is None or not self.load_enabled:
-            return miss
         start = num_computed_tokens // bs
         end = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        st = self._reqs.get(request.request_id)
-        if st is not None and st.load_failed_at is not None:  # see `note_load_errors`
+        if st.load_failed_at is not None:  # see `note_load_errors`
             end = min(end, st.load_failed_at)
-        hashes = list(request.block_hashes[start:end]) if end > start else []
+        hashes = tuple(request.block_hashes[start:end]) if end > start else ()
         tail = None
         if self.save_partial_tail and end == request.num_tokens // bs:  # every full block is asked for
             tail = tail_hash(request, request.num_tokens, request.all_token_ids, bs)
         if not hashes and tail is None:
-            return miss
-        asked = hashes + ([tail] if tail is not None else [])
-        keys = [k for kb in self.key_builders for k in kb.keys(asked)]
-        self.num_store_queries += 1
-        self.stats.add("lookups")
-        try:
-            res = self.store.batch_is_exist(keys)
-        except Exception:  # the store wrapper returns codes; a raising test double must not kill the step
-            self.stats.fail_code(LOOKUP_RAISED, len(keys))
-            return miss
-        n, m = len(hashes), len(asked)
-        shards = range(len(self.key_builders))
-        run = self._hit_run(res, start, n, m)
-        if self.events is not None and n:  # an announced block found missing: BlockRemoved
-            self.events.looked_up(hashes, [res[s * m + i] for s in shards for i in range(n)])
-        if tail is not None and run == n and all(res[s * m + n] == 1 for s in shards):
-            self.num_tail_hits += 1
-            self.stats.add("lookup_hit_tokens", request.num_tokens - 1 - num_computed_tokens)
-            return _Lookup(gen, num_computed_tokens, request.num_tokens - 1, tail)
-        self.stats.add("lookup_hit_tokens", run * bs)
-        return _Lookup(gen, num_computed_tokens, (start + run) * bs)
+            self._reqs.set_lookup(st, _Lookup(gen, num_computed_tokens, num_computed_tokens))
+            return 0
+        asked = list(hashes) + ([tail] if tail is not None else [])
+        return LookupAsk(tuple(lookup_keys(self.key_builders, asked)), gen, num_computed_tokens, start, hashes, tail)
 
-    def _hit_run(self, res: Sequence[int], start: int, n: int, m: int) -> int:
-        """The hit, in blocks past ``start``, from ``res`` (each builder's ``m`` answers in turn), by vLLM's
+    def answer(self, request: RequestLike, ask: LookupAsk, codes: Sequence[int] | None) -> int:
+        """Lookup, second half: the store's codes for ``ask.keys`` (None: the call raised) -> the tokens
+        beyond ``ask.num_computed_tokens`` that every shard holds (block aligned unless a partial tail hits;
+        never the whole prompt: vLLM must compute at least one token), cached for the same question."""
+        st = self._reqs.ensure(request)
+        hit = self._hit(request, ask, codes)
+        self._reqs.set_lookup(st, hit)
+        return max(hit.hit_tokens - ask.num_computed_tokens, 0)
+
+    def _hit(self, request: RequestLike, ask: LookupAsk, codes: Sequence[int] | None) -> _Lookup:
+        bs, gen, start = self.block_size, ask.generation, ask.start
+        self.stats.add("lookups")
+        if codes is None:  # the store wrapper returns codes; only a raising test double gets here
+            self.stats.fail_code(int(StoreCode.CLIENT_EXCEPTION), len(ask.keys))
+            return _Lookup(gen, ask.num_computed_tokens, ask.num_computed_tokens)
+        n = len(ask.hashes)
+        rows = shard_answers(codes, len(self.key_builders), n + (ask.tail is not None))
+        run = self._hit_run(rows, start, n)
+        if self.events is not None and n:  # an announced block found missing: BlockRemoved
+            self.events.looked_up(list(ask.hashes), [row[i] for row in rows for i in range(n)])
+        if ask.tail is not None and run == n and all(row[n] == 1 for row in rows):
+            self.stats.add("tail_hits")
+            self.stats.add("lookup_hit_tokens", request.num_tokens - 1 - ask.num_computed_tokens)
+            return _Lookup(gen, ask.num_computed_tokens, request.num_tokens - 1, ask.tail)
+        self.stats.add("lookup_hit_tokens", run * bs)
+        return _Lookup(gen, ask.num_computed_tokens, (start + run) * bs)
+
+    def _hit_run(self, rows: Sequence[Sequence[int]], start: int, n: int) -> int:
+        """The hit, in blocks past ``start``, from the lookup's answers (`shard_answers`), by vLLM's
         allocation rule: the longest h such that every full-attention key of blocks [start, start + h)
         exists and, for each sliding-window group of span W (a hybrid model), every key of the blocks vLLM
         leaves non-null for a hit ending at H = (start + h) * bs: those holding positions from H - W + 1 on;
@@ -527,13 +629,13 @@ class SchedulerSteps:
         state = [s for s, kb in enumerate(self.key_builders) if kb.layout.is_state]
         full = [s for s, w in enumerate(windows) if w is None and s not in state]
         top = 0
-        while top < n and all(res[s * m + top] == 1 for s in full):
+        while top < n and all(rows[s][top] == 1 for s in full):
             top += 1
         sliding = [(s, w) for s, w in enumerate(windows) if w is not None]
         for h in range(top, 0, -1):
             end = start + h
-            if all(res[s * m + h - 1] == 1 for s in state) and all(
-                    res[s * m + i] == 1 for s, w in sliding
+            if all(rows[s][h - 1] == 1 for s in state) and all(
+                    rows[s][i] == 1 for s, w in sliding
                     for i in range(max(start, (end * bs - w + 1) // bs) - start, h)):
                 return h
         return 0
@@ -553,12 +655,12 @@ class SchedulerSteps:
         return 2 * sum(self._load_outcomes) > len(self._load_outcomes)
 
     # ------------------------------------------------------------------ EmitLoad
-    def emit_load(self, request: RequestLike, block_ids: Sequence[int] | Sequence[Sequence[int]],
+    def emit_load(self, request: RequestLike, block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> LoadSpec | None:
-        """EmitLoad: the destination blocks of the lookup's external hit (``block_ids``: the request's table,
-        as allocated for it; one per KV cache group with several), pinned in the ledger before any worker
-        can be told (S9 LoadsPinned); the LoadSpec waits in the outbox for the step's metadata. None when
-        there is nothing to load. With several groups every non-null block of the hit's positions loads
+        """EmitLoad: the destination blocks of the lookup's external hit (``block_ids``: the request's tables
+        as allocated for it, one per KV cache group), pinned in the ledger before any worker can be told (S9
+        LoadsPinned); the LoadSpec waits in the outbox for the step's metadata. None when there is nothing to
+        load. With several groups every non-null block of the hit's positions loads
         (a sliding-window group's blocks below its window are vLLM's null block: nothing to load)."""
         if num_external_tokens <= 0:
             return None
@@ -583,7 +685,7 @@ class SchedulerSteps:
         if self.dense_table:
             dest = tuple(tables[0][first:last])
         else:  # a Mamba group loads the one state block at the hit's end (vLLM reads the state there)
-            at = [(g, p) for g in range(self.num_groups) for p in range(first, last) if tables[g][p] != 0
+            at = [(g, p) for g, t in enumerate(tables) for p in range(first, last) if t[p] != 0
                   and (g not in self.state_groups or p == last - 1)]
             dest = tuple(tables[g][p] for g, p in at)
             hashes = [hashes[p - first] for _, p in at]
@@ -592,17 +694,17 @@ class SchedulerSteps:
         # the answer `get_num_new_matched_tokens` gave in this schedule() (nothing is collected in between),
         # taken before this load's own pin
         sync = not self.load_is_async(req_id, num_external_tokens)
-        self.num_async_after_failures += (not sync and num_external_tokens <= self.sync_load_max_tokens
-                                          and self.loads_mostly_fail())
+        if not sync and num_external_tokens <= self.sync_load_max_tokens and self.loads_mostly_fail():
+            self.stats.add("async_after_failures")  # a short load made async: most recent loads failed
         self._ledger().pin_load(req_id, dest)  # EmitLoad: before the workers can be told of the load
         self._reqs.take_lookup(st)
         st.load_dest, st.load_first = dest, first
         spec = LoadSpec(req_id, dest, tuple(hashes), sync=sync, groups=groups)
         self._loads_out.append(spec)
-        self.num_sync_loads += sync
+        self.stats.add("sync_loads", int(sync))
         if first == 0:  # blocks before `first` are local prefix-cache hits, not known to be stored
             st.loaded_blocks, st.loaded_tail, st.load_pending = last, tail, True
-        self.num_loads += 1
+        self.stats.add("loads_emitted")
         self.stats.add("loaded_tokens", num_external_tokens)
         return spec
 
@@ -622,7 +724,6 @@ class SchedulerSteps:
         if hit is not None and num_external_tokens.__class__ is int:
             first = hit.num_computed_tokens // self.block_size
             last = -(-(hit.num_computed_tokens + num_external_tokens) // self.block_size)
-        self.num_refused_loads += 1
         self.stats.add("refused_loads")
         self.errors.append(f"load of {req_id!r} ({num_external_tokens} tokens) refused: {reason}")
         ledger = self._ledger()
@@ -645,13 +746,12 @@ class SchedulerSteps:
         self._loads_out.append(spec)
         return spec
 
-    def _tables(self, block_ids: Any) -> list[Sequence[int]]:
-        """The request's block table per KV cache group: vLLM hands several groups' as a tuple of lists."""
-        if self.num_groups == 1:
-            return [block_ids]
-        if len(block_ids) != self.num_groups:
-            raise LedgerInputError("block_ids", len(block_ids), f"one table per KV cache group ({self.num_groups})")
-        return list(block_ids)
+    def _tables(self, tables: Any) -> list[Sequence[int]]:
+        """The request's block tables, one per KV cache group (vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+        if not isinstance(tables, (list, tuple)) or len(tables) != self.num_groups:
+            got = len(tables) if isinstance(tables, (list, tuple)) else type(tables).__name__
+            raise LedgerInputError("block_ids", got, f"one table per KV cache group ({self.num_groups})")
+        return list(tables)
 
     def take_loads(self) -> list[LoadSpec]:
         """The loads pinned since the last step, for this step's metadata."""
@@ -722,7 +822,6 @@ class SchedulerSteps:
         if (may_hold and st is not None and st.deferred and req_id not in self._held
                 and len(self._held) + len(self._freeing) < self.max_held_requests):
             self._held[req_id] = None
-            self.num_held += 1
             self.peak_held_requests = max(self.peak_held_requests, self.num_held_requests)
             self.stats.add("held_requests")
             return True
@@ -828,54 +927,35 @@ class SchedulerSteps:
             self._reqs.set_deferred(held, False)
             self._held[req_id] = saves[-1].store_job_id if len(saves) > n else -1
 
-    def _state_rows(self, tables: list[Sequence[int]], offers: Sequence[tuple[int, int, int]], lo: int, hi: int
-                    ) -> list[Sequence[int]]:
-        """The tables with each Mamba group's row replaced by this step's offered states in blocks [lo, hi):
-        block p holds the id vLLM handed off for the state after (p + 1) * block_size tokens, else null.
-        vLLM's align-mode row is not the states by position (it keeps a running state and nulls the rest),
-        and vLLM promises an offered block's bytes only for its step: an earlier step's offer is used only
-        as a deferred job's kept block (`_with_kept_blocks`), so a lagging rank never reads a state block
-        that was given back."""
-        if not self.state_groups:
-            return tables
-        bs = self.block_size
-        at = {(g, tokens // bs - 1): b for g, b, tokens in offers
-              if g in self.state_groups and tokens > 0 and tokens % bs == 0 and lo < tokens // bs <= hi}
-        return [[at.get((k, p), 0) for p in range(len(t))] if k in self.state_groups else t
-                for k, t in enumerate(tables)]
+    def _kept_blocks(self, st: _RequestState) -> dict[tuple[int, int], tuple[int, bool]]:
+        """The blocks a deferred job of this generation kept (`_keep_blocks`), each with whether vLLM's
+        prefix-cache record of it is still the one it had then (the block still holds those bytes)."""
+        of = self.block_hash_of
+        return {at: (block_id, of is not None and of(block_id) == record)
+                for at, (block_id, record) in st.kept_blocks.items()}
 
-    def _with_kept_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int
-                          ) -> tuple[list[Sequence[int]], int]:
-        """The tables with the null positions of [lo, hi) filled from the blocks a deferred job of this
-        generation kept (`_keep_blocks`) whose prefix-cache record is still the one they had then (the
-        block still holds those bytes), and how many were filled. A kept block whose record changed
-        (evicted, or its entry moved) is forgotten: that block is not saved."""
-        if not st.kept_blocks:
-            return tables, 0
-        out = [list(t) for t in tables]
-        filled = 0
-        for (g, p), (block_id, record) in list(st.kept_blocks.items()):
-            if not lo <= p < min(hi, len(out[g])) or out[g][p] != 0:
-                continue
-            if self.block_hash_of is not None and self.block_hash_of(block_id) == record:
-                out[g][p] = block_id
-                filled += 1
-            else:
-                del st.kept_blocks[(g, p)]
-                self.stats.add("expired_kept_blocks")
-        return out, filled
+    def _reachable_masks(self, request: RequestLike, lo: int, hi: int) -> dict[int, Sequence[bool]]:
+        """Each sliding-window group's mask of blocks [lo, hi) that a later hit can use, by vLLM's rule
+        (`reachable_blocks`); a group without a mask saves every block."""
+        if self.reachable_blocks is None or hi <= lo:
+            return {}
+        masks: dict[int, Sequence[bool]] = {}
+        for k in sorted(self.sliding_groups):
+            mask = self.reachable_blocks(request, k, lo, hi)
+            if mask is not None:
+                masks[k] = mask
+        return masks
 
     def _give_up_save(self) -> None:
-        self.num_saves_dropped += 1
         self.stats.add("saves_dropped")
 
-    def _defer(self, st: _RequestState, tables: list[Sequence[int]], end: int) -> None:
+    def _defer(self, st: _RequestState, tables: Sequence[Sequence[int]], end: int) -> None:
         """DEFER: the save is retried in a later step, keeping what vLLM may give back meanwhile."""
         self._reqs.set_deferred(st, True)
         st.defers += 1
         self._keep_blocks(st, tables, st.sent_blocks, end)
 
-    def _keep_blocks(self, st: _RequestState, tables: list[Sequence[int]], lo: int, hi: int) -> None:
+    def _keep_blocks(self, st: _RequestState, tables: Sequence[Sequence[int]], lo: int, hi: int) -> None:
         """A deferred job's blocks [lo, hi) of its Mamba and sliding-window groups, kept with vLLM's record of
         each (`block_hash_of`) for its retry; a block the prefix cache does not record is not kept
         (nothing would say its bytes stayed)."""
@@ -888,32 +968,12 @@ class SchedulerSteps:
                         kept[(g, p)] = (row[p], record)
         st.kept_blocks = kept
 
-    def _reachable_rows(self, request: RequestLike, tables: list[Sequence[int]], lo: int, hi: int
-                        ) -> list[Sequence[int]]:
-        """The tables with each sliding-window group's blocks [lo, hi) that no later hit can use (by vLLM's
-        rule, `reachable_blocks`) made null: nothing to pin or put. Blocks before ``lo`` were sent already
-        and keep what they were sent as."""
-        if not self.sliding_groups or self.reachable_blocks is None or hi <= lo:
-            return tables
-        out = list(tables)
-        for k in self.sliding_groups:
-            mask = self.reachable_blocks(request, k, lo, hi)
-            if mask is None:
-                continue
-            if len(mask) != hi - lo:
-                raise LedgerInputError("reachable_blocks", len(mask), f"one per block of [{lo}, {hi})")
-            row = list(tables[k])
-            for i, keep in enumerate(mask):
-                if not keep:
-                    row[lo + i] = 0
-            out[k] = row
-        return out
-
     def emit_store(self, saves: list[SaveSpec], req_id: str, num_scheduled: int, table_of: TableOf,
                    boundary_states: Sequence[tuple[int, int, int]] = ()) -> None:
-        """One request's EmitStore: `save_end` and the due tail make the `StoreRange`, its blocks pinned by `SchedulerLedger.open_job`
-        (the tail block as ``tail_block_ids``), or DEFER at the caps (the blocks stay the request's;
-        retried in a later step), or dropped when the job could never be admitted (a cache miss)."""
+        """One request's EmitStore: `save_end` and the due tail make the `StoreRange`, `plan_store` the blocks
+        its job pins (the tail block as ``tail_block_ids``) and sends, opened by `SchedulerLedger.open_job`; or
+        DEFER at the caps (the blocks stay the request's; retried in a later step), or dropped when the job
+        could never be admitted (a cache miss)."""
         st = self._reqs.get(req_id)
         if st is None or st.prompt_saved and st.generation == generation_of(st.request):
             return  # decode steps of a saved prompt: nothing to decide
@@ -939,30 +999,19 @@ class SchedulerSteps:
         tables = self._tables(found)
         if min(len(t) for t in tables) < rng.reach:
             return
-        g = self.num_groups
-        tables = self._state_rows(tables, boundary_states, st.sent_blocks, rng.end)
-        tables, kept = self._with_kept_blocks(st, tables, st.sent_blocks, rng.end)  # freed ones, before the mask
-        tables = self._reachable_rows(request, tables, st.sent_blocks, rng.end)
-        if self.dense_table:
-            table = tables[0]
-            block_ids = list(table[:rng.end])
-            tail_ids = list(table[rng.end:rng.reach])
-            sent_ids = block_ids[st.sent_blocks:] + tail_ids
-            null_before: tuple[int, ...] = ()
-        else:  # every group's blocks of [0, end) pinned; null ids (below a window) are nothing to pin
-            block_ids = [b for t in tables for b in t[:rng.end] if b != 0]
-            tail_ids = [t[p] for t in tables for p in range(rng.end, rng.reach) if t[p] != 0]  # one per group
-            table = block_ids + tail_ids
-            sent_ids = [tables[k][p] for p in range(st.sent_blocks, rng.reach) for k in range(g)]
-            null_before = tuple(_leading_nulls(t, rng.end) for t in tables)
+        plan = plan_store(rng, tables, sent_blocks=st.sent_blocks, block_size=bs, dense=self.dense_table,
+                          state_groups=self.state_groups, offers=boundary_states, kept=self._kept_blocks(st),
+                          reachable=self._reachable_masks(request, st.sent_blocks, rng.end))
+        for at in plan.kept_expired:  # evicted, or its entry moved: that block is not saved
+            del st.kept_blocks[at]
+            self.stats.add("expired_kept_blocks")
         ledger = self._ledger()
-        if ledger.num_load_pinned_blocks and ledger.any_load_destination(
-                table[:rng.reach] if self.dense_table else table):
+        if ledger.num_load_pinned_blocks and ledger.any_load_destination(plan.pins + plan.tail_pins):
             # another request's sync load of this step writes a block this save reads (a prefix-cache hit
             # on it): its bytes are not known until the ranks report; retried in a later step
-            self._defer(st, tables, rng.end)
+            self._defer(st, plan.rows, rng.end)
             return
-        if len(block_ids) + len(tail_ids) > self.max_pinned_blocks:  # never admitted: a cache miss, not an error
+        if len(plan.pins) + len(plan.tail_pins) > self.max_pinned_blocks:  # never admitted: a cache miss
             self._give_up_save()
             st.saved_blocks, st.tail_done = rng.end, True
             st.kept_blocks = {}
@@ -971,18 +1020,18 @@ class SchedulerSteps:
         gen = generation_of(request)
         sent = st.sent_blocks  # the ranks hold the ids and hashes of blocks [0, sent) of this generation
         hashes = tuple(request.block_hashes[sent:rng.end]) + ((rng.tail,) if rng.tail is not None else ())
-        job_id = ledger.open_job(req_id, block_ids, tail_ids, generation=gen)
+        job_id = ledger.open_job(req_id, list(plan.pins), list(plan.tail_pins), generation=gen)
         if job_id is None:  # DEFER: the cap is reached; the blocks stay the request's, retry later
             if not st.deferred:
                 self.stats.add("deferrals")
-            self._defer(st, tables, rng.end)
+            self._defer(st, plan.rows, rng.end)
             return
         # sent at once: a job opened is pinned until every rank reports it, so it must reach the ranks
-        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, tuple(sent_ids), hashes,
-                              tail_tokens=rng.tail_tokens, num_groups=g, null_before=null_before))
+        saves.append(SaveSpec(req_id, job_id, gen, sent, rng.reach, plan.sent_ids, hashes,
+                              tail_tokens=rng.tail_tokens, num_groups=len(plan.rows), null_before=plan.null_before))
         self._reqs.set_deferred(st, False)
-        if kept:  # this job pins the ones still held (rows above); none is kept past it
-            self.stats.add("kept_blocks", kept)
+        if plan.kept_used:  # this job pins the ones still held; none is kept past it
+            self.stats.add("kept_blocks", plan.kept_used)
         st.kept_blocks = {}
         st.sent_blocks = rng.end
         if self.events is not None and rng.end > rng.start:  # routers hear of full blocks only
@@ -990,7 +1039,6 @@ class SchedulerSteps:
         st.saved_blocks = rng.end
         if rng.tail is not None:
             st.tail_done = st.tail_stored = True
-            self.num_tail_saves += 1
             self.stats.add("tail_saves")
         self.stats.add("store_jobs")
         self._note_prompt_saved(st)

@@ -1,6 +1,8 @@
 """Connector telemetry: the connector's one counter system. Every event is counted once, with
-`StatsRecorder.add`, into the interval that vLLM takes as its `KVConnectorStats` (logged each interval and
-handed to Prometheus, `KVLedgerPromMetrics`) and into the whole-run `totals` (tests, demos, benches:
+`StatsRecorder.add` (directly, or through the parts it is handed to as their ``stats`` / ``counts``: the
+ledgers, the store, the scheduler's store calls, the KV events, the resets' removals), into the interval
+that vLLM takes as its `KVConnectorStats` (logged each interval and handed to Prometheus,
+`KVLedgerPromMetrics`) and into the whole-run `totals` (tests, demos, benches:
 `StatsRecorder.total`). A name must be declared in COUNTERS / GAUGES: a counter cannot exist without its
 Prometheus metric.
 
@@ -23,16 +25,23 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                worker rank, store jobs: run_jobs, stale_jobs, skipped_jobs (DmaRead's verdict), rejected_jobs
                (queue full or shut down: reported unrun), failed_jobs (a put failed, or the handler raised)
                worker rank, loads: loads (begun), rejected_loads (queue full), load_errors_reported (blocks)
+               the ledgers (kvledger, given this recorder as ``counts``): jobs_released (every rank reported
+               the job), unknown_reports (a report of no job in flight), loads_pinned, loads_released (load
+               pins), loads_finished (a rank's loads, LoadLedger)
                worker rank, specs: refused_specs (a malformed spec, refused whole: jobs.py), integrity removals
                not queued: integrity_removals_dropped (more than jobs.MAX_PENDING_REMOVALS waiting)
-               kv_events_dropped, resets, resets_refused (logged with why), weights_version_switches (the
-               keys moved to a new weights version at a reset); the resets' removals (reset.py, their own
-               thread): reset_removed_keys, reset_removal_retries, reset_removals_given_up (after
-               REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
+               kv_events_dropped, kv_events_stored_blocks, kv_events_removed_blocks (blocks announced in
+               BlockStored / BlockRemoved events, events.py), resets, resets_refused (logged with why),
+               weights_version_switches (the keys moved to a new weights version at a reset); the resets'
+               removals (reset.py, their own thread): reset_removals (patterns removed), reset_removed_keys,
+               reset_removal_retries, reset_removals_given_up (after REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
                the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent),
                master_unauthentic (it opened because the listener on the embedded master's port was not the
-               master this process joined: gone, or another process's);
-               lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline)
+               master this process joined: gone, or another process's), store_close_leaked (a close that
+               left the client open: a call was still inside it), master_restarts (the embedded master
+               restarted by its supervisor, embedded.py, counted where its owner hands a recorder);
+               lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline),
+               lookups_skipped_busy (deadline.py: answered at once, an abandoned call still inside the store)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
                the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
@@ -47,14 +56,13 @@ are those of the calls themselves (upstream sends one row per RPC instead).
 
 What is timed: put = one ``batch_put`` of a store job, get = one ``batch_get`` sub-batch of a load (both on
 the worker's store threads: every ``put_s`` / ``get_s`` the worker adds is one call), lookup = one
-``batch_is_exist`` of the scheduler's prefix lookup (`TimedLookups`).
+``batch_is_exist`` of the scheduler's prefix lookup (`kvledger_connector.deadline.DeadlineStore`).
 """
 from __future__ import annotations
 
 import bisect
 import math
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,14 +81,17 @@ COUNTERS = (
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "tail_saves", "deferrals", "saves_dropped", "held_requests", "kept_blocks", "expired_kept_blocks",
-    "failed_load_requeues",
+    "failed_load_requeues", "sent_tables_evicted", "loads_emitted", "sync_loads", "async_after_failures", "tail_hits",
     "hook_errors", "save_errors", "refused_loads",
     "run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs",
     "loads", "rejected_loads", "load_errors_reported", "refused_specs", "integrity_removals_dropped",
     "put_s", "get_s", "lookup_s",
     "kv_events_dropped", "resets", "resets_refused", "weights_version_switches",
     "reset_removed_keys", "reset_removal_retries", "reset_removals_given_up", "reset_removals_dropped",
-    "breaker_trips", "breaker_probes", "master_unauthentic", "lookups_past_deadline",
+    "jobs_released", "unknown_reports", "loads_pinned", "loads_released", "loads_finished",
+    "kv_events_stored_blocks", "kv_events_removed_blocks", "reset_removals",
+    "breaker_trips", "breaker_probes", "master_unauthentic", "store_close_leaked", "master_restarts",
+    "lookups_past_deadline", "lookups_skipped_busy",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
 #: ops with a latency histogram, by the duration counter whose every add is one call
@@ -156,7 +167,8 @@ _GAUGE_NAMES = frozenset(GAUGES)
 
 class StatsRecorder:
     """Thread-safe accumulator shared by the store/load threads and the step hooks; `take()` swaps the
-    interval out (vLLM, Prometheus), `totals` keeps the whole run."""
+    interval out (vLLM, Prometheus), `totals` keeps the whole run. A `kvledger.counts.Counter` (``add``,
+    ``total``): the ledgers and the store's parts count into it when handed it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -254,24 +266,3 @@ def _in_bucket(i: int, mean: float) -> float:
         mean = max(mean, math.nextafter(LATENCY_BUCKETS_S[i - 1], math.inf))
     return mean
 
-
-class TimedLookups:
-    """The scheduler's store, with each ``batch_is_exist`` (a prefix lookup) timed into ``lookup_s`` and its
-    histogram. Everything else, attribute reads and writes included, is the wrapped store's own."""
-
-    def __init__(self, store: Any, stats: StatsRecorder) -> None:
-        object.__setattr__(self, "_kvl_store", store)
-        object.__setattr__(self, "_kvl_stats", stats)
-
-    def batch_is_exist(self, keys: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self._kvl_store.batch_is_exist(keys)
-        finally:
-            self._kvl_stats.add("lookup_s", time.perf_counter() - t0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_kvl_store"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._kvl_store, name, value)

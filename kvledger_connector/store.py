@@ -30,7 +30,7 @@ What it adds over the raw pybind11 client (and why):
   * the client is never closed under a live call, nor called once closed: either kills the process
     inside Mooncake (measured: SIGSEGV, even for `batch_is_exist` after `close()`). Every call is
     counted in and out under one lock; `close` refuses new calls, waits (bounded) for the calls inside
-    to return, and when one does not, leaves the client open (leaked, logged, `num_close_leaked`) rather
+    to return, and when one does not, leaves the client open (leaked, logged, `store_close_leaked`) rather
     than close it under that call.
 
 Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_multi_buffers`; a key's
@@ -55,6 +55,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
+from kvledger import codes as ledger_codes
+from kvledger.counts import Counter, Counts
 from kvledger_connector.config import StoreConfig
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class StoreCode(enum.IntEnum):
     OK = 0
     INTERNAL_ERROR = -1  # setup() failed (e.g. no valid LAN address)
     BUFFER_OVERFLOW = -10
-    NO_AVAILABLE_HANDLE = -200  # no space: store full, nothing evictable yet, or segment not mounted
+    NO_AVAILABLE_HANDLE = ledger_codes.NO_AVAILABLE_HANDLE  # no space (defined once, in kvledger.codes)
     INVALID_PARAMS = -600  # destination too small, bad size, empty key, client not initialised
     OBJECT_NOT_FOUND = -704  # missing / evicted / lost in a master restart
     OBJECT_ALREADY_EXISTS = -705  # swallowed by put (first writer wins -> 0)
@@ -273,21 +275,18 @@ class MooncakeStore:
         self._probing = False
         self._background_probe = clock is time.monotonic if background_probe is None else background_probe
         self._prober: threading.Thread | None = None
-        self.num_trips = 0  # times the breaker opened
-        self.num_probes = 0  # probes made (a master this process cannot authenticate is not sent one)
-        self.num_unauthentic = 0  # trips because the master's listener was not the authenticated one
         self._auth_due = -math.inf  # time.monotonic() of the next authenticity check (AUTH_CHECK_INTERVAL_S)
         self._moved_logged = False
-        # the connector's StatsRecorder (breaker_trips, breaker_probes, master_unauthentic), set by its owner;
-        # None: not counted
-        self.stats: Any = None
+        # the counter sink: breaker_trips (the breaker opened), breaker_probes (probes made: a master this
+        # process cannot authenticate is not sent one), master_unauthentic (trips because the master's
+        # listener was not the authenticated one), store_close_leaked; the connector sets its StatsRecorder
+        self.stats: Counter = Counts()
         self._closed = False
         self._lock = threading.Lock()  # close() vs calls
         self._idle = threading.Condition(self._lock)  # notified when the last call inside the client returns
         self._wake = threading.Condition(self._lock)  # the prober: the breaker opened, or the store closed
         self._calls_inside = 0  # calls now inside the raw client (guarded by _lock)
         self._close_result: bool | None = None  # what the first close returned (later closes repeat it)
-        self.num_close_leaked = 0  # closes that left the client open because a call was still inside
         self.last_exception: BaseException | None = None
         self.registered: dict[int, int] = {}  # ptr -> size
 
@@ -352,7 +351,7 @@ class MooncakeStore:
         New calls are refused at once (per-key INVALID_PARAMS). Calls already inside the client are waited
         for, up to `CLOSE_DRAIN_SHARE` of `timeout_s`: closing under a live call, or calling a closed
         client, crashes the process inside Mooncake. If one is still inside then, the client is left open
-        (leaked: logged, `num_close_leaked` += 1) and False is returned.
+        (leaked: logged, counted in `store_close_leaked`) and False is returned.
 
         Bounded: Mooncake's close unmounts the segment through the master (measured ~7 s with a dead
         master, ~3 s with a hung one) and could block longer on a wedged transfer; it runs in a helper
@@ -367,7 +366,7 @@ class MooncakeStore:
             drained = self._idle.wait_for(lambda: self._calls_inside == 0, timeout_s * CLOSE_DRAIN_SHARE)
             inside = self._calls_inside
             if not drained:
-                self.num_close_leaked += 1
+                self.stats.add("store_close_leaked")
                 self._close_result = False
         if not drained:
             logger.error("Mooncake client of master %s not closed: %d call(s) still inside it after %.1fs; "
@@ -471,9 +470,7 @@ class MooncakeStore:
         with self._lock:
             if self._open:
                 return
-            self.num_unauthentic += 1
-            if self.stats is not None:
-                self.stats.add("master_unauthentic")
+            self.stats.add("master_unauthentic")
             logger.warning("Mooncake master %s: the listener on its port is not the master this process joined "
                            "(gone, or another process's)", self.config.master_server_address)
             self._trip_locked()
@@ -484,11 +481,9 @@ class MooncakeStore:
         self._down_in_a_row = 1
         self._skip_until = self._clock() + self.backoff_s(1)
         self._open = True
-        self.num_trips += 1
         logger.warning("Mooncake master %s failed: store calls skipped until a probe is answered (first in %.1fs)",
                        self.config.master_server_address, self.backoff_s(1))
-        if self.stats is not None:
-            self.stats.add("breaker_trips")
+        self.stats.add("breaker_trips")
         if self._background_probe and not self._closed:
             if self._prober is None:
                 self._prober = threading.Thread(target=self._probe_loop, name="kvledger-store-probe", daemon=True)
@@ -518,9 +513,7 @@ class MooncakeStore:
         finally:
             with self._lock:
                 self._probing = False
-                self.num_probes += 1
-                if self.stats is not None:
-                    self.stats.add("breaker_probes")
+                self.stats.add("breaker_probes")
                 if res in (0, 1):
                     self._open = False
                     self._down_in_a_row = 0

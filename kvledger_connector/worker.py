@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.integrity import BlockSeal, IntegrityKey
 from kvledger_connector.jobs import SaveJob, WorkerSteps
@@ -64,18 +65,15 @@ _REMOVE = object()  # wakes the store thread for `WorkerSteps.remove_mismatched`
 
 
 class WorkerSide:
-    def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, keys: KeyBuilder | Sequence[KeyBuilder],
-                 tp_rank: int,
+    def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, shape: BlockShape, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], list[KeyBuilder]] | None = None,
-                 part_groups: Sequence[int] | None = None) -> None:
-        """``keys``: the key builder, or one per part of a block (`EngineFacts.layouts_for`: per KV cache group
-        of a hybrid model, in the KV cache config's group order, and per head shard in the TP-shared layout);
-        ``part_groups``: each part's KV cache group (default: part i is group i). ``integrity``: how stored objects are tagged (kvledger_connector/integrity.py); None:
-        no trailer. ``weights_version``: the one ``keys`` builds under; ``rekey``: the key builders of
-        another version, for when a step's metadata names one (a reset_cache switched it, see
-        kvledger_connector/reset.py)."""
+                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None) -> None:
+        """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
+        in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
+        are tagged (kvledger_connector/integrity.py); None: no trailer. ``weights_version``: the one
+        ``shape``'s builders build under; ``rekey``: the parts' key builders under another version, for when
+        a step's metadata names one (a reset_cache switched it, see kvledger_connector/reset.py)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -92,9 +90,6 @@ class WorkerSide:
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
         self._plans: list[BlockCopyPlan] = []  # one per part of a block
-        self.num_parts = 1 if isinstance(keys, KeyBuilder) else len(keys)
-        parts = list(range(self.num_parts)) if part_groups is None else list(part_groups)
-        self.num_groups = max(parts) + 1 if parts else 1  # KV cache groups
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
@@ -107,14 +102,13 @@ class WorkerSide:
         self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
         # the per-job work, its counting and the ledgers (kvledger_connector/jobs.py); loads in flight:
         # queued + one per load thread (+1: a rejected load is begun and finished at once)
+        stats = stats if stats is not None else StatsRecorder()  # one sink: the steps' and the load ledger's
         self.steps = WorkerSteps(
-            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size,
-            keys=keys if isinstance(keys, KeyBuilder) else None,
-            group_keys=None if isinstance(keys, KeyBuilder) else keys, part_groups=parts,
+            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size, shape=shape,
             ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
-                             trace=trace),
+                             trace=trace, counts=stats),
             load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock,
             num_blocks=0)  # no KV cache registered yet: every spec's block ids refused
 
@@ -129,8 +123,9 @@ class WorkerSide:
         if self._plans:
             raise KVLayoutError("register_kv_caches called twice on one worker")
         plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)
-        if len(plans) != self.num_parts:
-            raise KVLayoutError(f"{len(plans)} copy plans for {self.num_parts} parts of a block")
+        num_parts = len(self.steps.block_shape().parts)
+        if len(plans) != num_parts:
+            raise KVLayoutError(f"{len(plans)} copy plans for {num_parts} parts of a block")
         if len({(p.block_bytes, p.num_blocks) for p in plans}) != 1:
             raise KVLayoutError("parts of a block (KV cache groups, head shards) that differ in size ("
                                 + ", ".join(f"{p.block_bytes} B x {p.num_blocks}" for p in plans)
@@ -166,27 +161,24 @@ class WorkerSide:
         for t in self._threads:
             t.start()
 
-    def _block_buffers(self, block_ids: list[int], groups: list[int] | None = None
-                       ) -> tuple[list[list[int]], list[list[int]]]:
-        """(ptrs, sizes) per block, for one store batch call; block 0 is vLLM's null block. ``groups``: each
-        entry's part of a block (`WorkerSteps.part_groups`; default part 0)."""
+    def _block_buffers(self, block_ids: list[int], parts: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(ptrs, sizes) per block, for one store batch call: entry i is part ``parts[i]`` of block
+        ``block_ids[i]``, from that part's copy plan; block 0 is vLLM's null block."""
         for b in block_ids:
             if not self._plans or not 0 < b < self._num_blocks:
                 raise LedgerInputError("block_id", b, f"not in 1..{self._num_blocks - 1} (or no KV cache "
                                        f"registered)")
-        if groups is None or len(self._plans) == 1:
-            if groups is not None and any(groups):
-                raise LedgerInputError("groups", sorted(set(groups)), "this rank's blocks are one part")
-            return self._plans[0].batch_buffers(block_ids)
-        if len(groups) != len(block_ids) or not all(0 <= g < len(self._plans) for g in groups):
-            raise LedgerInputError("groups", groups, f"one of 0..{len(self._plans) - 1} per block id")
+        if len(parts) != len(block_ids) or not all(0 <= p < len(self._plans) for p in parts):
+            raise LedgerInputError("parts", sorted(set(parts)), f"one of 0..{len(self._plans) - 1} per block id")
         ptrs: list[list[int]] = [[] for _ in block_ids]
         sizes: list[list[int]] = [[] for _ in block_ids]
-        for g, plan in enumerate(self._plans):
-            at = [i for i, gi in enumerate(groups) if gi == g]
+        for p, plan in enumerate(self._plans):
+            at = [i for i, pi in enumerate(parts) if pi == p]
+            if len(at) == len(parts):  # the batch is of one part: its plan's buffers as they come
+                return plan.batch_buffers(block_ids)
             if at:
-                p, s = plan.batch_buffers([block_ids[i] for i in at])
-                for i, pi, si in zip(at, p, s):
+                got, got_sizes = plan.batch_buffers([block_ids[i] for i in at])
+                for i, pi, si in zip(at, got, got_sizes):
                     ptrs[i], sizes[i] = pi, si
         return ptrs, sizes
 
@@ -225,7 +217,7 @@ class WorkerSide:
         if self._rekey is None:
             raise LedgerInputError("weights_version", version, f"this worker builds keys under "
                                    f"{self.weights_version!r} only (no rekey given)")
-        self.steps.group_keys = self._rekey(version)
+        self.steps.shape = self.steps.block_shape().rekeyed(self._rekey(version))
         self.weights_version = version
         self.steps.stats.add("weights_version_switches")
 
@@ -311,8 +303,7 @@ class WorkerSide:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
         forward's CUDA event before it reads the blocks."""
         self.steps.run_save(job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
-                            event.synchronize if event is not None else None, job.full_end_block,
-                            job.num_groups)
+                            event.synchronize if event is not None else None, job.full_end_block)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:

@@ -107,7 +107,7 @@ def run(argv: list[str] | None = None) -> DemoResult:
     # the longest request must fit the pin cap (checked at start-up): 24 blocks of 16 = 384 tokens >= 88 + 24
     with Harness(cfg, tp_size=args.tp, num_blocks=args.blocks, max_num_seqs=16, max_num_batched_tokens=256,
                  policy="recompute", extra=extra, max_model_len=16 * cap_blocks, kv_layout=args.kv_layout) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         report: dict[str, object] = {}
         for pass_no in (1, 2):
             if pass_no == 2 and not args.no_faults:
@@ -127,7 +127,7 @@ def run(argv: list[str] | None = None) -> DemoResult:
             for i, p in enumerate(prompts):
                 if h.stats.outputs.get(f"req-{i}") != h.expected_output(p, args.max_tokens):
                     bad_outputs += 1
-            report[f"pass{pass_no}_loads"] = ss.num_loads
+            report[f"pass{pass_no}_loads"] = ss.stats.total("loads_emitted")
         leaks = h.check_at_rest()
         checked, polluted = h.check_store()
         totals = h.scheduler_connector.stats.totals.data
@@ -138,11 +138,11 @@ def run(argv: list[str] | None = None) -> DemoResult:
         leaked_blocks = args.blocks - 1 - h.block_pool.get_num_free_blocks()
         figures: dict[str, int | float] = {
             "requests": 2 * len(prompts), "engine_steps": h.stats.steps,
-            "jobs_opened": ss.ledger.num_jobs_opened, "jobs_released": ss.ledger.num_jobs_released,
+            "jobs_opened": ss.ledger.num_jobs_opened, "jobs_released": int(ss.ledger.counts.total("jobs_released")),
             "stale_jobs": int(wtot.get("stale_jobs", 0)), "put_keys": int(wtot.get("put_keys", 0)),
             "peak_jobs": ss.ledger.peak_inflight_jobs, "peak_block_pins": ss.ledger.peak_pinned_blocks,
-            "preemptions": h.stats.preemptions, "deferrals": ss.ledger.num_deferrals,
-            "saves_dropped": ss.num_saves_dropped, "loads": ss.num_loads,
+            "preemptions": h.stats.preemptions, "deferrals": int(ss.stats.total("deferrals")),
+            "saves_dropped": ss.stats.total("saves_dropped"), "loads": ss.stats.total("loads_emitted"),
             "load_error_blocks": h.stats.load_error_blocks, "wrong_kv": len(h.garbage),
             "wrong_outputs": bad_outputs, "polluted_keys": polluted, "checked_keys": checked,
             "leaked_blocks": leaked_blocks,
@@ -150,15 +150,16 @@ def run(argv: list[str] | None = None) -> DemoResult:
         rows = [
             ("requests", f"{2 * len(prompts)} ({len(prompts)} per pass, req_ids reused), "
                          f"{h.stats.steps} engine steps, tp={args.tp}"),
-            ("store jobs", f"{ss.ledger.num_jobs_opened} opened, {ss.ledger.num_jobs_released} released, "
+            ("store jobs", f"{ss.ledger.num_jobs_opened} opened, "
+                           f"{int(ss.ledger.counts.total('jobs_released'))} released, "
                            f"{int(wtot.get('stale_jobs', 0))} stale (preempted generation), "
                            f"{int(wtot.get('put_keys', 0))} keys put"),
             ("peak pins", f"{ss.ledger.peak_inflight_jobs} jobs / {ss.ledger.peak_pinned_blocks} block pins "
                           f"(cap {cap_jobs} / {cap_blocks})"),
             ("preemptions", f"{h.stats.preemptions} ({len(h.stats.preempted_req_ids)} distinct requests)"),
-            ("deferrals", f"{ss.ledger.num_deferrals} (cap reached; saves retried), "
-                          f"{ss.num_saves_dropped} saves dropped at finish"),
-            ("store hits", f"{ss.num_loads} loads ({report['pass1_loads']} in pass 1), "
+            ("deferrals", f"{int(ss.stats.total('deferrals'))} (cap reached; saves retried), "
+                          f"{ss.stats.total('saves_dropped')} saves dropped at finish"),
+            ("store hits", f"{ss.stats.total('loads_emitted')} loads ({report['pass1_loads']} in pass 1), "
                            f"{int(totals.get('loaded_tokens', 0))} tokens scheduled to load (before failures)"),
             ("load failures", f"{h.stats.load_error_blocks} blocks reported, recovered by recompute "
                               f"({'evictions injected in pass 2' if not args.no_faults else 'none injected'})"),

@@ -472,10 +472,10 @@ class EmuWorker(WorkerBase):
                                       ("num_saves_rejected", "rejected_jobs"),
                                       ("num_store_exceptions", "store_exceptions"), ("put_keys", "put_keys")):
                     info[name] = int(steps.stats.total(counter))
-                info["loads_finished"] = steps.loads.num_loads_finished
+                info["loads_finished"] = int(steps.loads.counts.total("loads_finished"))
                 info["errors"] = list(steps.errors)[:5]
-                info["key_prefix"] = steps.keys.prefix if steps.keys is not None else None
-                info["key_prefixes"] = [kb.prefix for kb in steps.group_keys]  # a key per part of a block
+                info["key_prefix"] = steps.shape.parts[0].builder.prefix if steps.shape is not None else None
+                info["key_prefixes"] = [kb.prefix for kb in steps.block_shape().builders]  # a key per part of a block
                 info["get_keys"] = int(steps.stats.total("get_keys"))
                 info["pending_work"] = bool(ws.has_pending_work())
                 injected = getattr(steps.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)

@@ -209,8 +209,8 @@ def _inproc_state(llm: Any) -> dict[str, Any] | None:
     if ss is not None:
         state["pinned_jobs"] = list(ss.ledger.inflight_jobs())[:20]
         state["jobs_opened"] = ss.ledger.num_jobs_opened
-        state["jobs_released"] = ss.ledger.num_jobs_released
-        state["load_pins"] = ss.num_load_pins
+        state["jobs_released"] = ss.ledger.counts.total("jobs_released")
+        state["load_pins"] = ss.steps.num_load_pins
     return state
 
 

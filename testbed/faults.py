@@ -501,7 +501,7 @@ def stored_keys_of_requests(h: Any, parts: frozenset[int] | None = None) -> list
     each once."""
     from kvledger_connector.keys import partial_tail_hash
     bs = h.block_size
-    tails = h.scheduler_connector.scheduler_side.save_partial_tail
+    tails = h.scheduler_connector.scheduler_side.steps.save_partial_tail
     out: dict[str, None] = {}
     for req in h.requests.values():
         hashes = list(req.block_hashes)
@@ -509,7 +509,7 @@ def stored_keys_of_requests(h: Any, parts: frozenset[int] | None = None) -> list
         if tails and r >= 2 and 1 <= k <= len(hashes):
             hashes.append(partial_tail_hash(hashes[k - 1], req.prompt_token_ids[k * bs:k * bs + r]))
         for w in h.workers:
-            for part, kb in enumerate(w.worker_side.steps.group_keys):
+            for part, kb in enumerate(w.worker_side.steps.block_shape().builders):
                 if parts is None or part in parts:
                     out.update(dict.fromkeys(kb.keys(hashes)))
     return list(out)

@@ -409,7 +409,7 @@ class Harness:
     def wrap_stores(self, wrap: Any) -> None:
         """Replace every connector's store by `wrap(store)` (e.g. a FaultyStore); the real client is kept
         and closed by its connector."""
-        sc = self.scheduler_connector.scheduler_side
+        sc = self.scheduler_connector.scheduler_side.steps
         sc.store = wrap(sc.store)  # type: ignore[union-attr]
         for w in self.workers:
             w.worker_side.steps.store = wrap(w.worker_side.steps.store)  # type: ignore[union-attr]
@@ -446,7 +446,9 @@ class Harness:
     @property
     def key_builders(self) -> list[Any]:
         """Each rank's key builder now (a reset may move them to a new weights version); [] for upstream."""
-        return [w.worker_side.steps.keys for w in self.workers] if self._ours else []  # type: ignore[union-attr]
+        if not self._ours:
+            return []
+        return [w.worker_side.steps.block_shape().builders[0] for w in self.workers]  # type: ignore[union-attr]
 
     def block_hashes_of(self, prompt: list[int]) -> list[Any]:
         """vLLM's block hashes of a prompt, as this engine's scheduler computes them."""
@@ -549,10 +551,10 @@ class Harness:
     def _check_progress(self, scheduled: bool) -> None:
         if self.connector_kind != "ours":
             return self._check_progress_other(scheduled)
-        ss = self.scheduler_connector.scheduler_side
+        ss = self.scheduler_connector.scheduler_side.steps
         ledger = ss.ledger  # type: ignore[union-attr]
-        mark = (ledger.num_jobs_opened, ledger.num_jobs_released, ss.num_load_pins,  # type: ignore[union-attr]
-                ss.num_loads, len(self.stats.finished), len(self.scheduler.requests))  # type: ignore[union-attr]
+        mark = (ledger.num_jobs_opened, ledger.counts.total("jobs_released"), ss.num_load_pins,  # type: ignore[union-attr]
+                ss.stats.total("loads_emitted"), len(self.stats.finished), len(self.scheduler.requests))  # type: ignore[union-attr]
         now = time.monotonic()
         if scheduled or mark != self._progress_mark:
             self._progress_mark = mark
@@ -771,7 +773,7 @@ class Harness:
         ledger = self.scheduler_connector.scheduler_side.ledger  # type: ignore[union-attr]
         if ledger.has_pending_work():
             problems.append(f"pins held by jobs {ledger.inflight_jobs()[:20]}")
-        if self.scheduler_connector.scheduler_side.num_load_pins:  # type: ignore[union-attr]
+        if self.scheduler_connector.scheduler_side.steps.num_load_pins:  # type: ignore[union-attr]
             problems.append("load pins held")
         for r, w in enumerate(self.workers):
             ws = w.worker_side
@@ -819,7 +821,7 @@ class Harness:
         bs = self.block_size
         checked = polluted = 0
         seen: set[tuple[int, int, bytes]] = set()
-        builders = [list(w.worker_side.steps.group_keys) for w in self.workers]  # type: ignore[union-attr]
+        builders = [list(w.worker_side.steps.block_shape().builders) for w in self.workers]  # type: ignore[union-attr]
         for req in self.requests.values():
             tokens = req.all_token_ids
             hashes = KVContent.prefix_hashes(tokens, len(tokens), [])
@@ -854,9 +856,9 @@ class Harness:
         scratch, k = self._scratch, self._heads_per_key
         if scratch is None:
             raise RuntimeError("check_store: no scratch KV cache")
-        part_groups = self.workers[0].worker_side.steps.part_groups  # type: ignore[union-attr]
-        g = part_groups[p]  # the workers' order of a block's parts
-        j = p - part_groups.index(g)
+        shape = self.workers[0].worker_side.steps.block_shape()  # type: ignore[union-attr]
+        g = shape.parts[p].group  # the workers' order of a block's parts
+        j = p - shape.parts_of(g).start
         pos = hashes[first:first + n]
         layers = self._group_layers()[g]
         ok = self._trailer_ok(key, p)

@@ -95,7 +95,7 @@ def test_pin_cap_below_the_longest_request_is_refused_at_start(store_config: Sto
 
 def test_pin_cap_equal_to_the_longest_request_starts(store_config: StoreConfig):
     with Harness(store_config, extra={"max_inflight_jobs": 1, "max_pinned_blocks": 8}, max_model_len=128) as h:
-        assert h.scheduler_connector.scheduler_side.max_pinned_blocks == 8
+        assert h.scheduler_connector.scheduler_side.steps.max_pinned_blocks == 8
 
 
 def test_max_inflight_jobs_below_one_is_refused_at_start(store_config: StoreConfig):
@@ -179,7 +179,7 @@ def test_upstream_extra_config_through_the_connector(store_config: StoreConfig):
     extra = {"cache_prefix": "tenant-1", "save_decode_cache": True, "load_async": True, "enable_lookup": True}
     with Harness(store_config, extra=extra) as h:
         assert h.scheduler_connector.store_config.namespace == "tenant-1"
-        assert h.scheduler_connector.scheduler_side.save_decode is True
+        assert h.scheduler_connector.scheduler_side.steps.save_decode is True
         assert all(kb.prefix.startswith("tenant-1/kvl2/") for kb in h.key_builders)
     with pytest.raises(ConfigError) as e:
         Harness(store_config, extra={"preferred_segment": "node-3"})
@@ -195,4 +195,4 @@ def test_pin_cap_is_derived_from_the_engine_when_unset(store_config: StoreConfig
     with Harness(store_config, num_blocks=num_blocks, max_model_len=max_model_len) as h:
         for conn in [h.scheduler_connector, *h.workers]:
             assert conn.config.max_pinned_blocks == cap  # every role: derived once, at construction
-        assert h.scheduler_connector.scheduler_side.max_pinned_blocks == cap
+        assert h.scheduler_connector.scheduler_side.steps.max_pinned_blocks == cap

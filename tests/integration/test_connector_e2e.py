@@ -33,7 +33,7 @@ def _check(h: Harness, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -
 def test_preemption_storm_then_store_hits(store_config: StoreConfig, tp_size: int):
     prompts = shared_prefix_prompts(16, num_prefixes=3, prefix_len=48, suffix_len=20, seed=tp_size)
     with Harness(store_config, tp_size=tp_size, num_blocks=18, max_num_seqs=8) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _run_pass(h, prompts)
         assert h.stats.preemptions > 0  # the pool is far smaller than the working set
         _check(h, prompts)
@@ -43,7 +43,7 @@ def test_preemption_storm_then_store_hits(store_config: StoreConfig, tp_size: in
         h.stats.outputs.clear()
         _run_pass(h, prompts)
         _check(h, prompts)
-        assert ss.num_loads > 0
+        assert ss.stats.total("loads_emitted") > 0
         assert h.scheduler_connector.stats.totals.data.get("loaded_tokens", 0) > 0
         for w in h.workers:
             assert w.worker_side.steps.stats.total("loads") > 0
@@ -58,7 +58,7 @@ def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig)
     with Harness(store_config, tp_size=1, num_blocks=24, extra=extra, max_model_len=128) as h:
         _run_pass(h, prompts, max_tokens=24)
         ss = h.scheduler_connector.scheduler_side
-        assert ss.ledger.num_deferrals > 0
+        assert h.scheduler_connector.stats.total("deferrals") > 0
         assert ss.ledger.peak_inflight_jobs == 1 and ss.ledger.peak_pinned_blocks <= 8
         assert ss.ledger.num_jobs_opened > 0
         assert h.scheduler_connector.stats.totals.data["deferrals"] > 0  # reported to vLLM's stats too
@@ -77,19 +77,19 @@ def test_lookup_is_idempotent_while_waiting(store_config: StoreConfig):
         from vllm.v1.request import Request
         sp = SamplingParams(max_tokens=4)
         req = Request("probe", prompts[0], sp, None, block_hasher=h._hasher)
-        q0 = ss.num_store_queries
+        q0 = ss.stats.total("lookups")
         first = ss.get_num_new_matched_tokens(req, 0)
         again = ss.get_num_new_matched_tokens(req, 0)
         assert first == again and first[0] == 48  # the 3 stored blocks
         assert first[1] is True  # the harness's policy is "recompute": every load is async there
-        assert ss.num_store_queries == q0 + 1
+        assert ss.stats.total("lookups") == q0 + 1
         ss.request_finished(req)
 
 
 def test_lookup_cache_is_bounded(store_config: StoreConfig):
     prompts = shared_prefix_prompts(12, num_prefixes=1, prefix_len=48, suffix_len=8, seed=9)
     with Harness(store_config, num_blocks=12, max_num_seqs=2, extra={"max_lookup_cache": 2}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _run_pass(h, prompts, max_tokens=8)
         assert ss.peak_lookup_cache == 2  # the bound was hit, never exceeded
         _check(h, prompts, max_tokens=8)
@@ -200,7 +200,7 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
             w.worker_side.steps.store = SlowGet(w.worker_side.steps.store)
         for i, p in enumerate(prompts):
             h.add_request(f"req-{i}", p, 8)
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         victim = None
         while victim is None and h.step():
             loading = [r for r in h.scheduler.requests.values()
@@ -231,9 +231,9 @@ def test_kv_role_selects_saves_and_loads(store_config: StoreConfig, tmp_path, kv
             Harness(store_config, num_blocks=14, kv_role=kv_role, workdir=str(tmp_path)) as h:
         _run_pass(warm, prompts, max_tokens=8)
         _run_pass(h, prompts, max_tokens=8)
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         assert (ss.ledger.num_jobs_opened > 0) is saves
-        assert (ss.num_loads > 0) is loads
+        assert (ss.stats.total("loads_emitted") > 0) is loads
         _check(h, prompts, max_tokens=8)
 
 
@@ -245,16 +245,16 @@ def test_req_id_reused_the_step_after_it_finished_still_loads(store_config: Stor
     saved = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=11)[0]
     other = shared_prefix_prompts(1, num_prefixes=1, prefix_len=40, suffix_len=8, seed=12)[0]
     with Harness(store_config, tp_size=2, num_blocks=32, stall_timeout_s=20) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         h.add_request("s", saved, 4)
         h.run()
         assert h.scheduler.reset_prefix_cache()  # from now on a hit on `saved` can only be a store hit
         h.add_request("a", other, 4)
         while "a" not in h.stats.finished:
             assert h.step()
-        loads_before = ss.num_loads
+        loads_before = ss.stats.total("loads_emitted")
         h.add_request("a", saved, 4)  # the same id, before the step that reports the old one finished
         h.run()
-        assert ss.num_loads == loads_before + 1
+        assert ss.stats.total("loads_emitted") == loads_before + 1
         assert h.stats.outputs["a"][-4:] == h.expected_output(saved, 4)
         assert h.garbage == [] and h.check_at_rest() == []

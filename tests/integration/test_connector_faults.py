@@ -62,7 +62,7 @@ def test_load_faults_under_recompute_recompute_and_finish_correctly(store_config
         h.stats.outputs.clear()
         _pass(h, prompts)
         assert sum(len(f.injected) for f in faulty) > 0
-        assert h.scheduler_connector.scheduler_side.num_sync_loads == 0
+        assert h.scheduler_connector.scheduler_side.steps.stats.total("sync_loads") == 0
         assert h.stats.load_error_blocks > 0  # failures were reported to vLLM ...
         for i, p in enumerate(prompts):  # ... which recomputed: every request finished correctly
             assert h.stats.finished[f"req-{i}"] == "length"
@@ -81,7 +81,7 @@ def test_load_faults_under_fail_finish_with_error(store_config: StoreConfig, tp_
         _pass(h, prompts)
         reasons = {h.stats.finished[f"req-{i}"] for i in range(len(prompts))}
         assert "error" in reasons
-        assert h.scheduler_connector.scheduler_side.num_sync_loads > 0
+        assert h.scheduler_connector.scheduler_side.steps.stats.total("sync_loads") > 0
         for i, p in enumerate(prompts):
             if h.stats.finished[f"req-{i}"] == "length":  # unaffected requests are still correct
                 assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
@@ -123,13 +123,13 @@ def test_master_killed_then_restarted(own_master: EmbeddedMooncake):
                                                                   own_master.metadata_server)
     prompts = shared_prefix_prompts(8, num_prefixes=2, prefix_len=48, suffix_len=16, seed=51)
     with Harness(cfg, num_blocks=20) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _pass(h, prompts)
         own_master.kill_master()
         h.stats.outputs.clear()
-        loads_before = ss.num_loads
+        loads_before = ss.stats.total("loads_emitted")
         _pass(h, prompts)  # master down: no hit can be trusted, no save can land
-        assert ss.num_loads == loads_before
+        assert ss.stats.total("loads_emitted") == loads_before
         for i, p in enumerate(prompts):
             assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)
         assert h.garbage == [] and h.check_at_rest() == []
@@ -157,7 +157,7 @@ def test_a_frozen_holder_costs_load_errors_never_a_stall(own_master: EmbeddedMoo
                       transfer_timeout_s=1).with_addresses(own_master.master_address, own_master.metadata_server)
     prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=48, suffix_len=16, seed=53)
     with Harness(cfg, tp_size=2, num_blocks=24, policy="recompute") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _pass(h, prompts)
         assert h.scheduler.reset_prefix_cache()
         h.stats.outputs.clear()
@@ -166,7 +166,7 @@ def test_a_frozen_holder_costs_load_errors_never_a_stall(own_master: EmbeddedMoo
             _pass(h, prompts)
         finally:
             os.kill(holder, signal.SIGCONT)
-        assert ss.num_loads > 0 and h.stats.load_error_blocks > 0  # loaded from the holder: failed, reported
+        assert ss.stats.total("loads_emitted") > 0 and h.stats.load_error_blocks > 0  # loaded from the holder: failed, reported
         assert all(w.stats.total(f"fail_code.{int(StoreCode.TRANSFER_FAIL)}") > 0 for w in h.workers)
         for i, p in enumerate(prompts):
             assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, MAX_TOKENS)

@@ -26,7 +26,7 @@ def test_cuda_kv_cache_preemption_and_store_hits(store_config: StoreConfig, tp_s
             for i, p in enumerate(prompts):
                 assert h.stats.outputs[f"req-{i}"] == h.expected_output(p, 40)
         assert h.stats.preemptions > 0
-        assert h.scheduler_connector.scheduler_side.num_loads > 0
+        assert h.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0
         assert h.garbage == [] and h.check_at_rest() == []
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0

@@ -20,6 +20,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.connector import key_layout
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
@@ -88,7 +89,8 @@ def _worker(engine, store, cfg: StoreConfig, tp_rank: int = 0, salt: str = "", *
     layout = dataclasses.replace(key_layout(vc, kv_cfg, tp_rank), model=f"test-{salt}")
     config = cfg.replace(**cfg_changes) if cfg_changes else cfg
     return WorkerSide(ConnectorConfig(store=config, block_size=BS), store=store,
-                      keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=tp_rank, max_requests=64)
+                      shape=BlockShape.of_keys([KeyBuilder(layout, config.max_key_bytes)]), tp_rank=tp_rank,
+                      max_requests=64)
 
 
 def _wait(pred, timeout: float = 20.0) -> None:
@@ -256,7 +258,8 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     _wait(lambda: not ws.steps.ledger.has_pending_work() or len(ws.steps.ledger._completed) == 2)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
     assert ws.steps.stats.total("stale_jobs") == 1
-    assert store.batch_is_exist(ws.steps.keys.keys(hashes)) == [0, 0]  # the stale job stored nothing
+    kb = ws.steps.block_shape().builders[0]
+    assert store.batch_is_exist(kb.keys(hashes)) == [0, 0]  # the stale job stored nothing
 
 
 def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, request):
@@ -315,7 +318,7 @@ def test_jobs_after_shutdown_are_reported_at_once_not_queued(engine, store, cfg,
     assert ws.steps.stats.total("rejected_jobs") == 1
     assert ws.take_finished_loads() == {"l"} and ws.take_load_errors() == {2, 3}
     assert not ws.has_pending_work()
-    assert store.batch_is_exist(ws.steps.keys.keys([_hash(0, salt)])) == [0]  # nothing ran
+    assert store.batch_is_exist(ws.steps.block_shape().builders[0].keys([_hash(0, salt)])) == [0]  # nothing ran
 
 
 def test_worker_metadata_aggregates_and_pickles():
@@ -357,4 +360,4 @@ def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, sto
     _wait(lambda: len(ws.steps.ledger._completed) == 3)
     assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
     assert ws.steps.stats.total("stale_jobs") == 1
-    assert store.batch_is_exist(ws.steps.keys.keys([h_old, h_new])) == [0, 1]
+    assert store.batch_is_exist(ws.steps.block_shape().builders[0].keys([h_old, h_new])) == [0, 1]

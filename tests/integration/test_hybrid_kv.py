@@ -40,11 +40,11 @@ def _hybrid(store_config: StoreConfig, **kw) -> Harness:
     return Harness(store_config, sliding_window=W, block_size=BS, **kw)
 
 
-def _group_keys_present(h: Harness, prompt: list[int]) -> list[list[int]]:
+def _keys_present_per_part(h: Harness, prompt: list[int]) -> list[list[int]]:
     """Per group of rank 0: which of the prompt's full blocks have a key in the store."""
     hashes = h.block_hashes_of(prompt)
     store = h.checker()
-    return [store.batch_is_exist(kb.keys(hashes)) for kb in h.workers[0].worker_side.steps.group_keys]
+    return [store.batch_is_exist(kb.keys(hashes)) for kb in h.workers[0].worker_side.steps.block_shape().builders]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -54,18 +54,19 @@ def test_a_hybrid_model_keeps_the_hybrid_manager_and_loads_every_group_from_the_
         assert h.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA
         assert len(h.kv_cache_config.kv_cache_groups) == 2
         h.run_pass(PROMPTS, 4, tag="a")  # outputs, S7 and rest checked by the harness
-        present = _group_keys_present(h, PROMPTS[0])
+        present = _keys_present_per_part(h, PROMPTS[0])
         sw = h.window_of_group.index(W)
         assert all(c == 1 for c in present[1 - sw])  # full attention: every block
         assert _sw_stored_as_vllm_keeps(present[sw]), present[sw]  # sliding: the windows behind hit points
-        keys = [kb.keys(h.block_hashes_of(PROMPTS[0])[:1]) for kb in h.workers[0].worker_side.steps.group_keys]
+        builders = h.workers[0].worker_side.steps.block_shape().builders
+        keys = [kb.keys(h.block_hashes_of(PROMPTS[0])[:1]) for kb in builders]
         assert keys[0] != keys[1]  # each group under its own key
 
         h.scheduler.reset_prefix_cache()  # pass 2's hits come from the store
-        ss = h.scheduler_connector.scheduler_side
-        loads = ss.num_loads
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(PROMPTS, 4, tag="b")
-        assert ss.num_loads > loads and ss.num_sync_loads == 0  # loaded, and asynchronously
+        assert ss.stats.total("loads_emitted") > loads and ss.stats.total("sync_loads") == 0  # loaded, and asynchronously
         assert h.scheduler_connector.stats.total("loaded_tokens") >= 256
         checked, polluted = h.check_store()
         assert checked >= tp_size * (17 + 10) and polluted == 0  # both groups' keys of every rank, read back
@@ -80,14 +81,14 @@ def test_a_gemma3_like_model_loads_every_group_from_the_store(store_config: Stor
         kinds = [type(g.kv_cache_spec).__name__ for g in h.kv_cache_config.kv_cache_groups]
         assert kinds == ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"]
         h.run_pass(PROMPTS, 4, tag="a")
-        present = _group_keys_present(h, PROMPTS[0])
+        present = _keys_present_per_part(h, PROMPTS[0])
         assert len(present) == 6 and all(c == 1 for c in present[5])
         assert all(_sw_stored_as_vllm_keeps(g) for g in present[:5]), present  # each sliding group
         h.scheduler.reset_prefix_cache()
-        ss = h.scheduler_connector.scheduler_side
-        loads = ss.num_loads
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(PROMPTS, 4, tag="b")  # each layer checked over what its attention reads
-        assert ss.num_loads > loads and h.scheduler_connector.stats.total("loaded_tokens") >= 256
+        assert ss.stats.total("loads_emitted") > loads and h.scheduler_connector.stats.total("loaded_tokens") >= 256
         checked, polluted = h.check_store()
         assert checked >= tp_size * (17 + 5 * 10) and polluted == 0
 
@@ -104,7 +105,7 @@ def test_a_missing_sliding_window_key_shortens_the_hit_to_an_earlier_stored_wind
     with _hybrid(store_config) as h:
         h.run_pass(PROMPTS[:3], 4, tag="a")
         hashes = h.block_hashes_of(PROMPTS[0])
-        sw = h.workers[0].worker_side.steps.group_keys[h.window_of_group.index(W)]
+        sw = h.workers[0].worker_side.steps.block_shape().builders[h.window_of_group.index(W)]
         loaded = h.scheduler_connector.stats
         # the whole prompt's hit is 18 blocks (288 tokens); block 16 is in its window, not in 256's (8 .. 15)
         junction = all(c == 1 for c in h.checker().batch_is_exist(sw.keys(hashes[8:16])))
@@ -135,7 +136,7 @@ def test_preemption_with_saves_and_loads_of_two_groups_gives_the_models_outputs(
         h.scheduler.reset_prefix_cache()
         h.run_pass(prompts, 60, tag="b")
         assert h.stats.preemptions > 0
-        assert h.scheduler_connector.scheduler_side.num_loads > 0
+        assert h.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0
         assert h.check_store()[1] == 0
 
 
@@ -162,7 +163,7 @@ def test_a_same_size_overwrite_of_either_groups_key_is_never_loaded(store_config
     with _hybrid(store_config) as h:
         h.run_pass(PROMPTS[:3], 4, tag="a")
         g = h.window_of_group.index(W if group == "sliding" else None)
-        key = h.workers[0].worker_side.steps.group_keys[g].key(h.block_hashes_of(PROMPTS[0])[15])
+        key = h.workers[0].worker_side.steps.block_shape().builders[g].key(h.block_hashes_of(PROMPTS[0])[15])
         store = h.checker()
         size = h.workers[0].worker_side.steps.key_bytes
         buf = torch.randint(0, 256, (size,), dtype=torch.uint8)  # the forger's bytes, as long as the object
@@ -182,6 +183,6 @@ def test_reset_cache_removes_every_groups_keys(store_config: StoreConfig):
     """reset_cache's one pattern covers each group's key prefix (a group's layout digest differs)."""
     with _hybrid(store_config) as h:
         h.run_pass(PROMPTS[:2], 4, tag="a")
-        assert all(any(g) for g in _group_keys_present(h, PROMPTS[0]))
+        assert all(any(g) for g in _keys_present_per_part(h, PROMPTS[0]))
         h.reset_prefix_cache_when_idle(reset_connector=True)
-        assert all(not any(g) for g in _group_keys_present(h, PROMPTS[0]))
+        assert all(not any(g) for g in _keys_present_per_part(h, PROMPTS[0]))

@@ -130,7 +130,7 @@ def test_one_forged_key_of_a_block_stored_as_several_fails_the_block(store_confi
     vLLM recomputes from it, under fail the request ends with an error."""
     with Harness(store_config, tp_size=2, num_kv_heads=TP_SHARED_HEADS // 2, num_blocks=48, policy=policy,
                  extra={"kv_heads_per_key": 1}, stall_timeout_s=STALL_S) as h:
-        assert len(h.workers[0].worker_side.steps.group_keys) == 2  # two keys per block on each rank
+        assert len(h.workers[0].worker_side.steps.block_shape().builders) == 2  # two keys per block on each rank
         h.run_pass(TWO, 4, tag="a")
         h.scheduler.reset_prefix_cache()
         log = run_pass_with_a_tampered_store(h, TWO, 4, "b", rounds=1, parts=frozenset({0}),

@@ -123,7 +123,7 @@ def test_events_published_through_vllms_scheduler(store_config: StoreConfig):
                 runs = [(hs.index(first), hs) for hs in all_hashes.values() if first in hs]
                 assert any(hs[k:k + n] == e.block_hashes
                            and e.parent_block_hash == (hs[k - 1] if k > 0 else None) for k, hs in runs)
-            ss = h.scheduler_connector.scheduler_side
+            ss = h.scheduler_connector.scheduler_side.steps
             assert ss.events is not None and ss.events.num_announced == len(want)
 
             # a block the store lost: the next lookup that sees it missing announces its removal
@@ -167,7 +167,7 @@ def test_block_stored_only_once_every_rank_holds_the_block(store_config: StoreCo
     try:
         with Harness(store_config, tp_size=2, extra={"namespace": "ranks"}, kv_events=kvev) as h:
             router.handshake(h.scheduler.kv_event_publisher)
-            ss = h.scheduler_connector.scheduler_side
+            ss = h.scheduler_connector.scheduler_side.steps
             real = h.workers[1].worker_side.steps.store
             h.workers[1].worker_side.steps.store = HeldPuts(real, gate)
             h.add_request("r0", p0, MAX_TOKENS)
@@ -192,7 +192,7 @@ def test_block_stored_only_once_every_rank_holds_the_block(store_config: StoreCo
             n_events = len(router.events)
             h.add_request("r1", p1, MAX_TOKENS)
             h.run()
-            assert ss.ledger.num_jobs_released == ss.ledger.num_jobs_opened  # reported by both ranks
+            assert ss.ledger.counts.total("jobs_released") == ss.ledger.num_jobs_opened  # reported by both ranks
             fresh = set(_hashes(h, p1)[:len(p1) // BS]) - set(_hashes(h, p0))
             announced = {bh for e in _of_medium(router.drain()[n_events:], BlockStored, MEDIUM_CPU)
                          for bh in e.block_hashes}
@@ -224,7 +224,7 @@ def test_pending_events_are_bounded_oldest_dropped(shared_store: MooncakeStore, 
             assert shared_store.raw.put(kb.key(bh), b"x" * 64) == 0
         ev.job_opened(job_id, r, 0, 2)
     ev.jobs_collected({j: 1 for j in range(5)}, still_pinned=lambda j: j == 4)  # job 4 not done yet
-    assert ev.num_dropped == 2 and ev.stats.totals.data.get("kv_events_dropped") == 2
+    assert ev.stats.total("kv_events_dropped") == 2
     taken = ev.take()
     assert [e.block_hashes for e in taken] == [[maybe_convert_block_hash(reqs[i].block_hashes[0])] for i in (2, 3)]
     assert ev.take() == [] and ev.num_pending == 0
@@ -293,7 +293,7 @@ def test_a_hybrid_models_groups_are_announced_each_with_its_spec(store_config: S
             # the sliding group's key of one block lost: only that group's block is removed
             announced = {bh for e in stored if e.group_idx == sliding for bh in e.block_hashes}
             victim = next(bh for bh in _raw_hashes(h, prompts[0]) if maybe_convert_block_hash(bh) in announced)
-            kb = h.workers[0].worker_side.steps.group_keys[sliding]
+            kb = h.workers[0].worker_side.steps.block_shape().builders[sliding]
             assert h.workers[0].store.remove(kb.key(victim), force=True) == 0
             assert h.scheduler.reset_prefix_cache() is True
             h.add_request("again", prompts[0], MAX_TOKENS)

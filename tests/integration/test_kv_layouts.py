@@ -360,14 +360,14 @@ def _check_clean(h: Harness) -> None:
 
 def _loads_from_store(h: Harness, prompts: list[list[int]]) -> None:
     """Pass 1 saves; with vLLM's prefix cache emptied, pass 2's hits can only be store loads."""
-    ss = h.scheduler_connector.scheduler_side
+    ss = h.scheduler_connector.scheduler_side.steps
     _pass(h, prompts)
     assert ss.ledger.num_jobs_opened > 0  # type: ignore[union-attr]
     assert h.check_at_rest() == []
     assert h.scheduler.reset_prefix_cache()
-    loads = ss.num_loads  # type: ignore[union-attr]
+    loads = ss.stats.total("loads_emitted")  # type: ignore[union-attr]
     _pass(h, prompts)
-    assert ss.num_loads > loads  # type: ignore[union-attr]
+    assert ss.stats.total("loads_emitted") > loads  # type: ignore[union-attr]
     assert all(w.worker_side.steps.stats.total("loads") > 0 for w in h.workers)  # type: ignore[union-attr]
     _check_clean(h)
 
@@ -401,8 +401,8 @@ def test_kernel_block_size_shares_keys_and_layouts_never_collide(store_config: S
         _pass(a, prompts)
         _check_clean(a)
         _pass(b, prompts)
-        assert b.scheduler_connector.scheduler_side.num_loads > 0  # type: ignore[union-attr]
+        assert b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0  # type: ignore[union-attr]
         _check_clean(b)  # b's views read a's objects: S7 before every compute, check_store per token
         _pass(c, prompts)
-        assert c.scheduler_connector.scheduler_side.num_loads == 0  # type: ignore[union-attr]
+        assert c.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") == 0  # type: ignore[union-attr]
         _check_clean(c)

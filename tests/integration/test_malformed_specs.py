@@ -210,7 +210,7 @@ def test_any_specs_finish_every_load_report_every_failed_block_and_remove_no_goo
     assert (meta.completed_saves if meta is not None else {}) == owed, "a job not reported once, or reported twice"
     good = [s for s, (kind, _) in zip(saves, case["saves"]) if kind == "ok"]
     bad = [s for s, (kind, _) in zip(saves, case["saves"]) if kind != "ok"]
-    kb = ws.steps.keys
+    kb = ws.steps.block_shape().builders[0]
     assert kb is not None
     stored_keys = {kb.key(h): (s.block_ids[j], h) for s in good for j, h in enumerate(s.block_hashes)}
     if stored_keys:

@@ -37,7 +37,7 @@ def _state_keys_present(h: Harness, prompt: list[int]) -> tuple[list[int], list[
     hashes = h.block_hashes_of(prompt)
     store = h.checker()
     steps = h.workers[0].worker_side.steps
-    by_group = {kb.layout.is_state: store.batch_is_exist(kb.keys(hashes)) for kb in steps.group_keys}
+    by_group = {kb.layout.is_state: store.batch_is_exist(kb.keys(hashes)) for kb in steps.block_shape().builders}
     return by_group[True], by_group[False]
 
 
@@ -59,10 +59,10 @@ def test_a_mamba_hybrid_keeps_the_hybrid_manager_and_loads_its_state_from_the_st
         assert checked > 0 and polluted == 0
 
         h.scheduler.reset_prefix_cache()  # pass 2's hits come from the store
-        ss = h.scheduler_connector.scheduler_side
-        loads = ss.num_loads
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(PROMPTS, 4, tag="b")
-        assert ss.num_loads > loads  # the state and the attention blocks before it, loaded
+        assert ss.stats.total("loads_emitted") > loads  # the state and the attention blocks before it, loaded
         assert not h.garbage, h.garbage[:3]
         assert h.check_at_rest() == []
 
@@ -76,16 +76,16 @@ def test_a_lookup_needs_the_state_key_at_the_hits_end(store_config: StoreConfig)
         ends = [i for i, c in enumerate(state) if c == 1]
         assert ends and all(c == 1 for c in attn)
         steps = h.workers[0].worker_side.steps
-        skb = next(kb for kb in steps.group_keys if kb.layout.is_state)
+        skb = next(kb for kb in steps.block_shape().builders if kb.layout.is_state)
         hashes = h.block_hashes_of(PROMPTS[0])
         store = h.checker()
         for i in ends:  # every state of the prompt gone: attention keys alone hit nothing
             store.remove(skb.key(hashes[i]), True)
         h.scheduler.reset_prefix_cache()
-        ss = h.scheduler_connector.scheduler_side
-        loads = ss.num_loads
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(PROMPTS[:1], 2, tag="b")
-        assert ss.num_loads == loads
+        assert ss.stats.total("loads_emitted") == loads
         assert not h.garbage
 
 
@@ -105,7 +105,7 @@ def test_a_missing_state_key_shortens_the_hit_to_the_state_before_it_and_a_faile
         before = stats.total("loaded_tokens")
         h.run_pass(PROMPTS[:1], 4, tag="b")
         assert stats.total("loaded_tokens") - before == (ends[-1] + 1) * h.block_size
-        skb = next(kb for kb in h.workers[0].worker_side.steps.group_keys if kb.layout.is_state)
+        skb = next(kb for kb in h.workers[0].worker_side.steps.block_shape().builders if kb.layout.is_state)
         h.checker().remove(skb.key(h.block_hashes_of(PROMPTS[0])[ends[-1]]), True)
         h.scheduler.reset_prefix_cache()
         before = stats.total("loaded_tokens")
@@ -134,7 +134,7 @@ def test_preemption_and_deferred_saves_never_store_or_read_a_wrong_state(store_c
         print(f"blocks kept by deferred jobs and saved: {stats.total('kept_blocks')}, "
               f"evicted before the retry: {stats.total('expired_kept_blocks')}")
         assert stats.total("kept_blocks") > 0  # deferred jobs saved states offered steps before
-        assert h.scheduler_connector.scheduler_side.num_loads > 0
+        assert h.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0
         checked, polluted = h.check_store()
         assert checked > 0 and polluted == 0
 

@@ -95,7 +95,7 @@ def cut_at_the_first_load(h):
 
 with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute", workdir=workdir,
              extra={"integrity": "mac", "integrity_secret_file": secret}) as h:
-    ss = h.scheduler_connector.scheduler_side
+    ss = h.scheduler_connector.scheduler_side.steps
     stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
     mismatches = lambda: sum(w.stats.total("integrity_mismatches") for w in h.workers)
     say(event="ready", local_hostname=h.workers[0].store.config.local_hostname,
@@ -111,13 +111,13 @@ with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute", workdir=workdir,
         say(event="done", garbage=h.garbage, at_rest=h.check_at_rest())
     else:
         right1 = run_pass(h, "b1")
-        loads1 = ss.num_loads
+        loads1 = ss.stats.total("loads_emitted")
         say(event="loaded", right=right1, loads=loads1)
         sys.stdin.readline()
         cut_at_the_first_load(h)
         t0 = time.monotonic()
         right2 = run_pass(h, "b2")
-        trips = sum(s.num_trips for s in stores)
+        trips = sum(s.stats.total("breaker_trips") for s in stores)
         say(event="cut-pass", right=right2, trips=trips, load_errors=h.stats.load_error_blocks,
             seconds=round(time.monotonic() - t0, 1))
         sys.stdin.readline()  # the test restores the link and has A plant a forged value
@@ -125,9 +125,9 @@ with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute", workdir=workdir,
         while any(s.breaker_open for s in stores) and time.monotonic() < deadline:
             time.sleep(0.05)  # the stores' own probers close the breakers once the master answers
         closed = not any(s.breaker_open for s in stores)
-        loads2, errors2, mismatches2 = ss.num_loads, h.stats.load_error_blocks, mismatches()
+        loads2, errors2, mismatches2 = ss.stats.total("loads_emitted"), h.stats.load_error_blocks, mismatches()
         right3 = run_pass(h, "b3")
-        say(event="done", right=right3, closed=closed, loads=ss.num_loads - loads2,
+        say(event="done", right=right3, closed=closed, loads=ss.stats.total("loads_emitted") - loads2,
             load_errors=h.stats.load_error_blocks - errors2, mismatches=mismatches() - mismatches2,
             garbage=h.garbage, at_rest=h.check_at_rest())
 """

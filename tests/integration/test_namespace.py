@@ -35,15 +35,15 @@ def test_two_namespaces_never_share_keys_on_one_store(store_config: StoreConfig,
             assert not set(b_keys) & set(a_keys)  # ...under other keys
             assert b.workers[0].store.batch_is_exist(b_keys) == [0] * len(b_keys)
             b.run_pass(prompts, MAX_TOKENS)
-            ss = b.scheduler_connector.scheduler_side
-            assert ss.num_loads == 0  # nothing of tenant-a's is visible to tenant-b
+            ss = b.scheduler_connector.scheduler_side.steps
+            assert ss.stats.total("loads_emitted") == 0  # nothing of tenant-a's is visible to tenant-b
             assert b.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == 0
             assert b.scheduler_connector.stats.totals.data.get("lookups", 0) > 0  # it did look
             assert b.workers[0].store.batch_is_exist(b_keys) == [1] * len(b_keys)  # and saved its own
 
         with Harness(store_config, workdir=work, extra={"namespace": "tenant-a"}) as a2:
             a2.run_pass(prompts, MAX_TOKENS)
-            assert a2.scheduler_connector.scheduler_side.num_loads > 0  # the control: same namespace, hits
+            assert a2.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0  # the control: same namespace, hits
 
 
 @pytest.mark.parametrize("ns1, ns2", [("a", "b"), ("", "kvl2"), ("kvl2", "x"), ("a.b", "a_b")])
@@ -84,13 +84,13 @@ def test_a_bumped_weights_version_never_loads_the_old_kv(store_config: StoreConf
             new_keys = new.key_builders[0].keys(new.block_hashes_of(prompts[0]))
             assert not set(new_keys) & set(old_keys)
             new.run_pass(prompts, MAX_TOKENS)
-            assert new.scheduler_connector.scheduler_side.num_loads == 0
+            assert new.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") == 0
             assert new.scheduler_connector.stats.totals.data.get("lookups", 0) > 0  # it did look
             assert new.workers[0].store.batch_is_exist(new_keys) == [1] * len(new_keys)
 
         with Harness(store_config, workdir=work, extra={"weights_version": "step-1"}) as again:
             again.run_pass(prompts, MAX_TOKENS)
-            assert again.scheduler_connector.scheduler_side.num_loads > 0
+            assert again.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0
 
 
 @pytest.mark.parametrize("bad", ["a/b", "x" * 65, 3, "sp ace"])
@@ -121,7 +121,7 @@ def test_a_weights_version_bumped_at_reset_never_reads_the_old_kv(store_config: 
     with Harness(store_config, workdir=work, tp_size=2, extra={"weights_version_file": str(version)}) as a:
         hashes = a.block_hashes_of(prompts[0])
         a.run_pass(prompts, MAX_TOKENS, tag="a1")
-        ss = a.scheduler_connector.scheduler_side
+        ss = a.scheduler_connector.scheduler_side.steps
         old_keys = ss.key_builders[0].keys(hashes)
         assert a.key_builders[0].keys(hashes) == old_keys  # the workers followed the file's first version
         assert a.workers[0].store.batch_is_exist(old_keys) == [1] * len(old_keys)
@@ -139,9 +139,9 @@ def test_a_weights_version_bumped_at_reset_never_reads_the_old_kv(store_config: 
             assert b.key_builders[0].keys(hashes) == old_keys
             assert b.workers[0].store.batch_is_exist(old_keys) == [1] * len(old_keys)
 
-            loads, lookups = ss.num_loads, a.scheduler_connector.stats.totals.data.get("lookups", 0)
+            loads, lookups = ss.stats.total("loads_emitted"), a.scheduler_connector.stats.totals.data.get("lookups", 0)
             a.run_pass(prompts, MAX_TOKENS, tag="a2")
-            assert ss.num_loads == loads  # none of B's old-weights KV
+            assert ss.stats.total("loads_emitted") == loads  # none of B's old-weights KV
             assert a.scheduler_connector.stats.totals.data.get("lookups", 0) > lookups  # it did look
             # every rank switched: its keys are the scheduler's for its shard
             assert [kb.keys(hashes) for kb in a.key_builders] == [kb.keys(hashes) for kb in ss.key_builders]
@@ -150,9 +150,9 @@ def test_a_weights_version_bumped_at_reset_never_reads_the_old_kv(store_config: 
             assert a.scheduler_connector.stats.total("weights_version_switches") == 1
 
             b.scheduler.reset_prefix_cache()
-            loads_b = b.scheduler_connector.scheduler_side.num_loads
+            loads_b = b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted")
             b.run_pass(prompts, MAX_TOKENS, tag="b2")
-            assert b.scheduler_connector.scheduler_side.num_loads > loads_b  # the control: the old keys hit
+            assert b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > loads_b  # the control: the old keys hit
 
 
 @pytest.mark.parametrize("case", ["missing", "link", "others-write", "empty", "bad-chars", "not-ascii", "huge"])
@@ -194,7 +194,7 @@ def test_a_weights_version_file_is_checked_at_start_and_at_every_reset(store_con
     with pytest.raises(ConfigError, match="weights_version_file.*choose one"):
         Harness(store_config, workdir=work, extra={"weights_version_file": str(version), "weights_version": "x"})
     with Harness(store_config, workdir=work, extra={"weights_version_file": str(version)}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _write_version(version, "step-2", mode=0o646)
         assert h.scheduler_connector.reset_cache() is False
         assert ss.weights_version == "step-1"

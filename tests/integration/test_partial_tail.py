@@ -57,15 +57,15 @@ def _prompt(seed: int, full_blocks: int = 4, tail: int = 5) -> list[int]:
 def test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token(store_config: StoreConfig, tail: bool):
     prompt = _prompt(51)  # 4 full blocks + 5 tokens
     with Harness(store_config, tp_size=2, num_blocks=24, extra={"save_partial_tail": tail}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         h.add_request("a", prompt, 3)
         h.run()
-        assert ss.num_tail_saves == (1 if tail else 0)
+        assert ss.stats.total("tail_saves") == (1 if tail else 0)
         h.scheduler.reset_prefix_cache()  # the next hit must come from the store
         h.add_request("b", prompt, 3)
         h.run()
-        assert ss.num_loads == 1
-        assert ss.num_tail_hits == (1 if tail else 0)
+        assert ss.stats.total("loads_emitted") == 1
+        assert ss.stats.total("tail_hits") == (1 if tail else 0)
         assert h.garbage == []  # the loaded tail holds the right KV (S7): the forward checked every slot
         assert h.stats.outputs["b"] == h.expected_output(prompt, 3)
         checked, polluted = h.check_store()
@@ -87,16 +87,16 @@ def test_a_tail_of_a_block_stored_as_several_keys_is_saved_and_loaded_by_every_k
           else {"num_blocks": 24, "extra": {**extra, "kv_heads_per_key": 1}})
     with Harness(store_config, tp_size=2, extra=extra, **{k: v for k, v in kw.items() if k != "extra"}) \
             if model == "hybrid" else Harness(store_config, tp_size=2, **kw) as h:
-        ss = h.scheduler_connector.scheduler_side
-        parts = len(h.workers[0].worker_side.steps.group_keys)
+        ss = h.scheduler_connector.scheduler_side.steps
+        parts = len(h.workers[0].worker_side.steps.block_shape().builders)
         assert parts == 2
         h.add_request("a", prompt, 3)
         h.run()
-        assert ss.num_tail_saves == 1
+        assert ss.stats.total("tail_saves") == 1
         h.scheduler.reset_prefix_cache()
         h.add_request("b", prompt, 3)
         h.run()
-        assert ss.num_tail_hits == 1 and h.scheduler_connector.stats.total("loaded_tokens") == len(prompt) - 1
+        assert ss.stats.total("tail_hits") == 1 and h.scheduler_connector.stats.total("loaded_tokens") == len(prompt) - 1
         assert h.garbage == [] and h.stats.outputs["b"] == h.expected_output(prompt, 3)
         checked, polluted = h.check_store()
         assert polluted == 0 and h.tails_checked == 2 * parts  # a tail key per part and rank
@@ -110,7 +110,7 @@ def test_tail_hit_answers_the_prompt_minus_one_token(store_config: StoreConfig):
     prompt = _prompt(52, full_blocks=3, tail=7)  # L = 55
     with Harness(store_config, tp_size=2, num_blocks=24,
                  extra={"save_partial_tail": True, "sync_load_max_tokens": 0}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         h.add_request("a", prompt, 2)
         h.run()
         h.scheduler.reset_prefix_cache()
@@ -127,7 +127,7 @@ def test_tail_hit_answers_the_prompt_minus_one_token(store_config: StoreConfig):
         h.run()
         assert ext["same"] == len(prompt) - 1  # 3 * 16 + 6: everything but the last token
         assert ext["other"] in (3 * BS, len(prompt))  # the full blocks (or computed in one step)
-        assert ss.num_tail_hits == 1
+        assert ss.stats.total("tail_hits") == 1
         assert h.garbage == []
         assert h.check_store()[1] == 0
         assert h.check_at_rest() == []
@@ -141,11 +141,11 @@ def test_preemption_while_a_tail_save_is_in_flight(store_config: StoreConfig):
     filler = _prompt(54, full_blocks=2, tail=3)
     gate = threading.Event()
     with Harness(store_config, tp_size=2, num_blocks=16, extra={"save_partial_tail": True}) as h, _opens(gate):
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         ledger = ss.ledger
         _gate_puts(h, gate)
         h.add_request("a", prompt, 6)
-        while ss.num_tail_saves == 0:
+        while ss.stats.total("tail_saves") == 0:
             assert h.step()
         (job,) = ledger.inflight_jobs()
         pinned = ledger.pinned_block_ids(job)
@@ -173,10 +173,10 @@ def test_preemption_while_a_tail_save_is_in_flight(store_config: StoreConfig):
         assert h.check_at_rest() == []
         # and the stored tail serves a repeated prompt
         h.scheduler.reset_prefix_cache()
-        hits = ss.num_tail_hits
+        hits = ss.stats.total("tail_hits")
         h.add_request("b", prompt, 2)
         h.run()
-        assert ss.num_tail_hits == hits + 1 and h.garbage == []
+        assert ss.stats.total("tail_hits") == hits + 1 and h.garbage == []
         assert h.check_at_rest() == []
 
 
@@ -195,10 +195,10 @@ def test_tail_pin_dropped_is_caught(store_config: StoreConfig, monkeypatch):
     prompt = _prompt(55)
     gate = threading.Event()
     with Harness(store_config, tp_size=2, num_blocks=16, extra={"save_partial_tail": True}) as h, _opens(gate):
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _gate_puts(h, gate)
         h.add_request("a", prompt, 6)
-        while ss.num_tail_saves == 0:
+        while ss.stats.total("tail_saves") == 0:
             assert h.step()
         tail_block = h.scheduler.kv_cache_manager.get_block_ids("a")[0][len(prompt) // BS]
         _preempt_all(h)

@@ -56,8 +56,8 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
         # vLLM's own path: reset_prefix_cache(reset_connector=True) -> Scheduler.reset_connector_cache
         assert a.scheduler.reset_prefix_cache(reset_connector=True) is True
         a.wait_reset_removals()  # the removal runs on its own thread
-        sa = a.scheduler_connector.scheduler_side
-        assert sa.num_resets == 1
+        sa = a.scheduler_connector.scheduler_side.steps
+        assert sa.stats.total("resets") == 1
         assert a.scheduler_connector.stats.totals.data["reset_removed_keys"] == len(ka)  # exactly A's keys
         assert _exist(shared_store, ka) == [0] * len(ka)
         assert _exist(shared_store, ka2) == [1] * len(ka2)  # same model, other namespace: kept
@@ -65,15 +65,15 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
 
         # B still hits (its GPU cache reset first, so the hits come from the store)
         assert b.scheduler.reset_prefix_cache() is True
-        loads_b = b.scheduler_connector.scheduler_side.num_loads
+        loads_b = b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted")
         b.run_pass(prompts, MAX_TOKENS, "b-again")
-        assert b.scheduler_connector.scheduler_side.num_loads > loads_b
+        assert b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > loads_b
 
         # A misses (vLLM reset its GPU pool too) and re-saves under the same keys
-        loads_a, jobs_a = sa.num_loads, sa.ledger.num_jobs_opened
+        loads_a, jobs_a = sa.stats.total("loads_emitted"), sa.ledger.num_jobs_opened
         hits_a = a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0)
         a.run_pass(prompts, MAX_TOKENS, "a-again")
-        assert sa.num_loads == loads_a
+        assert sa.stats.total("loads_emitted") == loads_a
         assert a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == hits_a
         assert sa.ledger.num_jobs_opened > jobs_a
         assert _exist(shared_store, ka) == [1] * len(ka)
@@ -91,7 +91,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
         for w in h.workers:
             w.worker_side.steps.store = HeldPuts(w.worker_side.steps.store, gate)
         h.add_request("held", prompts[1], MAX_TOKENS)
-        sa = h.scheduler_connector.scheduler_side
+        sa = h.scheduler_connector.scheduler_side.steps
         while "held" not in h.stats.finished:  # the request finishes; its job stays pinned (put held)
             h.step()
         assert sa.ledger.num_inflight_jobs == 1 and sa.num_live_requests == 0
@@ -194,7 +194,7 @@ def test_a_reset_switches_the_weights_version_though_the_store_fails_the_removal
 
         _write_version(version, "step-2")
         h.reset_prefix_cache_when_idle(reset_connector=True)  # waits for the removal thread too
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         assert ss.weights_version == "step-2"
         n = REMOVAL_ATTEMPTS
         assert client.num_calls["remove"] == n
@@ -203,14 +203,14 @@ def test_a_reset_switches_the_weights_version_though_the_store_fails_the_removal
         assert (totals["reset_removals_given_up"], totals["reset_removal_retries"], totals["resets"]) == (1, n - 1, 1)
         assert _exist(store, old) == [1] * len(old)  # the old version's KV is still there...
 
-        loads = ss.num_loads
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(prompts, MAX_TOKENS, "v2")
-        assert ss.num_loads == loads  # ...and never loaded
+        assert ss.stats.total("loads_emitted") == loads  # ...and never loaded
         new = _keys(h, prompts)  # the workers' keys: they followed the switch
         assert not set(new) & set(old) and _exist(store, new) == [1] * len(new)
         assert h.scheduler.reset_prefix_cache() is True  # vLLM's own cache only: the next hits are the store's
         h.run_pass(prompts, MAX_TOKENS, "v2-again")
-        assert ss.num_loads > loads
+        assert ss.stats.total("loads_emitted") > loads
 
 
 def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: StoreConfig):
@@ -227,10 +227,10 @@ def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: 
         totals = h.scheduler_connector.stats.totals.data
         assert totals["reset_removals_given_up"] == 1
         assert _exist(store, keys) == [1] * len(keys)
-        ss = h.scheduler_connector.scheduler_side
-        loads, lookups = ss.num_loads, totals.get("lookups", 0)
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads, lookups = ss.stats.total("loads_emitted"), totals.get("lookups", 0)
         h.run_pass(prompts, MAX_TOKENS, "b")
-        assert ss.num_loads == loads and totals.get("lookups", 0) > lookups  # it asked, and missed
+        assert ss.stats.total("loads_emitted") == loads and totals.get("lookups", 0) > lookups  # it asked, and missed
 
         client.clear()
         h.reset_prefix_cache_when_idle(reset_connector=True)
@@ -239,7 +239,7 @@ def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: 
         h.run_pass(prompts, MAX_TOKENS, "c")  # saved again
         assert h.scheduler.reset_prefix_cache() is True
         h.run_pass(prompts, MAX_TOKENS, "d")
-        assert ss.num_loads > loads  # the store's hits are back
+        assert ss.stats.total("loads_emitted") > loads  # the store's hits are back
 
 
 class _HeldRemoval:
@@ -272,14 +272,14 @@ def test_the_reset_never_waits_for_the_store(store_config: StoreConfig):
         store = h.scheduler_connector.store
         held = _HeldRemoval(store._raw)
         store._raw = held
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         try:
             assert h.scheduler_connector.reset_cache() is True
             assert held.entered.wait(10)  # the removal is inside the store...
             assert not held.returned.is_set()  # ...and the reset did not wait for it
-            loads = ss.num_loads
+            loads = ss.stats.total("loads_emitted")
             h.run_pass(prompts, MAX_TOKENS, "during")
-            assert ss.num_loads == loads
+            assert ss.stats.total("loads_emitted") == loads
         finally:
             held.release.set()
         h.wait_reset_removals()

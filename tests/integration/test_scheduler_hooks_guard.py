@@ -36,7 +36,7 @@ def _raise_once(obj: Any, name: str, only: set[str] | None = None) -> list[str]:
 def _warm(h: Harness) -> Any:
     h.run_pass(PROMPTS[:1], 4, tag="warm")  # the shared prefix is saved by both ranks
     h.scheduler.reset_prefix_cache()  # later hits come from the store
-    return h.scheduler_connector.scheduler_side
+    return h.scheduler_connector.scheduler_side.steps
 
 
 def test_a_load_the_steps_cannot_plan_is_reported_failed_and_recomputed(store_config: StoreConfig):
@@ -44,7 +44,7 @@ def test_a_load_the_steps_cannot_plan_is_reported_failed_and_recomputed(store_co
         ss = _warm(h)
         hit = _raise_once(ss, "emit_load")
         h.run_pass(PROMPTS[1:3], 4, tag="b")  # outputs checked: the refused load's blocks were recomputed
-        assert hit and ss.num_refused_loads == 1 and h.scheduler_connector.stats.total("hook_errors") == 1
+        assert hit and ss.stats.total("refused_loads") == 1 and h.scheduler_connector.stats.total("hook_errors") == 1
         assert sum(w.stats.total("rejected_loads") for w in h.workers) == 2  # every rank reported it failed
         assert h.garbage == [] and h.check_at_rest() == []
 
@@ -58,20 +58,20 @@ def test_a_sync_load_the_steps_cannot_plan_fails_its_request_under_fail(store_co
         hit = _raise_once(ss, "emit_load")
         h.add_request("b-0", PROMPTS[1], 4)
         h.run()
-        assert hit == ["b-0"] and ss.num_refused_loads == 1
+        assert hit == ["b-0"] and ss.stats.total("refused_loads") == 1
         assert h.stats.finished["b-0"] == "error"
         assert h.garbage == [] and h.check_at_rest() == []
         h.run_pass(PROMPTS[2:3], 4, tag="c")  # the engine goes on, its hit loaded from the store
-        assert ss.num_loads == 1  # (async: the one load outcome so far was a failure, `loads_mostly_fail`)
+        assert ss.stats.total("loads_emitted") == 1  # (async: the one load outcome so far was a failure, `loads_mostly_fail`)
 
 
 def test_a_save_the_steps_cannot_plan_is_given_up_and_the_steps_other_saves_go_out(store_config: StoreConfig):
     with Harness(store_config, tp_size=2, num_blocks=48) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         hit = _raise_once(ss, "emit_store", only={"a-0"})
         h.run_pass(PROMPTS[:3], 4, tag="a")
         assert hit == ["a-0"] and h.scheduler_connector.stats.total("save_errors") == 1
-        assert ss.num_saves_dropped == 1 and h.scheduler_connector.stats.total("store_jobs") >= 2
+        assert ss.stats.total("saves_dropped") == 1 and h.scheduler_connector.stats.total("store_jobs") >= 2
         assert h.garbage == [] and h.check_at_rest() == []
 
 
@@ -79,9 +79,9 @@ def test_a_lookup_that_raises_is_a_miss_and_requests_vllm_never_sends_are_set_as
     with Harness(store_config, tp_size=2, num_blocks=48) as h:
         ss = _warm(h)
         conn = h.scheduler_connector
-        _raise_once(ss, "lookup")
+        _raise_once(ss, "ask")
         h.run_pass(PROMPTS[1:2], 4, tag="b")  # its lookup missed: computed, output checked
-        assert conn.stats.total("hook_errors") == 1 and ss.num_loads == 0
+        assert conn.stats.total("hook_errors") == 1 and ss.stats.total("loads_emitted") == 0
         # TEST DOUBLE: an object that is no vLLM Request, at every hook that takes one
         alien = object()
         conn.on_new_request(alien)  # type: ignore[arg-type]
@@ -89,10 +89,10 @@ def test_a_lookup_that_raises_is_a_miss_and_requests_vllm_never_sends_are_set_as
         conn.update_state_after_alloc(alien, alien, 16)  # type: ignore[arg-type]
         assert conn.request_finished(alien, []) == (False, None)  # type: ignore[arg-type]
         assert conn.stats.total("hook_errors") == 1 + 5  # the refused load could not name its request either
-        assert ss.num_refused_loads == 0 and not ss.has_pending_loads()
+        assert ss.stats.total("refused_loads") == 0 and not ss.has_pending_loads()
         h.reset_prefix_cache_when_idle()  # pass b computed the prompt: the hit comes from the store again
         h.run_pass(PROMPTS[2:3], 4, tag="c")  # the engine goes on: its hit loaded from the store
-        assert ss.num_loads == 1
+        assert ss.stats.total("loads_emitted") == 1
         assert h.garbage == [] and h.check_at_rest() == []
 
 
@@ -109,13 +109,13 @@ def test_reports_no_rank_sent_are_set_aside_and_pins_are_kept(store_config: Stor
             KVConnectorOutput(kv_connector_worker_meta=KVLedgerWorkerMetadata(completed_loads={"never": 1})),
             KVConnectorOutput(kv_connector_worker_meta=object()),  # type: ignore[arg-type]
         ]
-        unknown = ss.ledger.num_unknown_reports
+        unknown = ss.ledger.counts.total("unknown_reports")
         for out in bad:
             conn.update_connector_output(out)  # never raises into vLLM's update_from_output
         # a load never emitted (twice) and a metadata of another kind; an unknown job's report is counted by
         # the ledger (a job of before a restart), and unknown blocks or failed loads are another connector's
         assert conn.stats.total("hook_errors") - before == 3
-        assert ss.ledger.num_unknown_reports == unknown + 1
+        assert ss.ledger.counts.total("unknown_reports") == unknown + 1
         h.add_request("x", PROMPTS[1], 4)
         h.step()  # a job is in flight: its report, twice, releases it once and never below 0 (S5)
         jobs = ss.ledger.inflight_jobs()

@@ -69,7 +69,7 @@ def _check_stored_as_vllm_keeps(h: Harness) -> None:
         assert must == [0] * 10 + [1] * 4 and may == [0] * 8 + [1] * 6  # the arithmetic in `_kept_by_vllm`
         hashes = h.block_hashes_of(prompt)
         for r, w in enumerate(h.workers):
-            (kb,) = w.worker_side.steps.group_keys  # one KV cache group: one key builder
+            (kb,) = w.worker_side.steps.block_shape().builders  # one KV cache group: one key builder
             present = store.batch_is_exist(kb.keys(hashes))
             assert all(p in (0, 1) for p in present), present
             assert all(m <= p <= k for m, p, k in zip(must, present, may)), (r, present, must, may)
@@ -86,11 +86,11 @@ def test_a_uniform_sliding_window_model_stores_what_vllm_keeps_and_loads_it_acro
         _check_stored_as_vllm_keeps(h)
 
         h.scheduler.reset_prefix_cache()  # pass 2's hits come from the store
-        ss = h.scheduler_connector.scheduler_side
-        loads = ss.num_loads
+        ss = h.scheduler_connector.scheduler_side.steps
+        loads = ss.stats.total("loads_emitted")
         h.run_pass(PROMPTS, MAX_TOKENS, tag="b")
         assert h.stats.preemptions > 0, "no preemption happened: that part of the scenario is void"
-        assert ss.num_loads > loads and h.scheduler_connector.stats.total("loaded_tokens") > 0
+        assert ss.stats.total("loads_emitted") > loads and h.scheduler_connector.stats.total("loaded_tokens") > 0
         assert h.garbage == [] and h.check_at_rest() == []
         checked, polluted = h.check_store()
         assert checked >= tp_size * 4 and polluted == 0  # every stored key of every rank read back
@@ -117,7 +117,7 @@ def test_the_null_block_is_never_stored_or_loaded_into(store_config: StoreConfig
         for r, caches in enumerate(h.kv_caches):
             for name, t in caches.items():
                 assert torch.all(t[0] == SENTINEL), f"rank {r} {name}: the null block was written"
-        builders = [kb for w in h.workers for kb in w.worker_side.steps.group_keys]
+        builders = [kb for w in h.workers for kb in w.worker_side.steps.block_shape().builders]
         covered = set()
         for req in h.requests.values():
             hashes = list(req.block_hashes)

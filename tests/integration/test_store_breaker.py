@@ -65,16 +65,16 @@ def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
     try:
         assert wait_until(lambda: stopped(pid), 10.0)
         assert bounded.batch_is_exist(["k", "l"]) == [StoreCode.RPC_TIMEOUT] * 2  # a miss for the lookup
-        assert bounded.num_deadline_missed == 1 and store.breaker_open and store.num_trips == 1
+        assert store.breaker_open
         assert stats.total("lookups_past_deadline") == 1 and stats.total("breaker_trips") == 1
         inside = store.calls_inside  # the abandoned call (it returns at Mooncake's RPC timeout)
         assert bounded.batch_is_exist(["k"]) == [StoreCode.UNHEALTHY_SKIPPED]  # open: not sent
-        assert store.calls_inside == inside and bounded.num_deadline_missed == 1
+        assert store.calls_inside == inside and stats.total("lookups_past_deadline") == 1
     finally:
         os.kill(pid, signal.SIGCONT)
     # nobody calls: the breaker's own prober sees the master answer and closes it
-    assert wait_until(lambda: not store.breaker_open, 30.0), (store.num_probes, store.last_exception)
-    assert store.num_probes >= 1 and stats.total("breaker_probes") == store.num_probes
+    assert wait_until(lambda: not store.breaker_open, 30.0), (stats.total("breaker_probes"), store.last_exception)
+    assert stats.total("breaker_probes") >= 1
     assert wait_until(lambda: bounded.batch_is_exist(["k"]) == [0], 30.0)
     bounded.stop()
     assert bounded.batch_is_exist(["k"]) == [0]  # stopped: calls go direct
@@ -99,7 +99,7 @@ def test_a_call_still_inside_is_never_queued_behind() -> None:
     bounded = DeadlineStore(hang, 0.02)
     assert bounded.batch_is_exist(["a"]) == [StoreCode.RPC_TIMEOUT]
     assert bounded.batch_is_exist(["a", "b"]) == [StoreCode.UNHEALTHY_SKIPPED] * 2  # busy: answered at once
-    assert hang.calls == 1 and bounded.num_skipped_busy == 1
+    assert hang.calls == 1 and bounded.counts.total("lookups_skipped_busy") == 1
     hang.release.set()
     assert wait_until(lambda: bounded.batch_is_exist(["a"]) == [1], 10.0)
     assert hang.calls == 2
@@ -116,14 +116,14 @@ def test_the_prober_closes_the_breaker_after_a_restart_and_no_caller_pays(
     # the call fails with the master, or is skipped before it: the store's authenticity check (its first call
     # makes one) found the master's listener gone
     assert all(c in MASTER_DOWN_CODES for c in first) or (first == [StoreCode.UNHEALTHY_SKIPPED]
-                                                           and store.num_unauthentic == 1), first
+                                                           and store.stats.total("master_unauthentic") == 1), first
     assert store.breaker_open
     # while it is open every call answers at once, however long the master stays away
-    assert wait_until(lambda: store.num_probes >= 2, 30.0)  # probes failed: the waits doubled
+    assert wait_until(lambda: store.stats.total("breaker_probes") >= 2, 30.0)  # probes failed: the waits doubled
     assert store.batch_is_exist(["a"]) == [StoreCode.UNHEALTHY_SKIPPED] and store.breaker_open
     mc.start_master()
     assert wait_until(lambda: not store.breaker_open, 30.0), store.last_exception
-    assert store.batch_is_exist(["a"]) == [0] and store.num_trips == 1
+    assert store.batch_is_exist(["a"]) == [0] and store.stats.total("breaker_trips") == 1
 
 
 def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
@@ -155,11 +155,11 @@ def test_a_frozen_master_mid_run_costs_misses_never_wrong_kv_or_pins() -> None:
                 os.kill(pid, signal.SIGCONT)
             h.run(max_steps=5_000, timeout_s=120)
             stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
-            assert sum(s.num_trips for s in stores) >= 1
+            assert sum(s.stats.total("breaker_trips") for s in stores) >= 1
             assert wait_until(lambda: not any(s.breaker_open for s in stores), 30.0)
             conns = [h.scheduler_connector, *h.workers]  # every trip and probe counted in the connectors' stats
-            assert sum(c.stats.total("breaker_trips") for c in conns) == sum(s.num_trips for s in stores)
-            assert sum(c.stats.total("breaker_probes") for c in conns) == sum(s.num_probes for s in stores) >= 1
+            assert all(s.stats is c.stats for s, c in zip(stores, conns))
+            assert sum(c.stats.total("breaker_probes") for c in conns) >= 1
             for p, ids in ((1, range(len(prompts))), (2, range(len(prompts)))):
                 for i in ids:
                     assert h.stats.outputs[f"p{p}-{i}"] == expected_output(prompts[i], 8), (p, i)
@@ -189,9 +189,9 @@ def test_the_embedded_master_is_restarted_and_every_client_reattaches() -> None:
         owner = next(c._embedded for c in (h.scheduler_connector, *h.workers)
                      if isinstance(c._embedded, EmbeddedMooncake))
         assert owner.supervise
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _pass(h, "p1", prompts)
-        loads_before, port, pid = ss.num_loads, owner.rpc_port, owner.master_pid
+        loads_before, port, pid = ss.stats.total("loads_emitted"), owner.rpc_port, owner.master_pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         assert owner.wait_restarts(1, 60.0), "the supervisor did not restart the master"
@@ -203,7 +203,7 @@ def test_the_embedded_master_is_restarted_and_every_client_reattaches() -> None:
         # until they have): passes until one loads what an earlier one saved there, a bounded number
         for n in range(3, 40):
             _pass(h, f"p{n}", prompts)
-            if ss.num_loads > loads_before:
+            if ss.stats.total("loads_emitted") > loads_before:
                 break
-        assert ss.num_loads > loads_before, "no load from the restarted master"
+        assert ss.stats.total("loads_emitted") > loads_before, "no load from the restarted master"
         assert h.garbage == [] and h.check_at_rest() == []

@@ -13,6 +13,7 @@ from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
+from kvledger_connector.block_shape import BlockShape
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.embedded import EmbeddedMooncake
 from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
@@ -165,8 +166,9 @@ def _steps(store: MooncakeStore, salt: str) -> tuple[WorkerSteps, torch.Tensor]:
                                 dtype="torch.float32", kv_layout=LAYOUT, num_layers=1, num_kv_heads=1,
                                 head_size=64))
     steps = WorkerSteps(store=store, ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
-                        buffers=plan.batch_buffers, tp_rank=0, block_size=1, key_bytes=plan.block_bytes,
-                        keys=keys, load_sub_batch_keys=1, lock=no_lock())
+                        buffers=lambda ids, parts: plan.batch_buffers(ids), tp_rank=0, block_size=1,
+                        key_bytes=plan.block_bytes, shape=BlockShape.of_keys([keys]), load_sub_batch_keys=1,
+                        lock=no_lock())
     (view,) = caches.values()
     _KV_CACHES.append(view)
     return steps, view
@@ -196,7 +198,7 @@ def test_a_save_under_a_down_master_fails_then_the_backoff_skips_then_it_saves(f
     # a load of the two keys with the second key's transfer failing: block 4 loaded, block 5 reported
     lg = w.load_steps("r2", [4, 5], hashes)
     assert next(lg).action is JobAction.EMIT_LOAD and next(lg).failed == ()
-    with client.during("get", RawFault(keys={w.keys.key(hashes[1]): StoreCode.TRANSFER_FAIL})):  # type: ignore[union-attr]
+    with client.during("get", RawFault(keys={w.block_shape().builders[0].key(hashes[1]): StoreCode.TRANSFER_FAIL})):
         last = next(lg)
     assert last.failed == ((5, StoreCode.TRANSFER_FAIL),) and last.result is not None
     assert torch.all(kv[4] == 7.0) and torch.count_nonzero(kv[5]) == 0 and w.take_load_errors() == {5}
@@ -226,4 +228,4 @@ def test_master_failures_in_a_row_double_the_backoff_and_an_answer_resets_it(fre
     with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
         assert store.batch_is_exist(keys) == [StoreCode.RPC_FAIL]
     assert store.skip_remaining_s == pytest.approx(5.0)
-    assert store.num_trips >= 2
+    assert store.stats.total("breaker_trips") >= 2

@@ -56,13 +56,13 @@ def _statuses(h: Harness, req_id: str) -> list[str]:
 def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig, tp_size: int):
     prompt = _prompt(61)
     with Harness(store_config, tp_size=tp_size, num_blocks=24, policy="fail") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
         seen = _statuses(h, "b")
         assert "WAITING_FOR_REMOTE_KVS" not in seen and seen[0] == "RUNNING", seen
-        assert ss.num_loads == ss.num_sync_loads == 1
-        assert ss.ledger.num_loads_released == ss.ledger.num_loads_pinned == 1
+        assert ss.stats.total("loads_emitted") == ss.stats.total("sync_loads") == 1
+        assert ss.ledger.counts.total("loads_released") == ss.ledger.counts.total("loads_pinned") == 1
         assert h.garbage == []  # the forward read the loaded blocks after the load (S7)
         assert h.stats.outputs["b"] == h.expected_output(prompt, 3)
         assert h.stats.load_error_blocks == 0
@@ -74,11 +74,11 @@ def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig
 def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreConfig):
     prompt = _prompt(62)
     with Harness(store_config, num_blocks=24, policy="fail", extra={"sync_load_max_tokens": 0}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
         assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
-        assert ss.num_loads == 1 and ss.num_sync_loads == 0
+        assert ss.stats.total("loads_emitted") == 1 and ss.stats.total("sync_loads") == 0
         assert h.stats.outputs["b"] == h.expected_output(prompt, 3) and h.garbage == []
         h.run()
         assert h.check_at_rest() == []
@@ -87,11 +87,11 @@ def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreCon
 def test_a_load_longer_than_the_limit_stays_async(store_config: StoreConfig):
     prompt = _prompt(63)  # 64 tokens to load
     with Harness(store_config, num_blocks=24, policy="fail", extra={"sync_load_max_tokens": 63}) as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
         assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
-        assert ss.num_loads == 1 and ss.num_sync_loads == 0
+        assert ss.stats.total("loads_emitted") == 1 and ss.stats.total("sync_loads") == 0
         h.run()
         assert h.check_at_rest() == []
 
@@ -103,7 +103,7 @@ def test_the_save_of_a_sync_loaded_request_waits_for_its_report(store_config: St
     stored = _prompt(64, full_blocks=4, extra_tokens=0)
     longer = stored + _prompt(65, full_blocks=3, extra_tokens=2)
     with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256, policy="fail") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, stored + [7])
         opened: list[tuple[int, list[str]]] = []
         sent = h.workers[0].bind_connector_metadata
@@ -118,7 +118,7 @@ def test_the_save_of_a_sync_loaded_request_waits_for_its_report(store_config: St
         load_step = next(i for i, (n, _) in enumerate(opened) if n)
         assert "b" not in opened[load_step][1], opened
         assert "b" in opened[load_step + 1][1], opened
-        assert ss.num_sync_loads == 1 and h.garbage == []
+        assert ss.stats.total("sync_loads") == 1 and h.garbage == []
         assert h.stats.outputs["b"] == h.expected_output(longer, 2)
         checked, polluted = h.check_store()
         assert polluted == 0 and checked == 2 * 7  # both ranks hold all 7 full blocks of `longer`
@@ -131,14 +131,14 @@ def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfi
     ends with an error; no read of wrong KV, nothing stays pinned, nothing wrong is stored."""
     prompt = _prompt(66)
     with Harness(store_config, tp_size=2, num_blocks=24, policy="fail") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w1 = h.workers[1].worker_side
         w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule("get", "code",
                                                                           code=int(StoreCode.TRANSFER_FAIL))]))
         h.add_request("b", prompt, 3)
         seen = _statuses(h, "b")
-        assert "WAITING_FOR_REMOTE_KVS" not in seen and ss.num_sync_loads == 1
+        assert "WAITING_FOR_REMOTE_KVS" not in seen and ss.stats.total("sync_loads") == 1
         assert h.stats.load_error_blocks == 4
         assert h.stats.finished["b"] == "error"
         assert h.garbage == []
@@ -152,11 +152,11 @@ def test_recompute_policy_keeps_every_load_async(store_config: StoreConfig):
     failed sync load's blocks in its prefix cache): right output, no wrong KV."""
     prompt = _prompt(67)
     with Harness(store_config, tp_size=2, num_blocks=24, policy="recompute") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         h.add_request("b", prompt, 3)
         assert "WAITING_FOR_REMOTE_KVS" in _statuses(h, "b")
-        assert ss.num_loads == 1 and ss.num_sync_loads == 0 and h.stats.load_error_blocks == 0
+        assert ss.stats.total("loads_emitted") == 1 and ss.stats.total("sync_loads") == 0 and h.stats.load_error_blocks == 0
         assert h.stats.finished["b"] == "length" and h.stats.outputs["b"] == h.expected_output(prompt, 3)
         assert h.garbage == []
         h.run()
@@ -172,14 +172,14 @@ def test_a_save_reading_a_block_of_a_failing_sync_load_never_stores_it(store_con
     the keys stay absent instead of holding what the failed load left."""
     prompt = _prompt(68)
     with Harness(store_config, tp_size=2, num_blocks=32, max_num_batched_tokens=256, policy="fail") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w0 = h.workers[0].worker_side
         w0.steps.store = FaultyStore(w0.steps.store, FaultPlan([FaultRule("get", "evict")]))
         h.add_request("a", prompt, 3)
         h.add_request("b", prompt, 3)
         h.run()
-        assert ss.num_loads == ss.num_sync_loads == 1  # b's whole prefix was a prefix-cache hit on a's blocks
+        assert ss.stats.total("loads_emitted") == ss.stats.total("sync_loads") == 1  # b's whole prefix was a prefix-cache hit on a's blocks
         assert h.stats.finished == {"warm": "length", "a": "error", "b": "error"}, h.stats.finished
         assert h.garbage == []
         assert h.check_at_rest() == []
@@ -193,13 +193,13 @@ def test_a_get_that_keeps_failing_is_loaded_once_then_recomputed(store_config: S
     lookup stops at the block that failed, so the request computes it instead of loading it without end."""
     prompt = _prompt(69)
     with Harness(store_config, tp_size=2, num_blocks=24, policy="recompute") as h:
-        ss = h.scheduler_connector.scheduler_side
+        ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w1 = h.workers[1].worker_side
         w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule(
             "get", "code", code=int(StoreCode.TRANSFER_FAIL))]))
         h.add_request("b", prompt, 3)
         h.run()
-        assert ss.num_loads == 1 and h.stats.load_error_blocks == 4
+        assert ss.stats.total("loads_emitted") == 1 and h.stats.load_error_blocks == 4
         assert h.stats.finished["b"] == "length" and h.stats.outputs["b"] == h.expected_output(prompt, 3)
         assert h.garbage == [] and h.check_at_rest() == []

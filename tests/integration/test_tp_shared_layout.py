@@ -30,7 +30,7 @@ def _harness(store_config: StoreConfig, workdir: str, tp: int, namespace: str, l
 
 
 def _prefixes(h: Harness) -> set[str]:
-    return {kb.prefix for w in h.workers for kb in w.worker_side.steps.group_keys}
+    return {kb.prefix for w in h.workers for kb in w.worker_side.steps.block_shape().builders}
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LHBNC"])  # a head's bytes strided per token; one run per layer
@@ -40,7 +40,7 @@ def test_a_tp2_engine_saves_and_tp1_and_tp4_ranks_load_it_byte_exact(store_confi
     ns = f"tps-{uuid.uuid4().hex[:10]}"
     workdir = os.fspath(tmp_path)  # one model directory: the three engines have one model identity
     with _harness(store_config, workdir, 2, ns, layout) as h2:  # its ranks' segments hold what it stored
-        assert sorted(len(w.worker_side.steps.group_keys) for w in h2.workers) == [2, 2]  # two heads a rank
+        assert sorted(len(w.worker_side.steps.block_shape().builders) for w in h2.workers) == [2, 2]  # two heads a rank
         h2.run_pass(prompts, 4, "save")
         checked, polluted = h2.check_store()
         assert checked > 0 and polluted == 0
@@ -51,8 +51,8 @@ def test_a_tp2_engine_saves_and_tp1_and_tp4_ranks_load_it_byte_exact(store_confi
             with _harness(store_config, workdir, tp, ns, layout) as h:
                 assert _prefixes(h) == _prefixes(h2)  # the same keys at every TP size
                 h.run_pass(prompts, 4, f"tp{tp}")  # S7: every loaded head holds its KV, outputs the model's
-                ss = h.scheduler_connector.scheduler_side
-                assert ss.num_loads > 0 and h.stats.load_error_blocks == 0
+                ss = h.scheduler_connector.scheduler_side.steps
+                assert ss.stats.total("loads_emitted") > 0 and h.stats.load_error_blocks == 0
                 loaded = sum(w.stats.total("get_keys") for w in h.workers)
                 assert loaded > 0 and loaded % HEADS == 0  # every head of every loaded block, over the ranks
                 assert sum(w.stats.total("put_keys") for w in h.workers) == 0  # nothing it needed was missing
@@ -75,7 +75,7 @@ def test_mla_keys_are_shared_by_every_tp_size(store_config: StoreConfig, tmp_pat
                      extra=extra) as h1:
             assert _prefixes(h1) == _prefixes(h2)
             h1.run_pass(prompts, 4, "tp1")
-            assert h1.scheduler_connector.scheduler_side.num_loads > 0 and h1.stats.load_error_blocks == 0
+            assert h1.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0 and h1.stats.load_error_blocks == 0
             assert h1.check_at_rest() == []
 
 
@@ -87,14 +87,15 @@ def test_a_hybrid_models_groups_are_shared_across_tp_sizes(store_config: StoreCo
     kw: dict[str, Any] = dict(sliding_window=64, num_layers=4, num_blocks=96, workdir=os.fspath(tmp_path),
                               extra={"kv_heads_per_key": 1, "namespace": ns})
     with Harness(store_config, tp_size=2, num_kv_heads=1, **kw) as h2:
-        assert [len(w.worker_side.steps.group_keys) for w in h2.workers] == [2, 2]  # 2 groups x 1 head
+        assert [len(w.worker_side.steps.block_shape().builders) for w in h2.workers] == [2, 2]  # 2 groups x 1 head
         h2.run_pass(prompts, 4, "save")
         assert h2.check_store()[1] == 0
         with Harness(store_config, tp_size=1, num_kv_heads=2, **kw) as h1:
-            assert h1.workers[0].worker_side.steps.part_groups == [0, 0, 1, 1]  # per group, its two heads
+            parts = h1.workers[0].worker_side.steps.block_shape().parts
+            assert [p.group for p in parts] == [0, 0, 1, 1]  # per group, its two heads
             assert _prefixes(h1) == _prefixes(h2)
             h1.run_pass(prompts, 4, "tp1")  # both groups' loaded heads checked where attention reads them
-            assert h1.scheduler_connector.scheduler_side.num_loads > 0
+            assert h1.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > 0
             assert sum(w.stats.total("put_keys") for w in h1.workers) == 0
             assert h1.check_at_rest() == []
 

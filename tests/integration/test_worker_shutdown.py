@@ -48,6 +48,7 @@ def _engine(tmp: str):
 
 def _worker(engine, store, cfg, salt: str, **cfg_changes):
     from kvledger_connector.connector import key_layout
+    from kvledger_connector.block_shape import BlockShape
     from kvledger_connector.keys import KeyBuilder
     from kvledger_connector.kvlayout import plan_block_copies
     from kvledger_connector.config import ConnectorConfig
@@ -58,7 +59,7 @@ def _worker(engine, store, cfg, salt: str, **cfg_changes):
     config = cfg.replace(**cfg_changes) if cfg_changes else cfg
     layout = dataclasses.replace(key_layout(vc, kv_cfg, 0), model=f"shutdown-{salt}")
     ws = WorkerSide(ConnectorConfig(store=config, block_size=BS, load_threads=2), store=store,
-                    keys=KeyBuilder(layout, config.max_key_bytes), tp_rank=0, max_requests=64)
+                    shape=BlockShape.of_keys([KeyBuilder(layout, config.max_key_bytes)]), tp_rank=0, max_requests=64)
     caches = allocate(kv_cfg, LAYOUT)
     ws.register_kv_caches(plan_block_copies(caches, layout=LAYOUT, block_size=BS, num_blocks=NBLOCKS))
     return ws, caches
@@ -124,7 +125,7 @@ def _one_shutdown(engine, cfg, it: int, rng: random.Random) -> dict:
         t.join(10)
     return {"it": it, "secs": round(time.monotonic() - t0, 2), "shutdown_s": round(shutdown_s, 3),
             "close_s": round(close_s, 3), "timeout": timeout, "clean": clean, "again": again, "closed": closed,
-            "leaked": store.num_close_leaked, "left_running": ws.num_threads_left_running,
+            "leaked": store.stats.total("store_close_leaked"), "left_running": ws.num_threads_left_running,
             "alive_after": sum(t.is_alive() for t in ws._threads), "calls_inside": store.calls_inside,
             "driver_alive": driver.is_alive(), "errors": [e for e in ws.steps.errors if "still running" not in e]}
 
@@ -193,7 +194,7 @@ def child_hung(args: argparse.Namespace) -> None:
         for t in ws._threads:
             t.join(15)
         out = {"inside": inside, "clean": clean, "left_running": ws.num_threads_left_running, "closed": closed,
-               "leaked": store.num_close_leaked, "alive_after": sum(t.is_alive() for t in ws._threads),
+               "leaked": store.stats.total("store_close_leaked"), "alive_after": sum(t.is_alive() for t in ws._threads),
                "calls_inside_after": store.calls_inside, "waited_s": round(waited, 3),
                # why, if no call was seen inside: what the save's store calls answered
                "errors": ws.steps.errors[-4:], "last_exception": repr(store.last_exception)}

@@ -14,6 +14,7 @@ import pytest
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, quiet, rank, tp_shared_rank
 from conformance.probes_sched import BS, Req, _run, sched
 from kvledger_connector.metadata import SaveSpec
+from kvledger_connector.scheduler import ask_store
 from kvledger_connector.stats import COUNTERS, StatsRecorder
 
 #: the counters of events (not the store calls' keys, bytes and durations, which count volume)
@@ -52,7 +53,7 @@ def test_a_failed_put_counts_one_failed_job_whatever_its_failed_keys(code):
     st = ProbeStore()
     w = rank(st)
     st.mem.update({1: 1, 2: 2, 3: 3})
-    for k in w.keys.keys(HASHES[1:3]):  # type: ignore[union-attr]
+    for k in w.block_shape().builders[0].keys(HASHES[1:3]):
         st.put_codes[k] = code  # two failed keys, one job
     w.receive("r", 1, 0)
     assert moved(w.stats, lambda: w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])) == {"run_jobs": 1, "failed_jobs": 1}
@@ -72,7 +73,7 @@ def test_a_pressure_skipped_job_counts_skipped_not_failed_nor_run():
     st = ProbeStore()
     w = rank(st)
     st.mem.update({1: 1, 2: 2})
-    st.put_codes[w.keys.key(HASHES[0])] = -200  # type: ignore[union-attr]  NO_AVAILABLE_HANDLE: pressure
+    st.put_codes[w.block_shape().builders[0].key(HASHES[0])] = -200  # NO_AVAILABLE_HANDLE: pressure
     w.receive("r", 1, 0)
     assert moved(w.stats, lambda: w.run_save("r", 1, 1, [1], HASHES[:1])) == {"run_jobs": 1, "failed_jobs": 1}
     w.receive("r", 2, 0)
@@ -116,14 +117,14 @@ def test_an_abandoned_job_counts_one_failed_job():
 def test_a_whole_load_counts_one_load_and_no_error():
     st = ProbeStore()
     w = rank(st)
-    st.data.update(dict.fromkeys(w.keys.keys(HASHES[:3]), 1))  # type: ignore[union-attr]
+    st.data.update(dict.fromkeys(w.block_shape().builders[0].keys(HASHES[:3]), 1))
     assert moved(w.stats, lambda: w.run_load("r", [4, 5, 6], HASHES[:3])) == {"loads": 1}
 
 
 def test_load_errors_count_the_blocks_not_loaded():
     st = ProbeStore()
     w = rank(st, sub_batch=2)
-    keys = w.keys.keys(HASHES[:4])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:4])
     st.data.update(dict.fromkeys(keys, 1))
     del st.data[keys[1]]  # missing
     st.get_codes[keys[3]] = KEY_BYTES // 2  # a short read
@@ -137,7 +138,7 @@ def test_load_errors_count_the_blocks_not_loaded():
 def test_a_block_of_several_keys_is_one_load_error():
     st = ProbeStore()
     w = tp_shared_rank(st)
-    keys = [w.group_keys[j].keys(HASHES[:2]) for j in range(2)]
+    keys = [w.block_shape().builders[j].keys(HASHES[:2]) for j in range(2)]
     st.data.update(dict.fromkeys(keys[0][:1], 1))  # block 4: only its first head shard's key is stored
     st.data.update(dict.fromkeys(keys[0][1:] + keys[1][1:], 1))  # block 5: whole
     assert moved(w.stats, lambda: w.run_load("r", [4, 5], HASHES[:2])) == {"loads": 1, "load_errors_reported": 1}
@@ -178,14 +179,14 @@ def test_a_lookup_counts_once_per_store_question():
     req = Req("a", 3 * BS + 1)
     s.stored(req, 2)
     s.steps.on_new_request(req)
-    assert moved(s.steps.stats, lambda: s.steps.lookup(req, 0)) == {"lookups": 1, "lookup_hit_tokens": 2 * BS}
-    assert moved(s.steps.stats, lambda: s.steps.lookup(req, 0)) == {}  # the same question: answered from cache
+    assert moved(s.steps.stats, lambda: ask_store(s.steps, s.store, req, 0)) == {"lookups": 1, "lookup_hit_tokens": 2 * BS}
+    assert moved(s.steps.stats, lambda: ask_store(s.steps, s.store, req, 0)) == {}  # the same question: answered from cache
     short = Req("b", BS)  # no full block before the last token: nothing to ask the store
     s.steps.on_new_request(short)
-    assert moved(s.steps.stats, lambda: s.steps.lookup(short, 0)) == {}
+    assert moved(s.steps.stats, lambda: ask_store(s.steps, s.store, short, 0)) == {}
     miss = Req("c", 2 * BS + 1)
     s.steps.on_new_request(miss)
-    assert moved(s.steps.stats, lambda: s.steps.lookup(miss, 0)) == {"lookups": 1}
+    assert moved(s.steps.stats, lambda: ask_store(s.steps, s.store, miss, 0)) == {"lookups": 1}
 
 
 def test_a_job_opened_counts_store_jobs_and_a_deferral_counts_once():

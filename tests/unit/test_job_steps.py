@@ -145,7 +145,7 @@ def test_run_save_drains_save_steps():
 def _loading(tp_rank: int = 1, sub_batch: int = 2) -> tuple[ProbeStore, WorkerSteps, list[str]]:
     st = ProbeStore()
     w = rank(st, tp_rank=tp_rank, sub_batch=sub_batch)
-    keys = w.keys.keys(HASHES[:3])  # type: ignore[union-attr]
+    keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({k: 300 + i for i, k in enumerate(keys)})
     return st, w, keys
 
@@ -223,11 +223,11 @@ def test_an_undeclared_counter_or_gauge_is_refused():
 
 
 def test_every_counter_the_connector_adds_is_declared():
-    """A name added anywhere in the connector is in COUNTERS (so it has its Prometheus metric)."""
+    """A name added anywhere in the connector or the ledgers is in COUNTERS (so it has its Prometheus metric)."""
     src = Path(worker_mod.__file__).parent
     added = set()
-    for f in src.glob("*.py"):
-        added |= set(re.findall(r"stats\.add\(\s*\"(\w+)\"", f.read_text()))
+    for f in [*src.glob("*.py"), *(src.parent / "kvledger").glob("*.py")]:
+        added |= set(re.findall(r"(?:stats|counts)\.add\(\s*\"(\w+)\"", f.read_text()))
     assert added and added <= set(COUNTERS), sorted(added - set(COUNTERS))
     assert not set(COUNTERS) & set(GAUGES)
 
@@ -238,7 +238,7 @@ def test_the_worker_side_has_no_pass_through_properties():
 
 def test_a_failed_save_is_counted_once_in_the_stats():
     st, w = _saving()
-    st.put_codes[w.keys.key(HASHES[0])] = -800  # type: ignore[union-attr]
+    st.put_codes[w.block_shape().builders[0].key(HASHES[0])] = -800
     w.run_save("r", 1, 2, [1, 2], HASHES[:2])
     assert (w.stats.total("run_jobs"), w.stats.total("failed_jobs")) == (1, 1)
     assert w.stats.total("put_failed_keys") == 1

@@ -44,7 +44,7 @@ def test_a_named_invariant_fails_a_probe_and_any_other_exception_is_a_crash():
 def test_a_save_with_everything_present_puts_nothing_and_is_stored():
     st = ProbeStore()
     w = rank(st)
-    st.data.update({k: 7 for k in w.keys.keys(HASHES[:2])})
+    st.data.update({k: 7 for k in w.block_shape().builders[0].keys(HASHES[:2])})
     w.receive("r", 1, 0)
     w.run_save("r", 1, 2, [1, 2], HASHES[:2])
     assert [c[0] for c in st.calls] == ["batch_is_exist"]
@@ -84,7 +84,7 @@ def test_two_finished_loads_of_one_req_id_are_reported_in_two_steps():
 def test_every_sub_batch_is_tried_after_a_failed_one():
     st = ProbeStore()
     w = rank(st, sub_batch=1)
-    keys = w.keys.keys(HASHES[:3])
+    keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[0]: 1, keys[2]: 3})
     res = w.run_load("r", [4, 5, 6], HASHES[:3])
     assert [c[0] for c in st.calls] == ["batch_get"] * 3

@@ -1,4 +1,5 @@
-"""The reset's removals (kvledger_connector/reset.py `StoreRemovals`, `ResetGate`, `reset_scheduler_side`):
+"""The reset's removals (kvledger_connector/reset.py `StoreRemovals`, `reset_scheduler_side`; the gate is
+`kvledger_connector.deadline.DeadlineStore`'s):
 each removal tried at most REMOVAL_ATTEMPTS times with waits doubling to their cap, at most
 MAX_PENDING_REMOVALS waiting (the oldest dropped), never a store call on the caller's thread, the gate lifted
 only by a removal that began after it, and a reset that cannot switch refused by name. The store here is a
@@ -13,11 +14,11 @@ import pytest
 
 from conformance.kvprobes import quiet
 from conformance.probes_sched import sched
+from kvledger_connector.deadline import DeadlineStore
 from kvledger_connector.keys import KeyBuilder
 from kvledger_connector.reset import (
     MAX_PENDING_REMOVALS,
     REMOVAL_ATTEMPTS,
-    ResetGate,
     StoreRemovals,
     engine_key_regex,
     removal_backoff_s,
@@ -78,8 +79,7 @@ def test_a_failing_removal_is_tried_at_most_removal_attempts_times_with_capped_b
     assert store.calls == ["^a$"] * REMOVAL_ATTEMPTS
     assert waits.waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0][:REMOVAL_ATTEMPTS - 1]
     assert waits.waits[-1] == removal_backoff_s(REMOVAL_ATTEMPTS - 1) == 30.0  # the cap is reached
-    assert (removals.num_given_up, removals.num_retries, removals.num_removals) == (1, REMOVAL_ATTEMPTS - 1, 0)
-    assert stats.total("reset_removals_given_up") == 1
+    assert stats.total("reset_removals_given_up") == 1 and stats.total("reset_removals") == 0
     assert stats.total("reset_removal_retries") == REMOVAL_ATTEMPTS - 1
 
 
@@ -90,7 +90,7 @@ def test_a_removal_that_succeeds_on_a_retry_counts_its_keys():
     with quiet():
         removals.run_pending()
     assert len(store.calls) == 3 and waits.waits == [1.0, 2.0]
-    assert (removals.num_removals, removals.num_removed_keys, removals.gated) == (1, 7, False)
+    assert (stats.total("reset_removals"), stats.total("reset_removed_keys"), removals.gated) == (1, 7, False)
     assert stats.total("reset_removed_keys") == 7 and stats.total("reset_removals_given_up") == 0
 
 
@@ -102,7 +102,7 @@ def test_pending_removals_are_bounded_oldest_dropped():
             removals.submit(f"^p{i}$", gate=False)
         removals.submit(f"^p{MAX_PENDING_REMOVALS}$", gate=False)  # already waiting: not a new one
     assert removals.num_pending == MAX_PENDING_REMOVALS
-    assert removals.num_dropped == 1 and stats.total("reset_removals_dropped") == 1
+    assert stats.total("reset_removals_dropped") == 1
     removals.run_pending()
     assert store.calls == [f"^p{i}$" for i in range(1, MAX_PENDING_REMOVALS + 1)]  # oldest first, p0 dropped
 
@@ -134,7 +134,7 @@ def test_the_gate_lifts_only_for_a_removal_begun_after_it():
         with quiet():
             store.release.set()
             assert removals.wait_idle(10)
-        assert removals.num_removals == 1 and removals.num_given_up == 1
+        assert removals.counts.total("reset_removals") == 1 and removals.counts.total("reset_removals_given_up") == 1
         assert removals.gated is True  # the first removal's success did not lift the second reset's gate
     finally:
         removals.stop()
@@ -151,20 +151,24 @@ def test_submit_returns_while_the_removal_is_inside_the_store_and_stop_ends_the_
     assert thread is not None
     thread.join(10)
     assert not thread.is_alive()
-    assert store.calls == ["^k$"] and removals.num_given_up == 0  # no retry after stop
+    assert store.calls == ["^k$"] and removals.counts.total("reset_removals_given_up") == 0  # no retry after stop
 
 
 def test_the_gate_answers_missing_only_while_gated():
     store = Removing(0, keys={"a", "b"})
     removals, _, _ = _removals(store)
-    gate = ResetGate(store, removals)
-    assert gate.batch_is_exist(["a", "c"]) == [1, 0]
-    removals.submit("^a$", gate=True)
-    assert gate.batch_is_exist(["a", "c"]) == [0, 0]
-    with quiet():
-        removals.run_pending()
-    assert gate.batch_is_exist(["a", "b"]) == [1, 1]
-    assert gate.keys == {"a", "b"}  # every other attribute is the store's
+    gate = DeadlineStore(store, 10.0, gate=removals)
+    try:
+        assert gate.batch_is_exist(["a", "c"]) == [1, 0]
+        removals.submit("^a$", gate=True)
+        assert gate.batch_is_exist(["a", "c"]) == [0, 0] and gate.untimed().batch_is_exist(["a"]) == [0]
+        with quiet():
+            removals.run_pending()
+        assert gate.batch_is_exist(["a", "b"]) == [1, 1]
+        assert gate.keys == {"a", "b"}  # every other attribute is the store's
+        assert gate.counts.total("lookup_s") > 0  # three prefix lookups timed, the untimed check not
+    finally:
+        gate.stop()
 
 
 def test_bad_inputs_are_refused_by_name():

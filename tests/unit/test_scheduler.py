@@ -106,7 +106,7 @@ def test_over_report_split_over_two_collects(pool):
     s.collect({j: 1})
     # j is released; a second report for it is an unknown id now (ignored, counted)
     s.collect({j: 1})
-    assert s.num_unknown_reports == 1
+    assert s.counts.total("unknown_reports") == 1
 
 
 def test_unknown_job_ids_are_ignored_and_counted(pool):
@@ -114,7 +114,7 @@ def test_unknown_job_ids_are_ignored_and_counted(pool):
     s = ledger(pool)
     j = s.open_job("r", t)
     assert s.collect({999: 1, j: 1, "x": 1}) == 1
-    assert s.num_unknown_reports == 2
+    assert s.counts.total("unknown_reports") == 2
     assert refs(pool, t) == [1, 1]
 
 
@@ -136,7 +136,7 @@ def test_cap_on_jobs_defers_then_resumes(pool):
     b = s.open_job("b", tables[1])
     assert s.open_job("c", tables[2]) is None  # DEFER: nothing pinned, no id used
     assert refs(pool, tables[2]) == [1, 1]
-    assert s.num_deferrals == 1 and s.next_job_id == 2
+    assert s.next_job_id == 2 and s.stats()["jobs_opened"] == 2
     s.collect({a: 1})
     c = s.open_job("c", tables[2])
     assert c == 2 and refs(pool, tables[2]) == [2, 2]
@@ -180,7 +180,7 @@ def test_empty_or_all_null_job_is_tracked_until_reported(pool):
     j = s.open_job("r", [0, 0])
     assert j == 0 and s.pinned_block_ids(j) == [] and s.has_pending_work()
     s.collect({j: 2})
-    assert not s.has_pending_work() and s.num_unknown_reports == 0
+    assert not s.has_pending_work() and s.counts.total("unknown_reports") == 0
 
 
 @pytest.mark.parametrize("field,val", [("world_size", 0), ("max_inflight_jobs", -1),

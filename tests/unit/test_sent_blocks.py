@@ -78,7 +78,7 @@ def test_the_bound_drops_the_oldest_table_and_its_next_spec_is_refused():
     sb = SentBlocks(2)
     for i, req in enumerate("abc"):
         sb.resolve(spec(i, 0, 1, (i,), req=req))
-    assert len(sb) == 2 and sb.num_evicted == 1
+    assert len(sb) == 2 and sb.counts.total("sent_tables_evicted") == 1
     with pytest.raises(LedgerInputError, match="this rank holds none"):
         sb.resolve(spec(9, 1, 2, (9,), req="a"))
     assert sb.resolve(spec(10, 1, 2, (7,), req="c"))[0] == (2, 7)

@@ -226,7 +226,7 @@ def test_a_duplicate_job_id_is_dropped_without_a_second_report(ws, mem):
     assert "another job" in ws.steps.errors[-1]
     gate.set()
     _saved(ws, 1)
-    assert list(mem.data) == [ws.steps.keys.key(H[0])]  # type: ignore[union-attr]
+    assert list(mem.data) == [ws.steps.block_shape().builders[0].key(H[0])]
     _end(ws, saves=[SaveSpec("q", 1, 0, 0, 1, (3,), (H[2],))])  # reported already: still not a second report
     assert ws.build_worker_meta() is None
 
@@ -277,7 +277,7 @@ def test_a_sync_loads_tampered_object_is_removed_by_the_store_thread(mem):
     try:
         _end(w, saves=[SaveSpec("w", 0, 0, 0, 2, (1, 2), (H[0], H[1]))])
         _saved(w, 0)
-        key = w.steps.keys.key(H[1])  # type: ignore[union-attr]
+        key = w.steps.block_shape().builders[0].key(H[1])
         blob = bytearray(mem.data[key])
         blob[0] ^= 1  # another client changed a byte of the object in place
         mem.data[key] = bytes(blob)
@@ -289,7 +289,7 @@ def test_a_sync_loads_tampered_object_is_removed_by_the_store_thread(mem):
             time.sleep(0.005)
         removals = [(keys, who) for fn, keys, who in mem.calls[n:] if fn == "remove"]
         assert removals == [([key], "kvledger-store-r0")], removals
-        assert w.steps.keys.key(H[0]) in mem.data  # type: ignore[union-attr]
+        assert w.steps.block_shape().builders[0].key(H[0]) in mem.data
     finally:
         w.shutdown()
 

@@ -12,6 +12,7 @@ from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
+from kvledger_connector.scheduler import ask_store
 from kvledger_connector.scheduler_steps import SchedulerSteps
 
 
@@ -21,7 +22,7 @@ def _loaded(sync_max: int, blocks: int = 2, prompt_blocks: int = 3):
     req = Req("a", prompt_blocks * BS + 1)
     s.steps.on_new_request(req)
     s.stored(req, blocks)
-    n = s.steps.lookup(req, 0)
+    n = ask_store(s.steps, s.store, req, 0)
     assert n == blocks * BS
     s.alloc("a", prompt_blocks + 1)
     return s, req, n
@@ -31,11 +32,11 @@ def test_a_load_up_to_the_limit_is_sync_a_longer_one_async():
     s, req, n = _loaded(sync_max=2 * BS)
     assert s.steps.load_is_async("a", n) is False
     assert s.steps.load_is_async("a", n + 1) is True
-    spec = s.steps.emit_load(req, s.table["a"], n)
-    assert spec is not None and spec.sync and s.steps.num_sync_loads == 1
+    spec = s.steps.emit_load(req, [s.table["a"]], n)
+    assert spec is not None and spec.sync and s.steps.stats.total("sync_loads") == 1
     s0, req0, n0 = _loaded(sync_max=0)
     assert s0.steps.load_is_async("a", n0) is True
-    assert not s0.steps.emit_load(req0, s0.table["a"], n0).sync
+    assert not s0.steps.emit_load(req0, [s0.table["a"]], n0).sync
 
 
 def test_a_req_id_with_a_load_still_pinned_loads_async():
@@ -44,12 +45,12 @@ def test_a_req_id_with_a_load_still_pinned_loads_async():
     s, req, n = _loaded(sync_max=1 << 10)
     s.ledger.pin_load("a", s.alloc("old-a", 1))  # an older load of the same req_id, not reported yet
     assert s.steps.load_is_async("a", n) is True
-    assert not s.steps.emit_load(req, s.table["a"], n).sync
+    assert not s.steps.emit_load(req, [s.table["a"]], n).sync
 
 
 def test_the_save_waits_for_the_sync_load_report_then_starts_after_the_kept_blocks():
     s, req, n = _loaded(sync_max=1 << 10)
-    s.steps.emit_load(req, s.table["a"], n)
+    s.steps.emit_load(req, [s.table["a"]], n)
     req.num_computed_tokens = n  # vLLM counted the loaded tokens and schedules the rest in this step
     rest = req.num_prompt_tokens - n
     assert s.step({"a": rest}) == []  # the load's outcome is not known: no job reads these blocks yet
@@ -65,13 +66,13 @@ def test_the_save_waits_for_the_sync_load_report_then_starts_after_the_kept_bloc
 
 def test_two_ranks_release_a_sync_load_only_together():
     s, req, n = _loaded(sync_max=1 << 10)
-    steps = SchedulerSteps(block_size=BS, world_size=2, key_builders=s.steps.key_builders, store=s.store,
+    steps = SchedulerSteps(block_size=BS, world_size=2, key_builders=s.steps.key_builders,
                            max_pinned_blocks=32, sync_load_max_tokens=1 << 10)
     from kvledger.scheduler import SchedulerLedger
     steps.bind_ledger(SchedulerLedger(s.pool, world_size=2, max_inflight_jobs=4, max_pinned_blocks=32))
     steps.on_new_request(req)
-    steps.lookup(req, 0)
-    steps.emit_load(req, s.table["a"], n)
+    ask_store(steps, s.store, req, 0)
+    steps.emit_load(req, [s.table["a"]], n)
     assert steps.collect_sync_loads({"a": 1}) == 0 and steps.ledger.has_pinned_load("a")
     with pytest.raises(LedgerInvariantError):
         steps.collect_sync_loads({"a": 2})  # more ranks than are left: pins kept (S9)
@@ -83,7 +84,7 @@ def test_sync_load_max_tokens_must_be_an_int_ge_0():
     s = sched()
     for bad in (-1, 1.5, True):
         with pytest.raises(LedgerInputError, match="sync_load_max_tokens"):
-            SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders, store=s.store,
+            SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders,
                            max_pinned_blocks=8, sync_load_max_tokens=bad)
 
 
@@ -91,7 +92,7 @@ def test_kv_load_failure_policy_is_vllms_and_recompute_keeps_loads_async():
     """vLLM keeps a failed sync load's blocks in its prefix cache under "recompute": no load is sync there."""
     s = sched()
     with pytest.raises(LedgerInputError, match="kv_load_failure_policy.*'retry'"):
-        SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders, store=s.store,
+        SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders,
                        max_pinned_blocks=8, kv_load_failure_policy="retry")
     with pytest.raises(ConfigError, match="kv_load_failure_policy.*'retry'"):
         ConnectorConfig(store=StoreConfig(), block_size=BS, kv_load_failure_policy="retry")
@@ -104,13 +105,13 @@ def test_a_save_sharing_a_block_with_a_pinned_load_waits_then_is_retried():
     """Another request's save whose table holds a block a sync load still writes (vLLM's prefix cache shared
     it) is deferred, then retried once that load is reported, even in a step that does not schedule it."""
     s, req, n = _loaded(sync_max=1 << 10)
-    s.steps.emit_load(req, s.table["a"], n)
+    s.steps.emit_load(req, [s.table["a"]], n)
     other = Req("b", 3 * BS + 1)
     s.steps.on_new_request(other)
     s.table["b"] = s.table["a"][:2] + s.alloc("b-own", 2)
     other.num_computed_tokens = 2 * BS
     assert s.step({"b": BS + 1}) == []
-    assert s.ledger.num_inflight_jobs == 0 and s.steps.num_saves_dropped == 0
+    assert s.ledger.num_inflight_jobs == 0 and s.steps.stats.total("saves_dropped") == 0
     other.num_computed_tokens = 3 * BS + 1
     s.steps.collect_sync_loads({"a": 1})
     (job,) = s.step({})
@@ -120,7 +121,7 @@ def test_a_save_sharing_a_block_with_a_pinned_load_waits_then_is_retried():
 def test_a_sync_load_is_reported_in_worker_metadata_not_finished_recving():
     st = ProbeStore()
     w = rank(st)
-    keys = w.keys.keys(HASHES[:2])
+    keys = w.block_shape().builders[0].keys(HASHES[:2])
     st.data.update({keys[0]: 1})
     res = w.run_load("r", [4, 5], HASHES[:2], sync=True)
     w.run_load("r", [6], HASHES[2:3], sync=True)  # a reused id's second load: reported a step later
@@ -151,14 +152,14 @@ def test_a_failed_block_caps_the_requests_later_lookups():
     """vLLM's invalid_block_ids, noted while the load still holds its pins: the request's next lookup stops
     before the first failed block (its key exists, its get failed); another request's lookup does not."""
     s, req, n = _loaded(sync_max=0, blocks=2)
-    spec = s.steps.emit_load(req, s.table["a"], n)
+    spec = s.steps.emit_load(req, [s.table["a"]], n)
     s.steps.note_load_errors({spec.block_ids[1], 999})  # 999: not a load's block (another connector's)
     s.steps.collect_loads(["a"])
-    assert s.steps.lookup(req, 0) == BS  # block 0 only
+    assert ask_store(s.steps, s.store, req, 0) == BS  # block 0 only
     other = Req("b", 3 * BS + 1)
     other.block_hashes = list(req.block_hashes)
     s.steps.on_new_request(other)
-    assert s.steps.lookup(other, 0) == 2 * BS
+    assert ask_store(s.steps, s.store, other, 0) == 2 * BS
     s.steps.note_load_errors(None)
     s.steps.note_load_errors(set())
 
@@ -170,9 +171,9 @@ def _one_load(s, i: int, *, fail: bool, finished_first: bool = False) -> bool:
     req = Req(f"r{i}", 3 * BS + 1)
     s.steps.on_new_request(req)
     s.stored(req, 2)
-    n = s.steps.lookup(req, 0)
+    n = ask_store(s.steps, s.store, req, 0)
     blocks = s.alloc(req.request_id, 4)
-    spec = s.steps.emit_load(req, blocks, n)
+    spec = s.steps.emit_load(req, [blocks], n)
     s.steps.take_loads()
     if finished_first:
         s.steps.request_finished(req)
@@ -194,7 +195,7 @@ def test_short_loads_turn_async_while_most_recent_loads_fail_and_sync_again_once
     s = sched(sync_load_max_tokens=1 << 10)
     assert _one_load(s, 0, fail=True, finished_first=True) is True  # no outcome yet: sync
     assert s.steps.loads_mostly_fail()
-    assert _one_load(s, 1, fail=True) is False and s.steps.num_async_after_failures == 1
+    assert _one_load(s, 1, fail=True) is False and s.steps.stats.total("async_after_failures") == 1
     for i in range(2, 2 + 3 * LOAD_OUTCOME_WINDOW):  # more outcomes than the window holds
         _one_load(s, i, fail=True)
     assert len(s.steps._load_outcomes) == LOAD_OUTCOME_WINDOW and not s.steps._failed_loads
