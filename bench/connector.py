@@ -144,8 +144,8 @@ def _store_shape(store, shape: Shape, iters: int) -> dict[str, dict[str, float]]
 
 def store_suite(args: argparse.Namespace) -> int:
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.embedded import EmbeddedMooncake
+    from kvledger_connector.store.client import MooncakeStore
 
     div = 3 if args.quick else 1
     threads = torch.get_num_threads()
@@ -289,7 +289,7 @@ def overhead_suite(args: argparse.Namespace) -> int:
     import logging
 
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.harness import Harness, shared_prefix_prompts
 
     logging.getLogger("vllm").setLevel(logging.ERROR)

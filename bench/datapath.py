@@ -14,7 +14,7 @@ block; ``--blocks`` sets another count), one key per block.
             buffers; a load its sub-batching and ledger accounting. With the connector's default
             integrity: no master is configured here, so "mac" under a secret generated for the engine,
             with the tag construction for host KV (keyed BLAKE3, computed off the GIL): each put computes
-            its blocks' tags and sends the trailers, each get checks them (kvledger_connector/integrity.py).
+            its blocks' tags and sends the trailers, each get checks them (kvledger_connector/shape/integrity.py).
             The header line says what the connector resolved.
   ours-ck   the same worker with an integrity "checksum" seal (the default beside a configured master).
   ours-mm8  the same worker with ours's mode in the construction GPU KV gets (an int8 matmul in torch;
@@ -442,7 +442,7 @@ def _floor_call(raw: _Raw, ikey: Any) -> Callable[[], None]:
     makes it (the key and nonce bound first, then the bytes in one update)."""
     from blake3 import blake3
 
-    from kvledger_connector.integrity import TAG_BYTES, IntegrityKey
+    from kvledger_connector.shape.integrity import TAG_BYTES, IntegrityKey
     ik = ikey if ikey.enabled and ikey.construction == "b3" else IntegrityKey()
     k, bound = ik.b3_key, ik.bind("bench/floor", bytes(8))
     rows = raw.buf.numpy().reshape(raw.n, raw.block_bytes)
@@ -457,7 +457,7 @@ def _floor_call(raw: _Raw, ikey: Any) -> Callable[[], None]:
 
 def _layout_run(mc: Any, layout: str, iters: int, workdir: str, blocks: int) -> dict[str, Any]:
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.client import MooncakeStore
 
     env = _build_env(layout, workdir, blocks)
     store = MooncakeStore.connect(StoreConfig(global_segment_size=SEGMENT_BYTES, local_buffer_size=4 << 20),
@@ -467,7 +467,7 @@ def _layout_run(mc: Any, layout: str, iters: int, workdir: str, blocks: int) -> 
     note = ""
     try:
         ours = paths["ours"] = _Ours(env, store, run)
-        from kvledger_connector.integrity import BlockSeal, IntegrityKey
+        from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
         default = ours.conn.integrity
         mm8_mode = default.mode if default.enabled else "checksum"
         for name, ikey in (("ours-ck", IntegrityKey("checksum")),
@@ -557,7 +557,7 @@ def _cell(x: float | None, width: int, flag: str = "") -> str:
 
 
 def datapath_suite(args: argparse.Namespace) -> int:
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     iters = 5 if args.quick else ITERS

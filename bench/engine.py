@@ -15,7 +15,7 @@ pass 2 loads from the store; each pass its own request ids, see below) and the s
             nothing: on CPU there is no stream to order, the forward has written the KV when
             wait_for_save runs). Without it upstream cannot run on CPU
 
-Both connectors use one EmbeddedMooncake (kvledger_connector.embedded) that the bench starts on 127.0.0.1. Each
+Both connectors use one EmbeddedMooncake (kvledger_connector.store.embedded) that the bench starts on 127.0.0.1. Each
 engine runs in its own subprocess (testbed/engine_run.py with `request_ids: "per_pass"` and `step_times`):
 every `llm_engine.step()` is timed (with mp=0 that is the whole EngineCore step: schedule, the connector's
 scheduler hooks, the worker's execute_model with the connector's worker hooks, output processing). The
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, n = (1, 16) if args.quick else (2, 32)
     prompts = _prompts(n)
 
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     mc = EmbeddedMooncake(rpc_timeout_ms=5000)
     work = Path(tempfile.mkdtemp(prefix="kvledger-bench-engine-"))
     cfg = work / "mooncake.json"  # upstream's MooncakeStoreConfig.from_file

@@ -40,7 +40,7 @@ def stored_vs_needed(window: int, prompt_len: int, *, full_every: int = 2, num_l
     pin cap, the workers' job counters."""
     from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.harness import Harness, shared_prefix_prompts
 
     prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=prompt_len - 44, suffix_len=44, seed=3)
@@ -74,7 +74,7 @@ def stored_vs_needed(window: int, prompt_len: int, *, full_every: int = 2, num_l
 def stored_vs_needed_mamba(prompt_len: int) -> tuple[list[tuple[str, int, int]], int]:
     from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.harness import Harness, shared_prefix_prompts
 
     prompts = shared_prefix_prompts(12, num_prefixes=3, prefix_len=prompt_len - 44, suffix_len=44, seed=3)

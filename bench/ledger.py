@@ -4,8 +4,8 @@
    `Scheduler` (KVCacheManager, BlockPool, vLLM `Request`s, preemption) runs a workload with a tee connector
    that hands every scheduler-side hook vLLM calls, with the same `SchedulerOutput`/`Request` objects in the
    same step, to both sides and times each call (alternating which goes first):
-     ours      `SchedulerSide` (kvledger_connector/scheduler.py, the vLLM adapter) over `SchedulerSteps`
-               (kvledger_connector/scheduler_steps.py): on_new_request, get_num_new_matched_tokens,
+     ours      `SchedulerSide` (kvledger_connector/scheduler/side.py, the vLLM adapter) over `SchedulerSteps`
+               (kvledger_connector/scheduler/steps.py): on_new_request, get_num_new_matched_tokens,
                update_state_after_alloc, build_connector_meta (notices, take_loads, emit_stores: the save
                ranges, `open_job` pins, `SaveSpec`s), update_connector_output (collect_loads, collect),
                request_finished, has_pending_push_work

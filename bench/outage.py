@@ -66,7 +66,7 @@ class Run:
 
 def run_once(fault: str, way: str, window_s: float, stop_s: float) -> Run:
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.emu_model import expected_output, shared_prefix_prompts
     from testbed.harness import Harness
 

@@ -89,7 +89,7 @@ def stored_keys(metrics_port: int) -> set[str]:
 
 def run_once(kind: str, tp: int, way: str) -> Row:
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.emu_model import shared_prefix_prompts
     from testbed.harness import Harness
 

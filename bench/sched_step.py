@@ -5,8 +5,8 @@ real preemption) is built with `TeeSchedulerConnector` below as its KV connector
 connectors' scheduler-side components and forwards every scheduler-side hook vLLM calls to each of them,
 timing each call; the order of the two alternates every step:
 
-    ours      kvledger_connector.scheduler.SchedulerSide (inside a KVLedgerConnector built by its own
-              constructor; the decisions are kvledger_connector/scheduler_steps.py's SchedulerSteps):
+    ours      kvledger_connector.scheduler.side.SchedulerSide (inside a KVLedgerConnector built by its own
+              constructor; the decisions are kvledger_connector/scheduler/steps.py's SchedulerSteps):
               on_new_request, get_num_new_matched_tokens, update_state_after_alloc,
               build_connector_meta (notices, take_loads, emit_stores: save ranges, open_job pins, SaveSpecs),
               update_connector_output (collect_loads, collect), request_finished, has_pending_push_work

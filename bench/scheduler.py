@@ -9,7 +9,7 @@ takes FORWARD_S per step, a stand-in for the model's time; the ranks' start_load
   ours        KVLedgerConnector, its defaults (the pin cap derived from max_model_len and the pool; loads of
               at most `sync_load_max_tokens` = 256 tokens inside the step that schedules the request, as
               under vLLM's default kv_load_failure_policy "fail"; beside this configured master, integrity
-              "checksum", with the tag construction for host KV: kvledger_connector/integrity.py)
+              "checksum", with the tag construction for host KV: kvledger_connector/shape/integrity.py)
   ours-async  the same with `sync_load_max_tokens` 0: every load asynchronous, the request waiting in
               WAITING_FOR_REMOTE_KVS (what ours did before sync loads, what upstream does, and what ours
               does under kv_load_failure_policy "recompute", where no load is sync)

@@ -44,7 +44,7 @@ class Row:
 def run_once(layout: str, way: str) -> Row:
     from bench.replicas import stored_keys
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from testbed.emu_model import shared_prefix_prompts
     from testbed.harness import Harness
 

@@ -2,8 +2,8 @@
 
 The driver brings the schedule (TLC's behaviour: which action, which request, rank and fault) and the store
 (a loopback Mooncake master); every decision of the connector is the connector's own code: the scheduler
-side's steps (kvledger_connector/scheduler_steps.py, `SchedulerSteps`: what `SchedulerSide` runs in vLLM's
-scheduler thread) and each rank's job generators (kvledger_connector/jobs.py, `WorkerSteps.save_steps` /
+side's steps (kvledger_connector/scheduler/steps.py, `SchedulerSteps`: what `SchedulerSide` runs in vLLM's
+scheduler thread) and each rank's job generators (kvledger_connector/worker/steps.py, `WorkerSteps.save_steps` /
 `load_steps`: what `run_save` / `run_load` drain on the connector's store and load threads), over the
 connector's `MooncakeStore` with faults injected below it.
 
@@ -73,13 +73,13 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger, put_positions
-from kvledger_connector.block_shape import BlockShape
-from kvledger_connector.jobs import JobAction, SaveJob, WorkerSteps, no_lock
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.worker.steps import JobAction, SaveJob, WorkerSteps, no_lock
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.scheduler import ask_store
-from kvledger_connector.scheduler_steps import SchedulerSteps, tail_hash
+from kvledger_connector.scheduler.side import ask_store
+from kvledger_connector.scheduler.steps import SchedulerSteps, tail_hash
 from testbed.faults import BATCH_OPS, FaultyMooncakeClient, ManualClock, RawFault, faulty_mooncake_store
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
@@ -106,7 +106,7 @@ class _Sink:
 @contextlib.contextmanager
 def _quiet_jobs() -> Iterator[None]:
     """The job steps' error log off, for failures the driver injects or abandons on purpose."""
-    log = logging.getLogger("kvledger_connector.jobs")
+    log = logging.getLogger("kvledger_connector.worker.steps")
     was, log.disabled = log.disabled, True
     try:
         yield
@@ -186,7 +186,7 @@ class MooncakeBackend:
         cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
         store, client = faulty_mooncake_store(cfg, embedded=embedded, clock=clock)
         # the replay opens and closes the breaker in every StoreFail behaviour: its warnings are noise here
-        store_log = logging.getLogger("kvledger_connector.store")
+        store_log = logging.getLogger("kvledger_connector.store.client")
         level = store_log.level
         store_log.setLevel(logging.ERROR)
         try:

@@ -1,4 +1,4 @@
-"""Probes: small deterministic scenarios on the connector's own step functions (kvledger_connector/jobs.py)
+"""Probes: small deterministic scenarios on the connector's own step functions (kvledger_connector/worker/steps.py)
 and the ledgers, for what the model's behaviours cannot show: a batch where only some keys fail, a short
 read, a load rotated on rank 1, an exception outside a store call, a copy-on-write tail pin, reports of
 two ranks merged in one step, the exact pin-cap boundary, an aborted request's blocks under its load, a
@@ -26,9 +26,9 @@ from kvledger.errors import LedgerInvariantError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.load import LoadLedger
 from kvledger.worker import Verdict, WorkerLedger
-from kvledger_connector.block_shape import BlockShape
-from kvledger_connector.jobs import WorkerSteps, no_lock
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.worker.steps import WorkerSteps, no_lock
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 
 KEY_BYTES = 64  # one key's object in the probes
@@ -487,7 +487,7 @@ class ProbeRun:
 
 
 @contextlib.contextmanager
-def quiet(logger: str = "kvledger_connector.jobs") -> Iterator[None]:
+def quiet(logger: str = "kvledger_connector.worker.steps") -> Iterator[None]:
     """A module's log (default the step functions') silenced: the probes' injected failures are expected,
     not news."""
     log = logging.getLogger(logger)

@@ -1,5 +1,5 @@
 """Runtime mutants: seeded bugs in kvledger (the ledgers, the store-code classification) and in the
-connector (its step functions in kvledger_connector/jobs.py, the worker metadata merge, the KV cache copy
+connector (its step functions in kvledger_connector/worker/steps.py, the worker metadata merge, the KV cache copy
 plans, the store keys, reset_cache's pattern, the runtime directory, the embedded master's identity), applied
 by monkeypatching at run time (the source is never edited). Each patches a function the connector's own threads
 or vLLM call.
@@ -37,12 +37,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import kvledger.codes
 import kvledger.worker
-import kvledger_connector.engine_facts
-import kvledger_connector.jobs
-import kvledger_connector.keys
-import kvledger_connector.kvlayout
-import kvledger_connector.reset
-import kvledger_connector.scheduler_steps
+import kvledger_connector.shape.engine_facts
+import kvledger_connector.worker.steps
+import kvledger_connector.shape.keys
+import kvledger_connector.shape.kvlayout
+import kvledger_connector.scheduler.reset
+import kvledger_connector.scheduler.steps
 from conformance import kvprobes, probes_edge, probes_identity, probes_parts, probes_sched, probes_specs
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
@@ -53,12 +53,12 @@ from kvledger.errors import LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
-from kvledger_connector import rendezvous
-from kvledger_connector.integrity import IntegrityKey
-from kvledger_connector.jobs import SavePlan, SentBlocks, WorkerSteps
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.store import rendezvous
+from kvledger_connector.shape.integrity import IntegrityKey
+from kvledger_connector.worker.steps import SavePlan, SentBlocks, WorkerSteps
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
-from kvledger_connector.store import StoreCode
+from kvledger_connector.store.client import StoreCode
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / ".tlc-out"
@@ -525,23 +525,23 @@ MUTANTS: dict[str, list[Patch]] = {
     "stale_job_runs": [(SavePlan, "run", _stale_job_runs)],
     "skipped_job_runs": [(SavePlan, "run", _skipped_job_runs)],
     "put_resumes_past_offset": [(WorkerSteps, "begin_save", _resume_past_offset)],
-    "load_ids_not_rotated": [(kvledger_connector.jobs, "load_pairs", _ids_not_rotated)],
+    "load_ids_not_rotated": [(kvledger_connector.worker.steps, "load_pairs", _ids_not_rotated)],
     "save_report_skipped_on_exception": [(WorkerSteps, "fail_save", _save_report_skipped_after_failure),
                                          (WorkerSteps, "report_save", _report_skips_failed_by_exception)],
     "load_unfinished_on_exception": [(WorkerSteps, "run_load", _load_unfinished_on_exception)],
     # KV cache copy plans
-    "layout_last_run_dropped": [(kvledger_connector.kvlayout, "_layer_runs", _last_run_dropped)],
-    "layout_stride_per_kernel_block": [(kvledger_connector.kvlayout, "_layer_runs", _stride_per_kernel_block)],
-    "layout_lhbnc_token_major": [(kvledger_connector.kvlayout, "LAYOUT_HNC_ORDER", _lhbnc_token_major)],
+    "layout_last_run_dropped": [(kvledger_connector.shape.kvlayout, "_layer_runs", _last_run_dropped)],
+    "layout_stride_per_kernel_block": [(kvledger_connector.shape.kvlayout, "_layer_runs", _stride_per_kernel_block)],
+    "layout_lhbnc_token_major": [(kvledger_connector.shape.kvlayout, "LAYOUT_HNC_ORDER", _lhbnc_token_major)],
     # keys (the scheduler side builds tail hashes through its own binding of partial_tail_hash)
     "key_without_pp_stage": [(KeyBuilder, "__init__", _key_without_pp_stage)],
     "key_digest_without_layout": [(KeyLayout, "digest", _digest_without_layout)],
     # identical KV stored once: who puts a shared key, which ranks share keys
-    "replicas_put_every_key": [(kvledger_connector.jobs, "put_positions", _every_replica_puts_all),
+    "replicas_put_every_key": [(kvledger_connector.worker.steps, "put_positions", _every_replica_puts_all),
                                (kvledger.worker, "put_positions", _every_replica_puts_all)],
-    "replicas_share_distinct_heads": [(kvledger_connector.engine_facts, "kv_replicas", _replicas_ignore_heads)],
-    "tail_hash_without_tokens": [(kvledger_connector.keys, "partial_tail_hash", _tail_hash_without_tokens),
-                                 (kvledger_connector.scheduler_steps, "partial_tail_hash",
+    "replicas_share_distinct_heads": [(kvledger_connector.shape.engine_facts, "kv_replicas", _replicas_ignore_heads)],
+    "tail_hash_without_tokens": [(kvledger_connector.shape.keys, "partial_tail_hash", _tail_hash_without_tokens),
+                                 (kvledger_connector.scheduler.steps, "partial_tail_hash",
                                   _tail_hash_without_tokens)],
     # integrity tags
     "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
@@ -556,14 +556,14 @@ MUTANTS: dict[str, list[Patch]] = {
     "sent_null_before_ignored": [(SentBlocks, "resolve", _null_before_ignored)],
     "sent_null_before_wrong_group": [(SentBlocks, "resolve", _null_before_wrong_index)],
     # reset_cache's pattern
-    "reset_pattern_unanchored": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_unanchored)],
-    "reset_pattern_first_shard_only": [(kvledger_connector.reset, "engine_key_regex", _reset_pattern_first_shard)],
+    "reset_pattern_unanchored": [(kvledger_connector.scheduler.reset, "engine_key_regex", _reset_pattern_unanchored)],
+    "reset_pattern_first_shard_only": [(kvledger_connector.scheduler.reset, "engine_key_regex", _reset_pattern_first_shard)],
     # the embedded master's runtime directory
     "runtime_dir_any_directory": [(rendezvous, "runtime_dir", _runtime_dir_any_directory)],
     "sweep_ignores_liveness": [(rendezvous, "_alive", _sweep_ignores_liveness)],
     "liveness_ignores_start_time": [(rendezvous, "_start_time", _start_time_unread)],
 }
-# the scheduler side's steps (kvledger_connector/scheduler_steps.py): pin choice, tail, deferral, collect,
+# the scheduler side's steps (kvledger_connector/scheduler/steps.py): pin choice, tail, deferral, collect,
 # finish notices of a reused req_id, generations, loaded blocks, lookups
 MUTANTS.update(probes_sched.MUTANTS)
 # the edges only integration tests reached before (conformance/probes_edge.py): the integrity

@@ -30,20 +30,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kvledger_connector.connector as connector_mod
-import kvledger_connector.engine_facts as engine_facts
-import kvledger_connector.integrity as integrity
-import kvledger_connector.reset as reset_mod
+import kvledger_connector.shape.engine_facts as engine_facts
+import kvledger_connector.shape.integrity as integrity
+import kvledger_connector.scheduler.reset as reset_mod
 from conformance.kvprobes import ProbeFailed, check, quiet
 from conformance.probes_parts import runtime_dir_env
 from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError
-from kvledger_connector import embedded, rendezvous
+from kvledger_connector.store import embedded
+from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.deadline import DeadlineStore
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.scheduler_steps import SchedulerSteps
-from kvledger_connector.store import MooncakeStore, StoreCode
-from kvledger_connector.scheduler import ask_store
+from kvledger_connector.store.deadline import DeadlineStore
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.scheduler.steps import SchedulerSteps
+from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.scheduler.side import ask_store
 
 SECRET = b"probe-secret-of-32-bytes-exactly"
 

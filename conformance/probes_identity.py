@@ -1,4 +1,4 @@
-"""Probes of the embedded master's identity (kvledger_connector/embedded.py, rendezvous.py, store.py): the
+"""Probes of the embedded master's identity (kvledger_connector/store/embedded.py, store/rendezvous.py, store/client.py): the
 master is the LISTEN socket on its port whose inode it was ready with, never "whatever answers there".
 A process attaches only to the listener its engine's file records; an attached handle stops trusting a
 port another listener took; a server is ready only on a listener its own process holds; a supervised
@@ -27,9 +27,10 @@ from typing import Any, Callable
 from conformance.kvprobes import ProbeFailed, check, quiet
 from conformance.probes_edge import _Clock, _DownClient, _FakePopen
 from conformance.probes_parts import runtime_dir_env
-from kvledger_connector import embedded, rendezvous
+from kvledger_connector.store import embedded
+from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.store.client import MooncakeStore, StoreCode
 
 
 def _listen(stack: ExitStack, port: int = 0) -> tuple[socket.socket, int, int]:
@@ -157,7 +158,7 @@ def probe_a_squatted_master_port_moves_and_is_republished() -> None:
 
         emb.start_master = start_master  # type: ignore[method-assign]
         try:
-            with quiet("kvledger_connector.embedded"):  # the squatter is the probe's own doing
+            with quiet("kvledger_connector.store.embedded"):  # the squatter is the probe's own doing
                 emb.restart_master()
             check(started == [emb.rpc_port] and emb.rpc_port != old_port,
                   f"the restart started the master on {started}, its port {old_port} being another process's")
@@ -210,7 +211,7 @@ def probe_the_store_never_trusts_an_unauthenticated_master() -> None:
     raw.up = True
     st = MooncakeStore(raw, cfg, handle, clock=clock, background_probe=False)  # type: ignore[arg-type]
     handle.ok = False
-    with quiet("kvledger_connector.store"):  # the unauthentic master is the probe's own doing
+    with quiet("kvledger_connector.store.client"):  # the unauthentic master is the probe's own doing
         res = st.batch_is_exist(["k"])
         check(st.breaker_open and raw.calls == 0 and res == [int(StoreCode.UNHEALTHY_SKIPPED)]
               and st.stats.total("master_unauthentic") == 1,

@@ -1,6 +1,6 @@
 """Probes of the connector's parts that no model action reaches: the copy plans of vLLM's KV cache layouts
-(kvledger_connector/kvlayout.py), the store keys (keys.py), reset_cache's key pattern (reset.py) and the
-embedded master's runtime directory (rendezvous.py). Each calls the shipped function on real inputs (KV
+(kvledger_connector/shape/kvlayout.py), the store keys (shape/keys.py), reset_cache's key pattern (scheduler/reset.py) and the
+embedded master's runtime directory (store/rendezvous.py). Each calls the shipped function on real inputs (KV
 caches from vLLM's own allocator, testbed/kvcache.py) and raises :class:`ProbeFailed` naming what it saw;
 the mutant table runs them after the step-function probes (conformance/kvprobes.py), and
 tests/unit/test_probes_parts.py runs them unmutated.
@@ -26,9 +26,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from conformance.kvprobes import Probe, ProbeFailed, check
 # keys.partial_tail_hash, reset.engine_key_regex, jobs.put_positions and engine_facts.kv_replicas are called
 # through their modules, as the connector calls them: a patched function (a mutant) is the one probed
-from kvledger_connector import engine_facts, jobs, keys, rendezvous, reset
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
+from kvledger_connector.shape import engine_facts
+from kvledger_connector.worker import steps as jobs
+from kvledger_connector.shape import keys
+from kvledger_connector.store import rendezvous
+from kvledger_connector.scheduler import reset
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
 from testbed.kvcache import LAYOUTS, SPLITTABLE_LAYOUTS, allocate, attention_specs, build_kv_cache_config, layer_names
 
 NUM_BLOCKS = 3
@@ -280,7 +284,7 @@ def integrity_case(mode: str = "mac") -> tuple[Any, Any, dict[str, torch.Tensor]
     """(a rank's WorkerSteps with a seal over vLLM's LBNHC cache, its seal, the cache): trailers of blocks 1
     and 2 under keys "k1" and "k2" sealed in slot 0, then one byte of block 2 flipped."""
     from conformance.kvprobes import ProbeStore, rank
-    from kvledger_connector.integrity import BlockSeal, IntegrityKey
+    from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
 
     kv = kv_cache("LBNHC")
     plan = plan_block_copies(kv, layout="LBNHC", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
@@ -297,7 +301,7 @@ def integrity_case(mode: str = "mac") -> tuple[Any, Any, dict[str, torch.Tensor]
 def probe_a_block_loads_only_under_its_own_tag() -> None:
     """A get that read a whole object is loaded only if its trailer's tag matches the bytes now in the
     block and the key it was read under: a changed byte, or a trailer of another key, is a load error."""
-    from kvledger_connector.store import StoreCode
+    from kvledger_connector.store.client import StoreCode
 
     w, seal, _kv = integrity_case()
     whole = [w.key_bytes, w.key_bytes]

@@ -1,5 +1,5 @@
 """Scheduler-side probes and mutants: small deterministic scenarios on the connector's own scheduler steps
-(kvledger_connector/scheduler_steps.py, the functions SchedulerSide runs in vLLM's scheduler thread), for
+(kvledger_connector/scheduler/steps.py, the functions SchedulerSide runs in vLLM's scheduler thread), for
 what the replay's small configs cannot show (two shards, a second job of one generation, a deferral, two
 jobs released in one step, a req_id reused in the step its old request's finish is reported).
 
@@ -21,12 +21,12 @@ from conformance.kvprobes import ProbeFailed, ProbeStore, check
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector import config as connector_config
-from kvledger_connector import scheduler_steps
+from kvledger_connector.scheduler import steps as scheduler_steps
 from kvledger_connector.config import max_job_blocks
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
-from kvledger_connector.scheduler import ask_store
-from kvledger_connector.scheduler_steps import SchedulerSteps, _RequestTable, generation_of
+from kvledger_connector.scheduler.side import ask_store
+from kvledger_connector.scheduler.steps import SchedulerSteps, _RequestTable, generation_of
 
 BS = 4  # tokens per block
 

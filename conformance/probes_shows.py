@@ -14,9 +14,9 @@ import tempfile
 from typing import Callable
 
 import kvledger.codes as codes
-import kvledger_connector.jobs as jobs
-import kvledger_connector.keys as keys
-import kvledger_connector.scheduler_steps as scheduler_steps
+import kvledger_connector.worker.steps as jobs
+import kvledger_connector.shape.keys as keys
+import kvledger_connector.scheduler.steps as scheduler_steps
 from conformance import probes_edge, probes_identity, probes_sched, probes_specs
 from conformance.kvprobes import (HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
                                   tp_shared_rank)
@@ -26,8 +26,8 @@ from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
-from kvledger_connector import rendezvous
-from kvledger_connector.jobs import SavePlan
+from kvledger_connector.store import rendezvous
+from kvledger_connector.worker.steps import SavePlan
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 
 SHOWS: dict[str, Callable[[], None]] = {}
@@ -302,7 +302,7 @@ def _() -> None:
 
 @shows("integrity_tag_ignores_key")
 def _() -> None:
-    from kvledger_connector.integrity import IntegrityKey
+    from kvledger_connector.shape.integrity import IntegrityKey
     ik = IntegrityKey("mac", b"s" * 16)
     check(ik.bind("a", b"n" * 8) != ik.bind("b", b"n" * 8), "IntegrityKey.bind is the same for keys a and b")
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import kvledger_connector.jobs as jobs
+import kvledger_connector.worker.steps as jobs
 import kvledger_connector.metadata as metadata
 from conformance.kvprobes import HASHES, ProbeFailed, ProbeStore, check, rank
 from kvledger.errors import LedgerInputError
-from kvledger_connector.jobs import WorkerSteps
+from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 
 NUM_BLOCKS = 8  # the probe rank's KV cache: blocks 1..7 (0 is vLLM's null block)
@@ -100,12 +100,12 @@ def worker_side(store: Any, *, num_blocks: int = NUM_BLOCKS, secret: bytes | Non
     import torch
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
-    from kvledger_connector.block_shape import BlockShape
+    from kvledger_connector.shape.block_shape import BlockShape
     from kvledger_connector.config import ConnectorConfig, StoreConfig
-    from kvledger_connector.integrity import IntegrityKey
-    from kvledger_connector.keys import KeyBuilder, KeyLayout
-    from kvledger_connector.kvlayout import plan_block_copies
-    from kvledger_connector.worker import WorkerSide
+    from kvledger_connector.shape.integrity import IntegrityKey
+    from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+    from kvledger_connector.shape.kvlayout import plan_block_copies
+    from kvledger_connector.worker.side import WorkerSide
     from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
     bs = WORKER_BLOCK_SIZE

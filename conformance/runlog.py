@@ -1,7 +1,7 @@
 """Trace validation of logs of real runs (the connector's `trace_path`) against the model, with TLC.
 
 A real run's log (vLLM's real Scheduler and BlockPool, the ranks, Mooncake; written through
-`kvledger_connector.tracefile`, one file per process) is checked by `tla/TraceRuntime.tla`: every ledger event is
+`kvledger_connector.telemetry.tracefile`, one file per process) is checked by `tla/TraceRuntime.tla`: every ledger event is
 the model's own action on the model's state, with the observed values compared after each step (see that
 module for what is and is not compared). `normalize` maps the log into the model's vocabulary:
 

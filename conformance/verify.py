@@ -126,7 +126,7 @@ def witness_stage(_done: Done) -> StageResult:
 def _mooncake() -> Iterator[Any]:
     """A loopback master and the driver's backend on it (the connector's MooncakeStore over a fault client)."""
     from conformance.kvdriver import MooncakeBackend
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
 
     mc = EmbeddedMooncake(rpc_timeout_ms=2000)
     try:
@@ -137,7 +137,7 @@ def _mooncake() -> Iterator[Any]:
 
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
-COVERED = ("kvledger_connector/scheduler_steps.py", "kvledger_connector/jobs.py", "kvledger_connector/scheduler.py")
+COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/steps.py", "kvledger_connector/scheduler/side.py")
 #: processes replaying side by side, each on its own loopback master (a behaviour's replay is independent
 #: of the others': each starts from the model's initial state on a fresh driver state)
 REPLAY_SHARDS = PARALLEL_RUNS

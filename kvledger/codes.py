@@ -1,5 +1,5 @@
 """One classification of a store's per-key result codes, used by the connector's step functions
-(kvledger_connector/jobs.py) and therefore by the conformance driver, which calls them.
+(kvledger_connector/worker/steps.py) and therefore by the conformance driver, which calls them.
 
 What Mooncake returns (per key, in a list as long as the batch):
 

@@ -1,6 +1,6 @@
 """What a part that counts events needs of the one counter sink: ``add(name, value)`` and ``total(name)``.
 
-The connector's sink is ``kvledger_connector.stats.StatsRecorder`` (the interval vLLM takes, Prometheus, the
+The connector's sink is ``kvledger_connector.telemetry.stats.StatsRecorder`` (the interval vLLM takes, Prometheus, the
 run's totals; thread-safe); it satisfies :class:`Counter`. A part built without one (a ledger in a unit
 test, a store opened by a bench) counts into its own :class:`Counts`, read the same way:
 ``part.counts.total(name)``. The ledgers take a ``Counter`` rather than import the connector's: this package

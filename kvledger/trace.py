@@ -11,7 +11,7 @@ and ``check_event`` validates one event against it)::
 
 ``seq`` increases by one per event of one sink (a sink shared by several ledgers orders their events; the
 connector holds its lock around ledger calls, so the order is the order of the state changes). The
-connectors of one process share one locked, line-flushed sink per ``trace_path`` (kvledger_connector.tracefile);
+connectors of one process share one locked, line-flushed sink per ``trace_path`` (kvledger_connector.telemetry.tracefile);
 conformance.runlog checks such a log with TLC, conformance.kvtrace a log of the conformance driver.
 
 =============== ======== =============================================================================

@@ -271,7 +271,7 @@ def integrity_mode(mode: str | None, secret_file: str | None, *, embedded: bool)
         integrity        integrity_secret_file   store        ->
         unset or mac     set                     any          mac, the operator's secret
         unset or mac     unset                   embedded     mac, a secret generated for the engine
-                                                              (kvledger_connector/rendezvous.py `engine_secret`)
+                                                              (kvledger_connector/store/rendezvous.py `engine_secret`)
         unset            unset                   configured   checksum (logged at start-up: no forger is stopped)
         mac              unset                   configured   refused: engines that share a store need one secret
         checksum or off  set                     any          refused: only mac uses a secret
@@ -445,7 +445,7 @@ KEYS: tuple[Key, ...] = (
         tests="test_runlog.py::test_real_log_is_accepted, "
               "test_connector_e2e.py::test_trace_path_writes_the_shared_vocabulary, "
               "test_config.py::test_a_trace_path_is_opened_as_every_file_an_operator_names"),
-    # -- the engine's ranks (kvledger_connector/engine_facts.py checks them against vLLM's groups)
+    # -- the engine's ranks (kvledger_connector/shape/engine_facts.py checks them against vLLM's groups)
     Key("tp_rank", "int", None, "engine", "worker rank, only for in-process multi-rank drivers (tests); vLLM's TP "
         "group wins, and a worker of a group of several ranks with neither refuses to start", lo=0, hi=1 << 16,
         in_file=False, shown_default="vLLM's",
@@ -512,7 +512,7 @@ class StoreConfig:
     """The Mooncake client's settings and the worker's store/load bounds, each checked through its `KEYS` row.
 
     `master_server_address` None means *embedded mode*: the connector starts a private master and
-    metadata server on 127.0.0.1 (kvledger_connector/embedded.py) and fills both addresses in.
+    metadata server on 127.0.0.1 (kvledger_connector/store/embedded.py) and fills both addresses in.
     """
 
     master_server_address: str | None = None
@@ -694,7 +694,7 @@ def read_settings(extra_config: Mapping[str, Any] | None = None, *, env: Mapping
 
 
 class EngineFigures(Protocol):
-    """What vLLM's configs fix that the configuration depends on (kvledger_connector/engine_facts.py)."""
+    """What vLLM's configs fix that the configuration depends on (kvledger_connector/shape/engine_facts.py)."""
 
     @property
     def block_size(self) -> int: ...

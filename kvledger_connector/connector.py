@@ -8,14 +8,14 @@ Loaded by vLLM's own factory (when the package is installed, by name alone: kvle
                            "kv_connector_extra_config": {"max_inflight_jobs": 64}}'
 
 An adapter: at construction it reads the settings (kvledger_connector/config.py: every key, every source),
-the engine's facts (kvledger_connector/engine_facts.py: KV cache spec, layout, ranks, sizes) and builds the
+the engine's facts (kvledger_connector/shape/engine_facts.py: KV cache spec, layout, ranks, sizes) and builds the
 one `ConnectorConfig`, all before anything is started; then it starts the store client and the role's side.
-Each vLLM hook delegates to `kvledger_connector.scheduler.SchedulerSide` (scheduler role) or
-`kvledger_connector.worker.WorkerSide` (worker role).
+Each vLLM hook delegates to `kvledger_connector.scheduler.side.SchedulerSide` (scheduler role) or
+`kvledger_connector.worker.side.WorkerSide` (worker role).
 
 Embedded default: with no ``master_server_address`` the first connector of the engine starts a private
 `mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`); the engine's other connectors, in
-this process (reference counted) or in its other processes (kvledger_connector/rendezvous.py: one file per engine
+this process (reference counted) or in its other processes (kvledger_connector/store/rendezvous.py: one file per engine
 id), attach to it. The servers stop with the connector that started them (or die with its process). A
 multi-node engine configures a master. Where the connector starts the store it also protects it: integrity
 'mac' under a secret generated for the engine in the same private directory (rendezvous.engine_secret).
@@ -36,28 +36,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvledger_connector import rendezvous
+from kvledger_connector.store import rendezvous
 from kvledger.errors import LedgerInputError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, read_settings
-from kvledger_connector.deadline import DeadlineStore
-from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.engine_facts import (
+from kvledger_connector.store.deadline import DeadlineStore
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.shape.engine_facts import (
     EngineFacts,
     key_layout,
     kv_cache_spec,
     read_weights_version,
     resolved_layout,
 )
-from kvledger_connector.events import StoreEvents, spec_metadata
-from kvledger_connector.integrity import CHECKSUM_ONLY, IntegrityKey
-from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.telemetry.events import StoreEvents, spec_metadata
+from kvledger_connector.shape.integrity import CHECKSUM_ONLY, IntegrityKey
+from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata
-from kvledger_connector.rendezvous import AttachedMooncake
-from kvledger_connector.reset import StoreRemovals, reset_scheduler_side
-from kvledger_connector.scheduler import SchedulerSide
-from kvledger_connector.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
-from kvledger_connector.store import KVStore, MooncakeStore
-from kvledger_connector.worker import WorkerSide
+from kvledger_connector.store.rendezvous import AttachedMooncake
+from kvledger_connector.scheduler.reset import StoreRemovals, reset_scheduler_side
+from kvledger_connector.scheduler.side import SchedulerSide
+from kvledger_connector.telemetry.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
+from kvledger_connector.store.client import KVStore, MooncakeStore
+from kvledger_connector.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -103,7 +103,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
         self._owns_store = store is None
-        self._trace_file: Any = None  # kvledger_connector.tracefile.SharedTrace when `trace_path` is set
+        self._trace_file: Any = None  # kvledger_connector.telemetry.tracefile.SharedTrace when `trace_path` is set
         self.stats = StatsRecorder()
         self.store: KVStore | None = None
         self._lookups: DeadlineStore | None = None
@@ -151,7 +151,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         cfg, facts, sc = self.config, self.engine, self.config.store
         trace = None
         if cfg.trace_path:
-            from kvledger_connector.tracefile import open_trace
+            from kvledger_connector.telemetry.tracefile import open_trace
             trace = self._trace_file = open_trace(cfg.trace_path)
         if facts.scheduler:
             # lookups only: this client contributes no memory
@@ -241,12 +241,12 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's Scheduler publishes these with its own each step (kvledger_connector/events.py)."""
+        """vLLM's Scheduler publishes these with its own each step (kvledger_connector/telemetry/events.py)."""
         events = self.scheduler_side.events if self.scheduler_side is not None else None
         return events.take() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
-        """Drop every key of this engine's model and namespace (kvledger_connector/reset.py): the keys move to
+        """Drop every key of this engine's model and namespace (kvledger_connector/scheduler/reset.py): the keys move to
         a new weights version at once, their removal runs on its own thread; False while anything in flight
         could bring pre-reset KV back. With `weights_version_file`, the file is read again and the keys move
         to the version it names; a file that cannot be read refuses the reset (going on under the old version
@@ -355,7 +355,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             engine_id = self.engine.engine_id
             steps.append(lambda: rendezvous.release_shared(engine_id))
         if self._trace_file is not None:
-            from kvledger_connector.tracefile import close_trace
+            from kvledger_connector.telemetry.tracefile import close_trace
             sink, self._trace_file = self._trace_file, None
             steps.append(lambda: close_trace(sink))
         first: BaseException | None = None

@@ -232,7 +232,7 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
 
     step: int = 0
     # the weights version the step's keys are built under: it changes only at a reset_cache that ran with
-    # no store job or load in flight (kvledger_connector/reset.py), and every rank re-keys before its jobs
+    # no store job or load in flight (kvledger_connector/scheduler/reset.py), and every rank re-keys before its jobs
     weights_version: str = ""
     # in the order they happened (finished since the last step, then preempted in this one); each names
     # the generation it ends, so a late or duplicate notice cannot close a newer one

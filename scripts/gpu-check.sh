@@ -2,14 +2,14 @@
 # The prepared GPU check, on CUDA caches shaped as vLLM's allocator shapes them (scripts/gpu_check/test_gpu_kv.py):
 #   - the connector's KV copy plan addresses exactly each block's bytes, in the layout's order, on device memory;
 #   - a read ordered after the forward by a CUDA event (as the store thread reads) sees the forward's writes;
-#   - the integrity tag CUDA KV gets (mm8: int8 matmul + 64-bit multiply-sum, kvledger_connector/tagkernel.py)
+#   - the integrity tag CUDA KV gets (mm8: int8 matmul + 64-bit multiply-sum, kvledger_connector/shape/tagkernel.py)
 #     equals its definition computed on the host, by both kernel paths, on every recorded geometry;
 #   - it measures and prints (never asserts) the tag's GB/s on the device against a device-to-host copy of the
 #     same bytes, for 2 MiB blocks (32 layers x 8 KV heads x 128, bf16) in LBNHC, LHBNC and BLNHC.
 #   Not covered here (needs Mooncake and vLLM on the CUDA machine): puts and gets between device and host
 #   buffers through Mooncake, the tag inside a running engine.
 #   scripts/gpu-check.sh pack   here (needs .venv with vLLM): writes $GPU_CHECK_DIR (default .gpu-check/):
-#                               kvledger_connector/kvlayout.py and tagkernel.py, the test, geometry.json
+#                               kvledger_connector/shape/kvlayout.py and shape/tagkernel.py, the test, geometry.json
 #                               recorded from vLLM
 #   scripts/gpu-check.sh run    on the CUDA machine (torch + CUDA, pytest; no vLLM, no Mooncake, no network),
 #                               from the repository root; one verdict line at the end
@@ -20,7 +20,7 @@ DIR=${GPU_CHECK_DIR:-.gpu-check}
 case "${1:-}" in
   pack)
     rm -rf "$DIR"; mkdir -p "$DIR"
-    cp kvledger_connector/kvlayout.py kvledger_connector/tagkernel.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
+    cp kvledger_connector/shape/kvlayout.py kvledger_connector/shape/tagkernel.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
     .venv/bin/python -m scripts.gpu_check.record_geometry > "$DIR/geometry.json" 2>"$DIR/record.log"
     bytes=$(du -sb "$DIR" | cut -f1)
     echo "gpu-check: packed $DIR ($bytes bytes, $(grep -o '"layout"' "$DIR/geometry.json" | wc -l) cases)"

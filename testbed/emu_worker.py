@@ -673,8 +673,8 @@ class EmuWorker(WorkerBase):
 def _store_info(conn: Any) -> dict[str, Any]:
     """Which Mooncake master this connector's store client joined, and how: the embedded servers' owner
     (this process started them), attached (another process of the engine did), or configured."""
-    from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.rendezvous import AttachedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
+    from kvledger_connector.store.rendezvous import AttachedMooncake
     store = getattr(conn, "store", None)
     cfg = getattr(store, "config", None)
     emb = getattr(conn, "_embedded", None)

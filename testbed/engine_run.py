@@ -127,7 +127,7 @@ def _metrics(llm: Any) -> dict[str, float]:
 
 
 def _rendezvous_files() -> list[dict[str, Any]]:
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     d = rendezvous.runtime_dir()
     out = []
     for name in sorted(os.listdir(d)):

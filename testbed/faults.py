@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store import KVStore, MooncakeStore, StoreCode, open_client
+from kvledger_connector.store.client import KVStore, MooncakeStore, StoreCode, open_client
 
 if TYPE_CHECKING:
-    from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.rendezvous import AttachedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
+    from kvledger_connector.store.rendezvous import AttachedMooncake
 
 Op = Literal["exist", "put", "get"]
 Action = Literal["code", "raise", "evict"]
@@ -472,7 +472,7 @@ def run_pass_with_a_failed_get(h: Any, prompts: list[list[int]], max_tokens: int
     """FAULT INJECTION: a pass of `testbed.harness.Harness` (its outputs, S7 and rest checked by the harness)
     after a prefix-cache reset, whose first store get on ``rank`` returns TRANSFER_FAIL; returns the wrapper
     (``injected`` lists what fired). A hybrid model's failed load is reported per request: it recomputes."""
-    from kvledger_connector.store import StoreCode
+    from kvledger_connector.store.client import StoreCode
     h.scheduler.reset_prefix_cache()
     steps = h.workers[rank].worker_side.steps
     faulty = FaultyStore(steps.store, FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL),
@@ -499,7 +499,7 @@ def stored_keys_of_requests(h: Any, parts: frozenset[int] | None = None) -> list
     (and, with ``save_partial_tail``, each prompt's partial tail's) key of every rank, KV cache group and
     part (only the parts in ``parts``, indexes into a rank's key builders, when given), in a stable order,
     each once."""
-    from kvledger_connector.keys import partial_tail_hash
+    from kvledger_connector.shape.keys import partial_tail_hash
     bs = h.block_size
     tails = h.scheduler_connector.scheduler_side.steps.save_partial_tail
     out: dict[str, None] = {}

@@ -87,11 +87,11 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvledger_connector.config import StoreConfig  # noqa: E402
 from kvledger_connector.connector import KVLedgerConnector  # noqa: E402
-from kvledger_connector.engine_facts import head_shard_views  # noqa: E402
-from kvledger_connector.integrity import BlockSeal  # noqa: E402
-from kvledger_connector.keys import KeyBuilder, partial_tail_hash  # noqa: E402
-from kvledger_connector.kvlayout import plan_block_copies, plan_state_copies  # noqa: E402
-from kvledger_connector.store import KVStore, MooncakeStore  # noqa: E402
+from kvledger_connector.shape.engine_facts import head_shard_views  # noqa: E402
+from kvledger_connector.shape.integrity import BlockSeal  # noqa: E402
+from kvledger_connector.shape.keys import KeyBuilder, partial_tail_hash  # noqa: E402
+from kvledger_connector.shape.kvlayout import plan_block_copies, plan_state_copies  # noqa: E402
+from kvledger_connector.store.client import KVStore, MooncakeStore  # noqa: E402
 from testbed.emu_model import (EOS, VOCAB, KVContent, expected_output, mamba_state, shared_prefix_prompts,  # noqa: E402
                                write_jamba_dir, write_model_dir)
 from testbed.kvcache import (align_mamba_block_size, allocate, attention_specs,  # noqa: E402
@@ -469,7 +469,7 @@ class Harness:
         raise RuntimeError(f"reset_prefix_cache() never succeeded in {max_steps} steps")
 
     def wait_reset_removals(self, timeout_s: float = 30.0) -> None:
-        """Until the connector's reset removals (their own thread: kvledger_connector/reset.py) are done,
+        """Until the connector's reset removals (their own thread: kvledger_connector/scheduler/reset.py) are done,
         removed or given up; RuntimeError past `timeout_s`. Nothing to wait for with another connector."""
         removals = getattr(self.scheduler_connector, "removals", None)
         if removals is not None and not removals.wait_idle(timeout_s):

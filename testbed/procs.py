@@ -132,9 +132,9 @@ def kill_group(pgid: int, *, grace_s: float = 10.0, done: Callable[[], bool] | N
 
 @contextlib.contextmanager
 def mooncake_servers(**kw: Any) -> Iterator[Any]:
-    """A `mooncake_master` and metadata server on 127.0.0.1 (kvledger_connector.embedded.EmbeddedMooncake,
+    """A `mooncake_master` and metadata server on 127.0.0.1 (kvledger_connector.store.embedded.EmbeddedMooncake,
     `kw` passed on), stopped by pid on exit; a RuntimeError if either outlives the stop."""
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
 
     mc = EmbeddedMooncake(**kw)
     try:

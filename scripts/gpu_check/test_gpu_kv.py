@@ -2,10 +2,10 @@
 
 Caches are built on the device with exactly the geometry vLLM 0.32's allocator gives (geometry.json,
 recorded with vLLM by `scripts/gpu-check.sh pack`): one uint8 backing buffer, per layer a view with the
-allocator's dtype, shape, strides and offset. The connector's copy plan (kvlayout.py, the project's own
+allocator's dtype, shape, strides and offset. The connector's copy plan (shape/kvlayout.py, the project's own
 module) must address exactly each block's bytes, in the layout's order, on device memory; a read
 ordered after the forward by a CUDA event (as the worker's store thread does) sees the forward's writes;
-and the integrity tag CUDA KV gets (tagkernel.py, the project's own: mm8, an int8 matmul and a 64-bit
+and the integrity tag CUDA KV gets (shape/tagkernel.py, the project's own: mm8, an int8 matmul and a 64-bit
 multiply-sum) is exact on the device, by both of its paths, against its definition computed on the host.
 One test measures, and prints, the tag's rate on the device against a device-to-host copy of the same bytes
 (what a host-side hash would have to move first); nothing timed is asserted.
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kvlayout  # noqa: E402  (kvledger_connector/kvlayout.py, copied by the pack)
-import tagkernel  # noqa: E402  (kvledger_connector/tagkernel.py, copied by the pack)
+import kvlayout  # noqa: E402  (kvledger_connector/shape/kvlayout.py, copied by the pack)
+import tagkernel  # noqa: E402  (kvledger_connector/shape/tagkernel.py, copied by the pack)
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 CASES = json.loads((Path(__file__).parent / "geometry.json").read_text())
@@ -133,7 +133,7 @@ def _mm8_material(num_chunks: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _mm8_definition(obj: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """T of one object (host, int64 arithmetic, which wraps: mod 2**64): integrity.py's definition."""
+    """T of one object (host, int64 arithmetic, which wraps: mod 2**64): shape/integrity.py's definition."""
     n = u.shape[0]
     b = torch.zeros(n * tagkernel.CHUNK, dtype=torch.int64)
     b[:obj.numel()] = obj.view(torch.int8).to(torch.int64)

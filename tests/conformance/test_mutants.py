@@ -13,7 +13,7 @@ import pytest
 
 from conformance import mutants
 from conformance.engine import export as ex
-from kvledger_connector.jobs import WorkerSteps
+from kvledger_connector.worker.steps import WorkerSteps
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.procs import group_alive, kill_group, mooncake_servers, session_members
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -46,7 +46,7 @@ import pytest
 from conformance import runlog
 from conformance.engine import tracecheck
 from kvledger.trace import validate_events
-from kvledger_connector.embedded import EmbeddedMooncake, port_accepts
+from kvledger_connector.store.embedded import EmbeddedMooncake, port_accepts
 from testbed.emu_model import VOCAB, expected_output, shared_prefix_prompts
 from testbed.procs import alive, processes_matching
 

@@ -23,8 +23,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvledger_connector.config import StoreConfig  # noqa: E402
-from kvledger_connector.embedded import EmbeddedMooncake  # noqa: E402
-from kvledger_connector.store import MooncakeStore  # noqa: E402
+from kvledger_connector.store.embedded import EmbeddedMooncake  # noqa: E402
+from kvledger_connector.store.client import MooncakeStore  # noqa: E402
 from testbed.procs import mooncake_servers  # noqa: E402
 
 TEST_SEGMENT = 128 << 20
@@ -34,7 +34,7 @@ TEST_SEGMENT = 128 << 20
 # and at a line on stdin closes the listener (as when its master dies) and says "closed", staying alive
 NS_OWNER = """
 import os, socket, sys
-from kvledger_connector import rendezvous
+from kvledger_connector.store import rendezvous
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
 port = s.getsockname()[1]
 class Servers:

@@ -167,7 +167,7 @@ def test_a_trace_path_is_opened_as_every_file_an_operator_names(tmp_path: Path) 
     import os
 
     from kvledger.errors import LedgerInputError
-    from kvledger_connector.tracefile import close_trace, open_trace
+    from kvledger_connector.telemetry.tracefile import close_trace, open_trace
 
     fresh = tmp_path / "fresh.ndjson"
     sink = open_trace(str(fresh))

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvledger_connector.config import ConfigError, StoreConfig
-from kvledger_connector.stats import LATENCY_BUCKETS_S, MAX_CODES, KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
+from kvledger_connector.telemetry.stats import LATENCY_BUCKETS_S, MAX_CODES, KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
 from testbed.harness import Harness, shared_prefix_prompts
 
 

@@ -20,12 +20,12 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvledger_connector.block_shape import BlockShape
+from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.connector import key_layout
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.kvlayout import plan_block_copies
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.kvlayout import plan_block_copies
 from kvledger_connector.metadata import (
     DropNotice,
     KVLedgerConnectorMetadata,
@@ -33,8 +33,8 @@ from kvledger_connector.metadata import (
     LoadSpec,
     SaveSpec,
 )
-from kvledger_connector.store import MooncakeStore, StoreCode
-from kvledger_connector.worker import WorkerSide
+from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.worker.side import WorkerSide
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir
 

@@ -77,7 +77,7 @@ class _SlowCloseRaw:
 
 
 def test_store_close_is_bounded_and_says_so(caplog):
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.client import MooncakeStore
 
     cfg = StoreConfig(master_server_address="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata")
     store = MooncakeStore(_SlowCloseRaw(5.0), cfg)
@@ -100,7 +100,7 @@ def test_servers_die_with_a_killed_owner(tmp_path):
     import subprocess
     import sys
 
-    code = ("from kvledger_connector.embedded import EmbeddedMooncake\n"
+    code = ("from kvledger_connector.store.embedded import EmbeddedMooncake\n"
             "import time\n"
             "mc = EmbeddedMooncake()\n"
             "print(mc.master_pid, mc.metadata_pid, flush=True)\n"

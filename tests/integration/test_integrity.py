@@ -1,4 +1,4 @@
-"""Integrity of stored blocks (kvledger_connector/integrity.py): the tag the connector computes is the one the
+"""Integrity of stored blocks (kvledger_connector/shape/integrity.py): the tag the connector computes is the one the
 module defines, on every layout of vLLM's allocator; another client's same-size overwrite is a load error,
 never loaded (vLLM's real Scheduler, the real Mooncake master); a 'mac' tag cannot be made without the
 secret, while a 'checksum' one can (what each mode defends); the secret file and the trailer slots are
@@ -14,14 +14,14 @@ import torch
 
 from kvledger.errors import LedgerInputError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, integrity_mode
-from kvledger_connector import integrity
-from kvledger_connector.engine_facts import head_shard_views
-from kvledger_connector.integrity import (FEW_BLOCKS, NONCE_BYTES, TAG_BYTES, TRAILER_BYTES, BlockSeal,
+from kvledger_connector.shape import integrity
+from kvledger_connector.shape.engine_facts import head_shard_views
+from kvledger_connector.shape.integrity import (FEW_BLOCKS, NONCE_BYTES, TAG_BYTES, TRAILER_BYTES, BlockSeal,
                                           IntegrityError, IntegrityKey, construction_for, reference_digest,
                                           reference_tag, reference_trailer)
-from kvledger_connector.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
-from kvledger_connector.stats import _CODE_PREFIX
-from kvledger_connector.store import StoreCode
+from kvledger_connector.shape.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
+from kvledger_connector.telemetry.stats import _CODE_PREFIX
+from kvledger_connector.store.client import StoreCode
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from testbed.harness import Harness, shared_prefix_prompts
 from testbed.kvcache import allocate, build_kv_cache_config

@@ -12,9 +12,9 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
 from kvledger_connector.connector import key_layout
-from kvledger_connector.engine_facts import model_identity
-from kvledger_connector.keys import KeyBuilder, KeyLayout, KeyTooLongError
-from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.shape.engine_facts import model_identity
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout, KeyTooLongError
+from kvledger_connector.store.client import MooncakeStore, StoreCode
 from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir
 
@@ -79,7 +79,7 @@ def test_digest_changes_with_kv_layout_and_spec_extras(tmp_path: Path) -> None:
 
 def test_key_is_stable_across_processes() -> None:
     # keys must not depend on PYTHONHASHSEED: another process (another rank, a restart) must agree
-    code = ("from kvledger_connector.keys import KeyBuilder, KeyLayout;"
+    code = ("from kvledger_connector.shape.keys import KeyBuilder, KeyLayout;"
             "print(KeyBuilder(KeyLayout('m', 0, 1, 16, 'torch.float16', 'LBNHC', 2, 2, 8)).key(b'ab'))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}).stdout for seed in ("1", "2")}
@@ -128,7 +128,7 @@ def test_layouts_never_collide_in_the_real_store(shared_store: MooncakeStore, ke
 
 
 def test_partial_tail_hash_names_parent_and_tokens_exactly():
-    from kvledger_connector.keys import partial_tail_hash
+    from kvledger_connector.shape.keys import partial_tail_hash
 
     parent = bytes(range(32))
     h = partial_tail_hash(parent, [5, 6, 7])

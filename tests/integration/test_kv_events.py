@@ -23,9 +23,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.events import StoreEvents
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.telemetry.events import StoreEvents
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.store.client import MooncakeStore, StoreCode
 from testbed.faults import FaultPlan, FaultRule, FaultyStore, HeldPuts
 from testbed.harness import Harness, shared_prefix_prompts
 

@@ -29,9 +29,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.connector import KVLedgerConnector, key_layout, kv_cache_spec, resolved_layout
-from kvledger_connector.engine_facts import kv_cache_groups
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
+from kvledger_connector.shape.engine_facts import kv_cache_groups
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError, plan_block_copies
 from testbed.kvcache import (
     LAYOUTS,
     SPLITTABLE_LAYOUTS,

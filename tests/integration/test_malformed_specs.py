@@ -32,11 +32,11 @@ from hypothesis import strategies as st
 
 from conformance.probes_specs import worker_side
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store.embedded import EmbeddedMooncake
 from kvledger_connector.metadata import (DropNotice, KVLedgerConnectorMetadata, LoadSpec, SaveSpec,
                                          reportable_blocks)
-from kvledger_connector.store import MooncakeStore
-from kvledger_connector.worker import WorkerSide
+from kvledger_connector.store.client import MooncakeStore
+from kvledger_connector.worker.side import WorkerSide
 
 NUM_BLOCKS = 64
 SAVE_BLOCKS = range(1, 32)  # saves read these blocks ...

@@ -1,5 +1,5 @@
 """The embedded master's identity is its listener's socket inode, never "a port that answers"
-(kvledger_connector/embedded.py, rendezvous.py, store.py). A squatter, a real process that binds the
+(kvledger_connector/store/embedded.py, store/rendezvous.py, store/client.py). A squatter, a real process that binds the
 master's port the moment the master dies, is never joined by another process of the engine, never taken
 for a ready server, never lets a store breaker close; the supervisor moves the master to a fresh port and
 the owner republishes it. Real processes and a real `mooncake_master`, on 127.0.0.1 only, stopped by pid."""
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import kvledger_connector.embedded as embedded_mod
-from kvledger_connector import rendezvous
+import kvledger_connector.store.embedded as embedded_mod
+from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.embedded import (
+from kvledger_connector.store.embedded import (
     LOOPBACK,
     EmbeddedMooncake,
     EmbeddedStartError,
@@ -33,8 +33,8 @@ from kvledger_connector.embedded import (
     parse_tcp_listeners,
     port_accepts,
 )
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import MooncakeStore, StoreCode
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import MooncakeStore, StoreCode
 from testbed.procs import wait_until
 from tests.integration.conftest import NS_OWNER
 
@@ -63,8 +63,8 @@ sys.stdin.read()
 # one process of the engine: attach (or start), then answer "auth" with what its handle authenticates
 CHILD = """
 import json, sys
-from kvledger_connector.rendezvous import acquire_shared, release_shared
-from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store.rendezvous import acquire_shared, release_shared
+from kvledger_connector.store.embedded import EmbeddedMooncake
 h = acquire_shared(sys.argv[1], 2000)
 print(json.dumps({"master": h.master_address, "owner": isinstance(h, EmbeddedMooncake),
                   "authentic": h.authentic()}), flush=True)

@@ -3,7 +3,7 @@ Scheduler, two ranks each, integrity `mac` under one secret) in two others and a
 all joined by veth pairs on a bridge the test creates and removes.
 
 The transfer-port recipe: the outsider connects to each engine's Mooncake listeners (every one of them, on
-the wildcard address) until the ruleset `python -m kvledger_connector.transfer_ports` prints for that
+the wildcard address) until the ruleset `python -m kvledger_connector.store.transfer_ports` prints for that
 engine's pid is applied in its namespace (`nft -f -`); then it reaches none, while the engines still share
 KV through them. Engine A saves pass 1 and keeps its store segment (the bytes live in its process); engine
 B, on another "host", loads what A saved, through the master and A's segment, and its stand-in forward
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from kvledger_connector.embedded import _tool
+from kvledger_connector.store.embedded import _tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.77.{}.{}"
@@ -41,8 +41,8 @@ ENGINE = r"""
 import json, os, sys, threading, time
 import torch
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.integrity import NONCE_BYTES, TRAILER_BYTES, IntegrityKey, reference_trailer
-from kvledger_connector.transfer_ports import listeners, store_ports
+from kvledger_connector.shape.integrity import NONCE_BYTES, TRAILER_BYTES, IntegrityKey, reference_trailer
+from kvledger_connector.store.transfer_ports import listeners, store_ports
 from testbed.harness import Harness
 from testbed.emu_model import expected_output, shared_prefix_prompts
 
@@ -245,7 +245,7 @@ def _guard_ports(hosts: Hosts, h: str, p: subprocess.Popen[str], ready: dict[str
     assert ready["local_hostname"] == hosts.addr[h]  # derived from the route
     assert {a.split(":", 1)[0] for a in ready["advertised"]} == {hosts.addr[h]}, ready
     allow = [x for d in ("m", "a", "b") for x in ("--allow", hosts.addr[d])]
-    ruleset = subprocess.run([sys.executable, "-m", "kvledger_connector.transfer_ports", *allow, "--pid", str(p.pid)],
+    ruleset = subprocess.run([sys.executable, "-m", "kvledger_connector.store.transfer_ports", *allow, "--pid", str(p.pid)],
                              env=env, check=True, capture_output=True, text=True, timeout=60).stdout
     [listed] = re.findall(r"tcp dport \{ ([0-9, ]+) \} drop", ruleset)
     ports = [int(x) for x in listed.split(", ")]

@@ -11,7 +11,7 @@ import pytest
 
 from kvledger.errors import LedgerInputError
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 8
@@ -158,7 +158,7 @@ def test_a_weights_version_bumped_at_reset_never_reads_the_old_kv(store_config: 
 @pytest.mark.parametrize("case", ["missing", "link", "others-write", "empty", "bad-chars", "not-ascii", "huge"])
 def test_a_bad_weights_version_file_is_refused_by_name(tmp_path: Path, case: str):
     from kvledger_connector.config import ConfigError
-    from kvledger_connector.engine_facts import read_weights_version
+    from kvledger_connector.shape.engine_facts import read_weights_version
 
     path = tmp_path / "weights_version"
     _write_version(path, "step-1")

@@ -214,9 +214,9 @@ def test_tail_pin_dropped_is_caught(store_config: StoreConfig, monkeypatch):
 
 
 def test_reset_cache_removes_tail_keys_too(store_config: StoreConfig, tmp_path):
-    """reset_cache's pattern (kvledger_connector/reset.py) covers the tail keys: after vLLM's
+    """reset_cache's pattern (kvledger_connector/scheduler/reset.py) covers the tail keys: after vLLM's
     reset_prefix_cache(reset_connector=True) a repeated prompt finds neither its blocks nor its tail."""
-    from kvledger_connector.keys import partial_tail_hash
+    from kvledger_connector.shape.keys import partial_tail_hash
 
     prompt = _prompt(56)
     with Harness(store_config, tp_size=1, num_blocks=24, workdir=str(tmp_path / "m"),

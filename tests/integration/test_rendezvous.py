@@ -1,4 +1,4 @@
-"""The embedded default across an engine's processes (kvledger_connector/rendezvous.py): processes of one engine
+"""The embedded default across an engine's processes (kvledger_connector/store/rendezvous.py): processes of one engine
 share one private master; another engine gets its own; the owner's exit, clean or SIGKILL, leaves no
 server and no rendezvous file behind. Each "process of the engine" is a real subprocess."""
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from kvledger_connector.embedded import port_accepts
+from kvledger_connector.store.embedded import port_accepts
 from tests.integration.conftest import NS_OWNER
 
 ROOT = Path(__file__).resolve().parents[2]
 # one process of an engine: acquire the engine's servers, say what it got, release on "release\n"
 CHILD = """
 import json, sys
-from kvledger_connector.rendezvous import acquire_shared, release_shared
-from kvledger_connector.embedded import EmbeddedMooncake
+from kvledger_connector.store.rendezvous import acquire_shared, release_shared
+from kvledger_connector.store.embedded import EmbeddedMooncake
 h = acquire_shared(sys.argv[1], 2000)
 print(json.dumps({"master": h.master_address, "metadata": h.metadata_server,
                   "owner": isinstance(h, EmbeddedMooncake),
@@ -112,7 +112,7 @@ def test_a_killed_owner_leaves_no_server_and_the_next_engine_sweeps_its_file(env
 
 
 def test_a_runtime_dir_of_another_owner_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     target = tmp_path / "not-a-dir"
     target.write_text("x")
     monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(target))
@@ -122,7 +122,7 @@ def test_a_runtime_dir_of_another_owner_is_refused(tmp_path: Path, monkeypatch: 
 
 @pytest.fixture
 def rdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     d = tmp_path / "rt"
     d.mkdir(mode=0o700)
     monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(d))
@@ -163,7 +163,7 @@ def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening: tupl
                                                       what: str) -> None:
     """A file a live owner's would be joined (the listener on its master port is the one it records); each
     of these is refused and replaced by this process's own servers, with no exception."""
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     listening_port, inode = listening
     good = {**rendezvous.owner_fields(live_pid), "master_address": f"127.0.0.1:{listening_port}",
             "master_inode": inode, "metadata_server": f"http://127.0.0.1:{listening_port}/metadata"}
@@ -217,7 +217,7 @@ def test_a_planted_or_malformed_file_is_never_joined(rdir: Path, listening: tupl
 
 
 def test_a_runtime_dir_others_can_write_is_refused(rdir: Path) -> None:
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     rdir.chmod(0o777)
     with pytest.raises(rendezvous.RendezvousError, match=r"mode 0777.*KVLEDGER_RUNTIME_DIR"):
         rendezvous.runtime_dir()
@@ -226,7 +226,7 @@ def test_a_runtime_dir_others_can_write_is_refused(rdir: Path) -> None:
 
 
 def test_a_symlinked_lock_is_refused_by_name(rdir: Path) -> None:
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     (rdir / ".lock").symlink_to(rdir.parent / "victim")
     with pytest.raises(rendezvous.RendezvousError, match=r"\.lock.*rendezvous lock"):
         rendezvous.acquire("x", _Started)  # type: ignore[arg-type]
@@ -236,7 +236,7 @@ def test_a_symlinked_lock_is_refused_by_name(rdir: Path) -> None:
 def test_a_lock_held_for_good_fails_start_up_with_a_reason(rdir: Path) -> None:
     """A process that holds the directory's lock and never lets go (frozen): acquire gives up after its
     bound with an error naming the lock, instead of hanging the engine's start-up."""
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"), str(rdir / ".lock")],
@@ -257,7 +257,7 @@ def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdi
     namespace, which means nothing here. Its file is neither swept nor replaced while the listener it
     records is on its master port (else the engine would split onto two masters); once it is gone, the
     file is swept."""
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     cmd = ["unshare", "--pid", "--kill-child", sys.executable, "-c", NS_OWNER]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
@@ -279,7 +279,7 @@ def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdi
         assert isinstance(joined, rendezvous.AttachedMooncake) and joined.master_address == f"127.0.0.1:{port}"
     finally:
         _stop(owner)  # type: ignore[arg-type]  (unshare's death kills the namespace's processes)
-    from kvledger_connector.embedded import port_accepts
+    from kvledger_connector.store.embedded import port_accepts
     deadline = time.monotonic() + 30  # a hang guard: the namespace's init dies after unshare
     while port_accepts(port) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -291,7 +291,7 @@ def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdi
 # one process of a TP 2 engine as the connector starts it: the engine's secret, then its servers
 SECRET_CHILD = """
 import hashlib, json, sys
-from kvledger_connector.rendezvous import acquire_shared, engine_secret, release_shared
+from kvledger_connector.store.rendezvous import acquire_shared, engine_secret, release_shared
 s = engine_secret(sys.argv[1])
 h = acquire_shared(sys.argv[1], 2000)
 print(json.dumps({"secret": hashlib.sha256(s).hexdigest(), "master": h.master_address}), flush=True)
@@ -337,7 +337,7 @@ def test_a_generated_secret_is_refused_unless_private(rdir: Path, what: str) -> 
     others may enter, stops start-up with a named error (never a secret read from it, never a new one
     written over it)."""
     from kvledger.errors import LedgerInputError
-    from kvledger_connector import rendezvous
+    from kvledger_connector.store import rendezvous
     path = Path(rendezvous.secret_path("e"))
     good = rendezvous.engine_secret("e")
     assert len(good) == 32 and rendezvous.engine_secret("e") == good  # generated once, then read

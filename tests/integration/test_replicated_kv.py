@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.engine_facts import kv_replicas
+from kvledger_connector.shape.engine_facts import kv_replicas
 from testbed.harness import Harness, shared_prefix_prompts
 
 BS = 16

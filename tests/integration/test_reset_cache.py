@@ -2,7 +2,7 @@
 real master shared by several engines: it removes exactly the resetting engine's keys (its model, layout,
 namespace and shards), never another model's or another namespace's, and the engine then misses and re-saves.
 It refuses (False, nothing removed, why logged and counted) while a store job, a load or a request with
-computed KV could bring pre-reset KV back (kvledger_connector/reset.py). Otherwise it is done at once: a new
+computed KV could bring pre-reset KV back (kvledger_connector/scheduler/reset.py). Otherwise it is done at once: a new
 weights version is switched to first, the removal runs on its own thread with bounded retries, and a store
 that fails the removal never makes the engine read pre-reset KV."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.reset import REMOVAL_ATTEMPTS, ecma_escape, engine_key_regex, removal_backoff_s
-from kvledger_connector.store import MooncakeStore
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.scheduler.reset import REMOVAL_ATTEMPTS, ecma_escape, engine_key_regex, removal_backoff_s
+from kvledger_connector.store.client import MooncakeStore
 from testbed.faults import FaultyMooncakeClient, HeldPuts, RawFault
 from testbed.harness import Harness, shared_prefix_prompts
 
@@ -96,7 +96,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
             h.step()
         assert sa.ledger.num_inflight_jobs == 1 and sa.num_live_requests == 0
         try:
-            with caplog.at_level(logging.WARNING, logger="kvledger_connector.reset"):
+            with caplog.at_level(logging.WARNING, logger="kvledger_connector.scheduler.reset"):
                 assert h.scheduler_connector.reset_cache() is False
             assert "reset_cache refused: 1 store jobs in flight" in caplog.text  # says why
             assert h.scheduler.reset_prefix_cache(reset_connector=True) is False

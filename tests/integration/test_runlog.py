@@ -119,10 +119,10 @@ def test_over_the_cap_is_rejected(real_log):
 
 
 def test_connectors_of_one_process_share_one_sink_per_path(tmp_path):
-    """kvledger_connector.tracefile: one lock, one seq and the file order = the order of the emits."""
+    """kvledger_connector.telemetry.tracefile: one lock, one seq and the file order = the order of the emits."""
     import json
 
-    from kvledger_connector.tracefile import close_trace, open_trace
+    from kvledger_connector.telemetry.tracefile import close_trace, open_trace
     path = str(tmp_path / "t.ndjson")
     sched, rank = open_trace(path), open_trace(path)
     assert sched is rank and sched.users == 2

@@ -21,8 +21,8 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
 from bench.replicas import stored_keys
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.keys import partial_tail_hash
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.shape.keys import partial_tail_hash
 from testbed.harness import Harness, shared_prefix_prompts
 
 W = 64

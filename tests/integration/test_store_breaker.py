@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.deadline import DeadlineStore
-from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from kvledger_connector.store.deadline import DeadlineStore
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import MASTER_DOWN_CODES, MooncakeStore, StoreCode
 from testbed.emu_model import expected_output, shared_prefix_prompts
 from testbed.harness import Harness
 from testbed.procs import wait_until

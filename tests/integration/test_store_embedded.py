@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvledger_connector.embedded import EmbeddedMooncake, EmbeddedStartError
+from kvledger_connector.store.embedded import EmbeddedMooncake, EmbeddedStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, object], fragment: str) 
 
 
 def test_servers_are_stopped_at_interpreter_exit() -> None:
-    code = ("from kvledger_connector.embedded import EmbeddedMooncake\n"
+    code = ("from kvledger_connector.store.embedded import EmbeddedMooncake\n"
             "mc = EmbeddedMooncake()\n"
             "print(mc.master_pid, mc.metadata_pid, flush=True)\n")  # exits without stop()
     env = dict(os.environ, PYTHONPATH=str(ROOT))

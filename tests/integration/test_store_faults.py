@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.store import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.store.client import MASTER_DOWN_CODES, MooncakeStore, StoreCode
 from testbed.procs import wait_until
 
 RPC_TIMEOUT_MS = 1000

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from testbed.faults import FaultPlan, FaultRule, FaultyStore, InjectedFault
-from kvledger_connector.store import KVStore, MooncakeStore, StoreCode
+from kvledger_connector.store.client import KVStore, MooncakeStore, StoreCode
 
 
 def blocks(n: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 client of a real `MooncakeStore`, over a real Mooncake client on the loopback master, so the wrapper's own
 code handling, pre-send checks and master-down backoff run on every injected answer. `ManualClock` drives
 the backoff, so nothing here depends on how long a call takes. The last tests run the connector's save and
-load generators (kvledger_connector/jobs.py) over it, on a KV cache from vLLM's allocator."""
+load generators (kvledger_connector/worker/steps.py) over it, on a KV cache from vLLM's allocator."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -13,13 +13,13 @@ from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
-from kvledger_connector.block_shape import BlockShape
+from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.embedded import EmbeddedMooncake
-from kvledger_connector.jobs import JobAction, WorkerSteps, no_lock
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.kvlayout import plan_block_copies
-from kvledger_connector.store import PROBE_KEY, MooncakeStore, StoreCode
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.worker.steps import JobAction, WorkerSteps, no_lock
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.kvlayout import plan_block_copies
+from kvledger_connector.store.client import PROBE_KEY, MooncakeStore, StoreCode
 from testbed.faults import (BATCH_OPS, FaultyMooncakeClient, InjectedFault, ManualClock, RawFault,
                             faulty_mooncake_store)
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config

@@ -48,11 +48,11 @@ def _engine(tmp: str):
 
 def _worker(engine, store, cfg, salt: str, **cfg_changes):
     from kvledger_connector.connector import key_layout
-    from kvledger_connector.block_shape import BlockShape
-    from kvledger_connector.keys import KeyBuilder
-    from kvledger_connector.kvlayout import plan_block_copies
+    from kvledger_connector.shape.block_shape import BlockShape
+    from kvledger_connector.shape.keys import KeyBuilder
+    from kvledger_connector.shape.kvlayout import plan_block_copies
     from kvledger_connector.config import ConnectorConfig
-    from kvledger_connector.worker import WorkerSide
+    from kvledger_connector.worker.side import WorkerSide
     from testbed.kvcache import allocate
 
     vc, kv_cfg = engine
@@ -92,7 +92,7 @@ def _drive(ws, salt: str, stop: threading.Event) -> None:
 def _one_shutdown(engine, cfg, it: int, rng: random.Random) -> dict:
     """One client and worker: load, then shutdown racing the load (sometimes from two threads, sometimes with
     the store closed at the same time), then close the store."""
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.client import MooncakeStore
 
     t0 = time.monotonic()
     store = MooncakeStore.connect(cfg)
@@ -134,7 +134,7 @@ def child_stress(args: argparse.Namespace) -> None:
     import tempfile
 
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.client import MooncakeStore
 
     engine = _engine(tempfile.mkdtemp(prefix="shutdown-model-"))
     base = StoreConfig(global_segment_size=0, local_buffer_size=1 << 20, rpc_timeout_ms=2000).with_addresses(
@@ -168,9 +168,9 @@ def child_hung(args: argparse.Namespace) -> None:
     import tempfile
 
     from kvledger_connector.config import StoreConfig
-    from kvledger_connector.embedded import EmbeddedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
     from kvledger_connector.metadata import KVLedgerConnectorMetadata, SaveSpec
-    from kvledger_connector.store import MooncakeStore
+    from kvledger_connector.store.client import MooncakeStore
 
     engine = _engine(tempfile.mkdtemp(prefix="shutdown-model-"))
     # the RPC timeout is the window in which the poll below must see the call inside: long enough that a

@@ -1,4 +1,4 @@
-"""A rank's block as one shape (kvledger_connector/block_shape.py): its parts, their KV cache groups and kinds,
+"""A rank's block as one shape (kvledger_connector/shape/block_shape.py): its parts, their KV cache groups and kinds,
 read from the key builders' layouts; malformed shapes refused by name; a rekey keeps the parts."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.block_shape import BlockPart, BlockShape, GroupKind
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.block_shape import BlockPart, BlockShape, GroupKind
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 
 BASE = KeyLayout(model="shape", tp_rank=0, tp_size=1, block_size=16, dtype="torch.float32", kv_layout="LBNHC",
                  num_layers=1, num_kv_heads=1, head_size=8)

@@ -1,5 +1,5 @@
-"""The counters' exactness (kvledger_connector/stats.py): each event counter of a rank's step functions
-(kvledger_connector/jobs.py) and of the scheduler's (scheduler_steps.py) is moved by exactly the event that
+"""The counters' exactness (kvledger_connector/telemetry/stats.py): each event counter of a rank's step functions
+(kvledger_connector/worker/steps.py) and of the scheduler's (scheduler/steps.py) is moved by exactly the event that
 should move it, by exactly its amount, and by no other event: every test takes the difference of ALL the
 event counters below around one event and compares it whole, so a counter moved by the wrong event (a
 stale job counted failed, a finished request counted as a save given up) fails as surely as one not moved.
@@ -14,8 +14,8 @@ import pytest
 from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, quiet, rank, tp_shared_rank
 from conformance.probes_sched import BS, Req, _run, sched
 from kvledger_connector.metadata import SaveSpec
-from kvledger_connector.scheduler import ask_store
-from kvledger_connector.stats import COUNTERS, StatsRecorder
+from kvledger_connector.scheduler.side import ask_store
+from kvledger_connector.telemetry.stats import COUNTERS, StatsRecorder
 
 #: the counters of events (not the store calls' keys, bytes and durations, which count volume)
 WORKER = ("run_jobs", "stale_jobs", "skipped_jobs", "rejected_jobs", "failed_jobs", "loads", "rejected_loads",

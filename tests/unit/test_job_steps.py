@@ -1,4 +1,4 @@
-"""The per-job generators of kvledger_connector/jobs.py (`WorkerSteps.save_steps`, `load_steps`): the one
+"""The per-job generators of kvledger_connector/worker/steps.py (`WorkerSteps.save_steps`, `load_steps`): the one
 orchestration the connector's threads drain (`run_save`, `run_load`) and the replay driver advances one
 model action at a time. Every exit path — done, an exception raised or thrown in, abandoned (closed or
 collected) — reports the job exactly once (S5) and every block not loaded (S8). Also the worker house: one
@@ -14,9 +14,9 @@ import pytest
 from conformance.kvprobes import BLOCK_SIZE, HASHES, ProbeStore, rank
 from kvledger.errors import LedgerInputError
 from kvledger.worker import Verdict
-from kvledger_connector import worker as worker_mod
-from kvledger_connector.jobs import JobAction, SaveStep, WorkerSteps, load_pairs
-from kvledger_connector.stats import COUNTERS, GAUGES, StatsRecorder
+from kvledger_connector.worker import side as worker_mod
+from kvledger_connector.worker.steps import JobAction, SaveStep, WorkerSteps, load_pairs
+from kvledger_connector.telemetry.stats import COUNTERS, GAUGES, StatsRecorder
 
 
 class Thrown(RuntimeError):
@@ -224,9 +224,9 @@ def test_an_undeclared_counter_or_gauge_is_refused():
 
 def test_every_counter_the_connector_adds_is_declared():
     """A name added anywhere in the connector or the ledgers is in COUNTERS (so it has its Prometheus metric)."""
-    src = Path(worker_mod.__file__).parent
+    src = Path(worker_mod.__file__).parents[1]  # kvledger_connector/, every room
     added = set()
-    for f in [*src.glob("*.py"), *(src.parent / "kvledger").glob("*.py")]:
+    for f in [*src.rglob("*.py"), *(src.parent / "kvledger").glob("*.py")]:
         added |= set(re.findall(r"(?:stats|counts)\.add\(\s*\"(\w+)\"", f.read_text()))
     assert added and added <= set(COUNTERS), sorted(added - set(COUNTERS))
     assert not set(COUNTERS) & set(GAUGES)

@@ -1,4 +1,4 @@
-"""The connector's per-job step functions (kvledger_connector/jobs.py), the code both the connector's
+"""The connector's per-job step functions (kvledger_connector/worker/steps.py), the code both the connector's
 threads and the conformance driver run. The probes (conformance/kvprobes.py) are the scenarios the
 mutant table runs; here they run on the unmutated runtime, plus the steps' input checks. The store is
 the probes' scripted in-memory one: it injects per-key faults (a failing key, a short read, a raising
@@ -12,7 +12,7 @@ from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, rank
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
-from kvledger_connector.jobs import MAX_ERRORS_KEPT, WorkerSteps, load_pairs
+from kvledger_connector.worker.steps import MAX_ERRORS_KEPT, WorkerSteps, load_pairs
 
 
 @pytest.mark.parametrize("probe", kvprobes.PROBES, ids=lambda p: p.__name__)

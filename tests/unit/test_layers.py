@@ -35,7 +35,7 @@ def test_no_package_imports_a_layer_above_it() -> None:
 
 
 def test_connector_ships_no_driver_or_test_double() -> None:
-    names = {p.stem for p in (ROOT / "kvledger_connector").glob("*.py")}
+    names = {p.stem for p in (ROOT / "kvledger_connector").rglob("*.py")}
     assert not names & {"faults", "demo", "harness", "emu_worker"}, names
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.scheduler_steps import StoreRange, lookup_keys, plan_store, shard_answers
+from kvledger_connector.scheduler.steps import StoreRange, lookup_keys, plan_store, shard_answers
 
 BS = 4
 

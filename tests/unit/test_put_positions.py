@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvledger import put_positions
 from kvledger.errors import LedgerInputError
-from kvledger_connector.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 
 
 @given(start=st.integers(0, 40), n=st.integers(0, 40), replicas=st.integers(1, 8))

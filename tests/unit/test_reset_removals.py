@@ -1,5 +1,5 @@
-"""The reset's removals (kvledger_connector/reset.py `StoreRemovals`, `reset_scheduler_side`; the gate is
-`kvledger_connector.deadline.DeadlineStore`'s):
+"""The reset's removals (kvledger_connector/scheduler/reset.py `StoreRemovals`, `reset_scheduler_side`; the gate is
+`kvledger_connector.store.deadline.DeadlineStore`'s):
 each removal tried at most REMOVAL_ATTEMPTS times with waits doubling to their cap, at most
 MAX_PENDING_REMOVALS waiting (the oldest dropped), never a store call on the caller's thread, the gate lifted
 only by a removal that began after it, and a reset that cannot switch refused by name. The store here is a
@@ -14,9 +14,9 @@ import pytest
 
 from conformance.kvprobes import quiet
 from conformance.probes_sched import sched
-from kvledger_connector.deadline import DeadlineStore
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.reset import (
+from kvledger_connector.store.deadline import DeadlineStore
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.scheduler.reset import (
     MAX_PENDING_REMOVALS,
     REMOVAL_ATTEMPTS,
     StoreRemovals,
@@ -24,8 +24,8 @@ from kvledger_connector.reset import (
     removal_backoff_s,
     reset_scheduler_side,
 )
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import StoreCode
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import StoreCode
 
 
 class Removing:
@@ -187,7 +187,7 @@ def test_a_reset_that_cannot_switch_is_refused_with_why_in_the_log_and_a_counter
     store = Removing(0)
     removals, _, _ = _removals(store)
     kbs = [KeyBuilder(dataclasses.replace(kb.layout, model="v2")) for kb in side.key_builders]
-    with caplog.at_level(logging.WARNING, logger="kvledger_connector.reset"):
+    with caplog.at_level(logging.WARNING, logger="kvledger_connector.scheduler.reset"):
         assert reset_scheduler_side(side, removals, ("v2", kbs + kbs)) is False  # one builder per shard
     assert side.weights_version == "" and removals.num_pending == 0
     assert side.stats.total("resets_refused") == 1
@@ -196,7 +196,7 @@ def test_a_reset_that_cannot_switch_is_refused_with_why_in_the_log_and_a_counter
     class NoRemoval:  # THIS IS A TEST DOUBLE: a store client without remove_by_regex
         pass
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvledger_connector.reset"):
+    with caplog.at_level(logging.WARNING, logger="kvledger_connector.scheduler.reset"):
         assert reset_scheduler_side(side, StoreRemovals(NoRemoval(), background=False), ("v2", kbs)) is False
     assert side.weights_version == "" and "cannot remove by pattern" in caplog.text
     assert side.stats.total("resets_refused") == 2

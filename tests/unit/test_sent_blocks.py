@@ -1,4 +1,4 @@
-"""A job's block ids and hashes cross the wire once per generation (kvledger_connector/jobs.py `SentBlocks`,
+"""A job's block ids and hashes cross the wire once per generation (kvledger_connector/worker/steps.py `SentBlocks`,
 `WorkerSteps.receive_save`): a SaveSpec carries the blocks no earlier job of its generation sent, each rank
 resolves the rest, and a spec that does not continue them is refused and reported, never run on guessed
 blocks. The scheduler side's half (what `emit_store` sends) is the probes' (conformance/probes_sched.py)."""
@@ -8,7 +8,7 @@ import pytest
 
 from conformance.kvprobes import HASHES, ProbeStore, rank
 from kvledger.errors import LedgerInputError
-from kvledger_connector.jobs import SentBlocks
+from kvledger_connector.worker.steps import SentBlocks
 from kvledger_connector.metadata import SaveSpec
 
 H = [bytes([i + 1]) * 32 for i in range(8)]

@@ -19,10 +19,10 @@ from conformance import probes_specs
 from conformance.kvprobes import HASHES, ProbeStore, quiet, rank
 from conformance.probes_specs import NUM_BLOCKS, worker_side
 from kvledger.errors import LedgerInputError
-from kvledger_connector import jobs
+from kvledger_connector.worker import steps as jobs
 from kvledger_connector.metadata import (DropNotice, KVLedgerConnectorMetadata, LoadSpec, SaveSpec,
                                          check_drop_notice, check_load_spec, check_save_spec)
-from kvledger_connector.worker import WorkerSide
+from kvledger_connector.worker.side import WorkerSide
 
 SECRET = b"unit-spec-checks-secret-32-bytes"
 H = [bytes([0xA0 + i]) * 32 for i in range(8)]

@@ -12,8 +12,8 @@ from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
-from kvledger_connector.scheduler import ask_store
-from kvledger_connector.scheduler_steps import SchedulerSteps
+from kvledger_connector.scheduler.side import ask_store
+from kvledger_connector.scheduler.steps import SchedulerSteps
 
 
 def _loaded(sync_max: int, blocks: int = 2, prompt_blocks: int = 3):
@@ -191,7 +191,7 @@ def _one_load(s, i: int, *, fail: bool, finished_first: bool = False) -> bool:
 def test_short_loads_turn_async_while_most_recent_loads_fail_and_sync_again_once_they_succeed():
     """A failed sync load spends its get inside the step: while more than half of the last
     LOAD_OUTCOME_WINDOW loads failed, short loads are async; async outcomes count, so the rule recovers."""
-    from kvledger_connector.scheduler_steps import LOAD_OUTCOME_WINDOW
+    from kvledger_connector.scheduler.steps import LOAD_OUTCOME_WINDOW
     s = sched(sync_load_max_tokens=1 << 10)
     assert _one_load(s, 0, fail=True, finished_first=True) is True  # no outcome yet: sync
     assert s.steps.loads_mostly_fail()

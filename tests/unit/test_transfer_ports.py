@@ -1,4 +1,4 @@
-"""kvledger_connector/transfer_ports.py: /proc/net/tcp parsing, this process's listeners, the nftables ruleset
+"""kvledger_connector/store/transfer_ports.py: /proc/net/tcp parsing, this process's listeners, the nftables ruleset
 text for given ports and peers, and the CLI's errors naming the field and value."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.transfer_ports import (Listener, listeners, main, nft_ruleset, parse_proc_net_tcp,
+from kvledger_connector.store.transfer_ports import (Listener, listeners, main, nft_ruleset, parse_proc_net_tcp,
                                                store_ports)
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"

@@ -1,4 +1,4 @@
-"""The torch kernels of the integrity tags, run where the KV cache lives (kvledger_connector/integrity.py
+"""The torch kernels of the integrity tags, run where the KV cache lives (kvledger_connector/shape/integrity.py
 defines the tags and calls these). Torch only, no project import: scripts/gpu-check.sh ships this file to
 a CUDA machine and checks the mm8 tag there against its definition.
 

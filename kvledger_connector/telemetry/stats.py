@@ -28,20 +28,20 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                the ledgers (kvledger, given this recorder as ``counts``): jobs_released (every rank reported
                the job), unknown_reports (a report of no job in flight), loads_pinned, loads_released (load
                pins), loads_finished (a rank's loads, LoadLedger)
-               worker rank, specs: refused_specs (a malformed spec, refused whole: jobs.py), integrity removals
+               worker rank, specs: refused_specs (a malformed spec, refused whole: worker/steps.py), integrity removals
                not queued: integrity_removals_dropped (more than jobs.MAX_PENDING_REMOVALS waiting)
                kv_events_dropped, kv_events_stored_blocks, kv_events_removed_blocks (blocks announced in
-               BlockStored / BlockRemoved events, events.py), resets, resets_refused (logged with why),
+               BlockStored / BlockRemoved events, telemetry/events.py), resets, resets_refused (logged with why),
                weights_version_switches (the keys moved to a new weights version at a reset); the resets'
-               removals (reset.py, their own thread): reset_removals (patterns removed), reset_removed_keys,
+               removals (scheduler/reset.py, their own thread): reset_removals (patterns removed), reset_removed_keys,
                reset_removal_retries, reset_removals_given_up (after REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
-               the store's breaker (store.py): breaker_trips (it opened), breaker_probes (probes sent),
+               the store's breaker (store/client.py): breaker_trips (it opened), breaker_probes (probes sent),
                master_unauthentic (it opened because the listener on the embedded master's port was not the
                master this process joined: gone, or another process's), store_close_leaked (a close that
                left the client open: a call was still inside it), master_restarts (the embedded master
-               restarted by its supervisor, embedded.py, counted where its owner hands a recorder);
-               lookups_past_deadline (deadline.py: a scheduler store call answered as a miss at its deadline),
-               lookups_skipped_busy (deadline.py: answered at once, an abandoned call still inside the store)
+               restarted by its supervisor, store/embedded.py, counted where its owner hands a recorder);
+               lookups_past_deadline (store/deadline.py: a scheduler store call answered as a miss at its deadline),
+               lookups_skipped_busy (store/deadline.py: answered at once, an abandoned call still inside the store)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
                the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
@@ -56,7 +56,7 @@ are those of the calls themselves (upstream sends one row per RPC instead).
 
 What is timed: put = one ``batch_put`` of a store job, get = one ``batch_get`` sub-batch of a load (both on
 the worker's store threads: every ``put_s`` / ``get_s`` the worker adds is one call), lookup = one
-``batch_is_exist`` of the scheduler's prefix lookup (`kvledger_connector.deadline.DeadlineStore`).
+``batch_is_exist`` of the scheduler's prefix lookup (`kvledger_connector.store.deadline.DeadlineStore`).
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ class StatsRecorder:
     def add(self, name: str, value: float = 1) -> None:
         """Add to a counter; a duration counter's add (`TIMED_OPS`) is one call, also kept in its histogram."""
         if name not in _COUNTER_NAMES:
-            raise LedgerInputError("counter", name, "not declared in kvledger_connector.stats.COUNTERS")
+            raise LedgerInputError("counter", name, "not declared in kvledger_connector.telemetry.stats.COUNTERS")
         op = TIMED_OPS.get(name)
         with self._lock:
             self._stats.add(name, value)
@@ -189,7 +189,7 @@ class StatsRecorder:
 
     def gauge(self, name: str, value: float) -> None:
         if name not in _GAUGE_NAMES:
-            raise LedgerInputError("gauge", name, "not declared in kvledger_connector.stats.GAUGES")
+            raise LedgerInputError("gauge", name, "not declared in kvledger_connector.telemetry.stats.GAUGES")
         with self._lock:
             self._stats.gauge(name, value)
             self.totals.gauge(name, max(value, self.totals.data.get(name, 0)))  # totals keep the peak

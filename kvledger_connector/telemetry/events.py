@@ -41,8 +41,8 @@ from vllm.distributed.kv_events import MEDIUM_CPU, AllBlocksCleared, BlockRemove
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.stats import StatsRecorder
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.telemetry.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

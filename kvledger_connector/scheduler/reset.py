@@ -10,7 +10,7 @@ What is removed: the keys matching exactly this engine's key shapes, one ``remov
     ^(?:<prefix of shard 0>|<prefix of shard 1>|...)[0-9a-fn]+$
 
 each prefix ``[<namespace>/]kvl2/<model>/<layout digest>/tp<r>of<n>-pp<p>of<m>/`` escaped (kvledger_connector/
-keys.py), the tail the block-hash alphabet of `keys._hash_hex`, anchored at both ends (the master *searches*
+shape/keys.py), the tail the block-hash alphabet of `keys._hash_hex`, anchored at both ends (the master *searches*
 each key, so an unanchored prefix would also match inside another namespace's keys). Other models, other
 layouts of the same model, other namespaces and other parallel shapes keep their keys. Upstream's Mooncake
 store connector calls ``remove_all`` (every tenant's keys). Keys are content addressed: every engine of the
@@ -53,7 +53,7 @@ this one never reads them.
 
 Without a version change the keys stay where they are, so until their removal is done they may hold
 pre-reset KV: every existence check of the scheduler (lookups, the KV-events check) answers "missing"
-(the gate of `kvledger_connector.deadline.DeadlineStore`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
+(the gate of `kvledger_connector.store.deadline.DeadlineStore`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
 the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
 After any reset the scheduler side forgets what it learned from the store: cached lookup answers, save
 trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
@@ -68,11 +68,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.store import StoreCode
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.store.client import StoreCode
 
 if TYPE_CHECKING:
-    from kvledger_connector.scheduler import SchedulerSide
+    from kvledger_connector.scheduler.side import SchedulerSide
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The scheduler side's decisions as synchronous, thread-free step functions over plain values.
 
-The twin of kvledger_connector/jobs.py (the worker side's steps). Nothing here imports vLLM or starts a
+The twin of kvledger_connector/worker/steps.py (the worker side's steps). Nothing here imports vLLM or starts a
 thread: a request is read through :class:`RequestLike` (vLLM's ``Request`` is one; the conformance driver
 brings its own), block tables and scheduled token counts arrive as plain ids and ints. The connector's
-:class:`~kvledger_connector.scheduler.SchedulerSide` adapts vLLM's ``SchedulerOutput`` and
+:class:`~kvledger_connector.scheduler.side.SchedulerSide` adapts vLLM's ``SchedulerOutput`` and
 ``KVConnectorOutput`` to these calls; the replay driver (conformance/kvdriver.py) makes the same calls one
 model action at a time, bringing only the schedule and the store. There is no second copy of a rule::
 
@@ -82,10 +82,10 @@ from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger_connector.config import LOAD_FAILURE_POLICIES, ConnectorConfig
-from kvledger_connector.keys import KeyBuilder, dense_table, partial_tail_hash
+from kvledger_connector.shape.keys import KeyBuilder, dense_table, partial_tail_hash
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import StoreCode
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import StoreCode
 
 
 class RequestLike(Protocol):
@@ -509,13 +509,13 @@ class SchedulerSteps:
         self.max_held_requests = max_held_requests
         self._held: dict[str, int | None] = {}
         self._freeing: dict[str, None] = {}
-        # whole-run counts with no counter in kvledger_connector.stats.COUNTERS yet (tests, demo report)
+        # whole-run counts with no counter in kvledger_connector.telemetry.stats.COUNTERS yet (tests, demo report)
         self._load_outcomes: deque[bool] = deque(maxlen=LOAD_OUTCOME_WINDOW)  # True: the load failed
         self._failed_loads: set[str] = set()  # req_ids of pinned loads with a noted load error
         self.peak_held_requests = 0  # most held (deferred, or released and not yet freed) at once
         # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
         self.errors: deque[str] = deque(maxlen=MAX_STEP_ERRORS)
-        # KV events for routers (kvledger_connector/events.py); set by the connector when kv events are enabled
+        # KV events for routers (kvledger_connector/telemetry/events.py); set by the connector when kv events are enabled
         self.events: Any = None
 
     # ------------------------------------------------------------------ binding
@@ -566,7 +566,7 @@ class SchedulerSteps:
         ``num_computed_tokens``: 0 with loads off or nothing to ask; the cached answer of the same question,
         per (req_id, generation, num_computed_tokens) while it waits), else the one store call to make
         (`LookupAsk`), whose codes go to `answer`. The steps make no store call: the caller does
-        (`kvledger_connector.scheduler.ask_store`)."""
+        (`kvledger_connector.scheduler.side.ask_store`)."""
         st = self._reqs.ensure(request)
         if not self.load_enabled:  # nothing to ask, nothing to cache
             return 0

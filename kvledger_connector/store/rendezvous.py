@@ -15,13 +15,13 @@ engine carry the same `kv_transfer_config.engine_id` (the config is pickled to e
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
 
 The master is known by its listener, not by its port: `master_inode` is the socket inode of the LISTEN
-socket on 127.0.0.1:<master port> (kvledger_connector/embedded.py, `loopback_listener`), which no other
+socket on 127.0.0.1:<master port> (kvledger_connector/store/embedded.py, `loopback_listener`), which no other
 process can choose. A process attaches only while the listener on that port has exactly that inode and
 this user's uid: anything else that took the port after the master died (another user's process too)
 is never joined; the file is then not trusted and this process starts its own servers. The owner rewrites
 the file after each restart of its master (a new inode, and a fresh port when another process took the old
 one: `republish`); an attached process follows a new inode on the same address, and one whose master moved
-keeps its store shut until the engine restarts (kvledger_connector/store.py).
+keeps its store shut until the engine restarts (kvledger_connector/store/client.py).
 
 An owner is alive when its pid runs with the start time the file records (a reused pid is another
 process); an owner in another PID namespace sharing the directory (its pid means nothing here) is alive
@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
+from kvledger_connector.store.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
 from kvledger_connector.ownfile import read_own_file
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"

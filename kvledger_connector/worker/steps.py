@@ -33,7 +33,7 @@ Store I/O runs outside the lock; a store call that raises counts as CLIENT_EXCEP
 any other exception fails the job, which is still reported (S5) / whose blocks are still reported failed
 (S8). So does abandoning a generator (``close()``, or its collection): see ``save_steps``, ``load_steps``.
 
-Counting: every event is counted once, into ``stats`` (kvledger_connector/stats.py), which feeds vLLM's
+Counting: every event is counted once, into ``stats`` (kvledger_connector/telemetry/stats.py), which feeds vLLM's
 stats, Prometheus and the whole-run totals.
 """
 from __future__ import annotations
@@ -52,14 +52,14 @@ from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger, put_positions
-from kvledger_connector.block_shape import BlockShape
+from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.metadata import (DropNotice, LoadSpec, SaveSpec, check_drop_notice, check_job_id,
                                          check_load_spec, check_req_id, check_save_spec, reportable_blocks)
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import StoreCode
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import StoreCode
 
 if TYPE_CHECKING:
-    from kvledger_connector.integrity import BlockSeal
+    from kvledger_connector.shape.integrity import BlockSeal
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -213,7 +213,7 @@ class WorkerSteps:
                  lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
                  num_blocks: int | None = None) -> None:
         """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
-        ``shape``: this rank's block (kvledger_connector/block_shape.py), its parts' key builders; None: no
+        ``shape``: this rank's block (kvledger_connector/shape/block_shape.py), its parts' key builders; None: no
         keys, every job fails. ``buffers`` takes each entry's block id and part. ``stripe``: (this rank's
         replica index, replicas) among ranks that share keys (`kvledger.put_positions`); default the shape's,
         else (0, 1). ``num_blocks``: blocks of the registered KV cache, the range a spec's block ids are
@@ -232,7 +232,7 @@ class WorkerSteps:
         self.tp_rank = tp_rank
         self.block_size = block_size
         self.key_bytes = key_bytes  # set once the KV cache is registered (with the trailer, under a seal)
-        self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/integrity.py); None: off
+        self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/shape/integrity.py); None: off
         # swapped whole by a weights-version switch (`BlockShape.rekeyed`); the threads read it once per job
         self.shape = shape
         if stripe is None:
@@ -428,7 +428,7 @@ class WorkerSteps:
         t0 = time.perf_counter()
         if self.seal is None:
             res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
-        else:  # each object ends in its trailer (kvledger_connector/integrity.py), tagged from the blocks read
+        else:  # each object ends in its trailer (kvledger_connector/shape/integrity.py), tagged from the blocks read
             with self.seal.slot(len(todo)) as slot:
                 stages = [j for j, i in enumerate(todo) if i in tails]
                 trailers, staged = self.seal.seal(slot, put_keys, put_ids, stages, put_parts)

@@ -16,7 +16,7 @@ What it adds over the raw pybind11 client (and why):
     `clock` given at construction (time.monotonic; a replay passes its own and calls `probe()` itself, to be
     deterministic: no thread then);
   * a master it cannot authenticate is a master down: with an embedded handle (`embedded=`: the servers
-    this process started, or another process of the engine did, kvledger_connector/rendezvous.py) the
+    this process started, or another process of the engine did, kvledger_connector/store/rendezvous.py) the
     breaker opens when the listener on the master's port is not that master's (its socket inode; checked at
     most once per `AUTH_CHECK_INTERVAL_S` on the calling thread, counted in `master_unauthentic`), and a
     probe closes it only while it is. Whoever took the port after the master died gets this wrapper's calls
@@ -37,9 +37,9 @@ Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_mu
 object is the concatenation of its chunks (e.g. one chunk per layer's K and V), and a get must ask for
 exactly the object's total size (larger: -800, smaller: -600).
 
-Network note: the servers we start (kvledger_connector/embedded.py) bind 127.0.0.1 only; this client's
+Network note: the servers we start (kvledger_connector/store/embedded.py) bind 127.0.0.1 only; this client's
 transfer-engine ports bind all interfaces by Mooncake's design (INADDR_ANY is hard-coded there), so
-`MC_TCP_BIND_ADDRESS` only sets the address we advertise; `kvledger_connector/transfer_ports.py` lists
+`MC_TCP_BIND_ADDRESS` only sets the address we advertise; `kvledger_connector/store/transfer_ports.py` lists
 them and prints the firewall recipe.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ from kvledger.counts import Counter, Counts
 from kvledger_connector.config import StoreConfig
 
 if TYPE_CHECKING:
-    from kvledger_connector.embedded import EmbeddedMooncake
-    from kvledger_connector.rendezvous import AttachedMooncake
+    from kvledger_connector.store.embedded import EmbeddedMooncake
+    from kvledger_connector.store.rendezvous import AttachedMooncake
 
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class StoreCode(enum.IntEnum):
     UNHEALTHY_SKIPPED = -9002  # skipped: master failed recently (backoff)
     CLIENT_EXCEPTION = -9003  # the client raised; see MooncakeStore.last_exception
     BAD_BUFFER = -9004  # null pointer or size <= 0 for this key: not sent
-    INTEGRITY_MISMATCH = -9005  # read whole, but its trailer's tag does not match (kvledger_connector/integrity.py)
+    INTEGRITY_MISMATCH = -9005  # read whole, but its trailer's tag does not match (kvledger_connector/shape/integrity.py)
 
     @staticmethod
     def label(code: int) -> str:
@@ -433,7 +433,7 @@ class MooncakeStore:
 
     def trip(self) -> None:
         """Open the breaker as a master failure does (a caller's own deadline passed on a call still inside
-        the client: `kvledger_connector.deadline`). A breaker already open stays as it is."""
+        the client: `kvledger_connector.store.deadline`). A breaker already open stays as it is."""
         with self._lock:
             self._trip_locked()
 
@@ -644,7 +644,7 @@ class MooncakeStore:
 
     def remove_by_regex(self, regex: str, force: bool = False) -> int:
         """Keys removed (>= 0) or < 0 error (-600 for a regex the master cannot parse). The master *searches*
-        each key (ECMAScript syntax): anchor the pattern. Used by `reset_cache` (kvledger_connector/reset.py)."""
+        each key (ECMAScript syntax): anchor the pattern. Used by `reset_cache` (kvledger_connector/scheduler/reset.py)."""
         skipped = self._skip(1)
         if skipped is not None:
             return skipped[0]

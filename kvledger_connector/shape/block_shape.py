@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.keys import KeyBuilder, dense_table
+from kvledger_connector.shape.keys import KeyBuilder, dense_table
 
 
 class GroupKind(enum.Enum):

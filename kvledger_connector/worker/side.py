@@ -28,7 +28,7 @@ Keys are rotated by `tp_rank` on the load path (ranks start on different keys); 
 block id, carried along the rotation, so the mapping back is exact.
 
 Three layers, one owner each: this module owns the threads, the queues and shutdown; the per-job work
-(DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are kvledger_connector/jobs.py's
+(DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are kvledger_connector/worker/steps.py's
 `WorkerSteps` (`self.steps`), whose per-job generators the conformance driver advances one model action at a
 time; the ledgers are kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.store`,
 `steps.stats`, `steps.errors`.
@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
-from kvledger_connector.block_shape import BlockShape
+from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import ConnectorConfig
-from kvledger_connector.integrity import BlockSeal, IntegrityKey
-from kvledger_connector.jobs import SaveJob, WorkerSteps
-from kvledger_connector.keys import KeyBuilder
-from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
+from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
+from kvledger_connector.worker.steps import SaveJob, WorkerSteps
+from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import KVStore
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import KVStore
 from kvledger.errors import LedgerInputError
 from kvledger.load import LoadLedger
 from kvledger.trace import TraceSink
@@ -71,9 +71,9 @@ class WorkerSide:
                  rekey: Callable[[str], Sequence[KeyBuilder]] | None = None) -> None:
         """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
         in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
-        are tagged (kvledger_connector/integrity.py); None: no trailer. ``weights_version``: the one
+        are tagged (kvledger_connector/shape/integrity.py); None: no trailer. ``weights_version``: the one
         ``shape``'s builders build under; ``rekey``: the parts' key builders under another version, for when
-        a step's metadata names one (a reset_cache switched it, see kvledger_connector/reset.py)."""
+        a step's metadata names one (a reset_cache switched it, see kvledger_connector/scheduler/reset.py)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -100,7 +100,7 @@ class WorkerSide:
         self._shutdown_done = threading.Event()
         self._shutdown_clean = False  # every thread exited in the first shutdown
         self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
-        # the per-job work, its counting and the ledgers (kvledger_connector/jobs.py); loads in flight:
+        # the per-job work, its counting and the ledgers (kvledger_connector/worker/steps.py); loads in flight:
         # queued + one per load thread (+1: a rejected load is begun and finished at once)
         stats = stats if stats is not None else StatsRecorder()  # one sink: the steps' and the load ledger's
         self.steps = WorkerSteps(
@@ -115,7 +115,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
                            kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
-        """The copy plan of vLLM's KV cache views (kvledger_connector/kvlayout.py), or one per part of a block
+        """The copy plan of vLLM's KV cache views (kvledger_connector/shape/kvlayout.py), or one per part of a block
         (a hybrid model's KV cache groups, whose views share their allocations, a block id being owned by one
         group at a time; the TP-shared layout's head shards): a key's object is the plan's segments of one block, then its integrity trailer (read from
         ``kv_caches``, the views the plan was made of). Each backing allocation, and the trailer slots, is

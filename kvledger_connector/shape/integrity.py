@@ -1,7 +1,7 @@
 """Integrity of stored blocks: every object carries a tag over its bytes, checked before a load reports
 the block loaded. A mismatch is a load error (vLLM's ``kv_load_failure_policy`` acts), never wrong KV.
 
-The object under a key is the block's bytes (kvledger_connector/kvlayout.py) followed by a trailer::
+The object under a key is the block's bytes (kvledger_connector/shape/kvlayout.py) followed by a trailer::
 
     | block bytes (P0) | "KVLTAG01" | nonce (8 bytes) | tag (64 bytes) |
                          `------------ TRAILER_BYTES = 80 -----------'
@@ -48,7 +48,7 @@ Modes (the same for both constructions):
   overwrites a value with bytes of its own, unless it recomputes the tag on purpose.
 * ``mac`` (the default where the connector starts the store; `IntegrityKey.resolve`): a secret from
   ``integrity_secret_file``, or one generated per engine in its private runtime directory
-  (kvledger_connector/rendezvous.py `engine_secret`). A client without it cannot make a value that loads:
+  (kvledger_connector/store/rendezvous.py `engine_secret`). A client without it cannot make a value that loads:
   under ``b3`` it must forge keyed BLAKE3 under a 256-bit key it cannot derive (BLAKE3 targets 128-bit
   security; a guessed 64-byte tag is right with probability 2**-512); under
   ``mm8``, for a changed value under an existing nonce, guess per lane a first-level hash that is zero with
@@ -75,9 +75,9 @@ from blake3 import blake3
 
 from kvledger.errors import LedgerError, LedgerInputError
 from kvledger_connector.config import integrity_mode
-from kvledger_connector.kvlayout import BlockCopyPlan, KVLayoutError
+from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.ownfile import read_own_file
-from kvledger_connector.tagkernel import CHUNK, LANES, gather_rows, mm8_digests, mm8_digests_few
+from kvledger_connector.shape.tagkernel import CHUNK, LANES, gather_rows, mm8_digests, mm8_digests_few
 
 MODES = ("checksum", "mac", "off")
 #: the tag constructions, by the version they write into the key tag (`IntegrityKey.key_tag`)

@@ -1,6 +1,6 @@
 """Scheduler side of the connector: vLLM's scheduler-side hooks, adapted to the thread-free steps.
 
-Runs in vLLM's scheduler thread only (no lock). Every decision is kvledger_connector/scheduler_steps.py's
+Runs in vLLM's scheduler thread only (no lock). Every decision is kvledger_connector/scheduler/steps.py's
 (`SchedulerSteps`, which the conformance replay drives too; `SchedulerSide.steps`); this class only reads
 vLLM's objects — the Request, the allocator's block ids (one list per KV cache group), SchedulerOutput,
 KVConnectorOutput — and hands plain values on.
@@ -35,11 +35,11 @@ from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger_connector.config import ConnectorConfig
-from kvledger_connector.keys import KeyBuilder
+from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata
-from kvledger_connector.scheduler_steps import SchedulerSteps
-from kvledger_connector.stats import StatsRecorder
-from kvledger_connector.store import KVStore
+from kvledger_connector.scheduler.steps import SchedulerSteps
+from kvledger_connector.telemetry.stats import StatsRecorder
+from kvledger_connector.store.client import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SchedulerSide:
         self._kv_cache_manager: Any = None
         self._step = 0
 
-    # ------------------------------------------------------------------ what the connector and reset.py read
+    # ------------------------------------------------------------------ what the connector and scheduler/reset.py read
     @property
     def stats(self) -> StatsRecorder:
         return self.steps.stats

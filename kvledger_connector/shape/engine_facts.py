@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvledger_connector.config import BY_NAME, ConfigError
-from kvledger_connector.block_shape import BlockShape
-from kvledger_connector.keys import KeyBuilder, KeyLayout
-from kvledger_connector.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
+from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
                                         plan_state_copies)
 from kvledger_connector.ownfile import read_own_file
 
@@ -457,7 +457,7 @@ class EngineFacts:
 
     def block_shape(self, weights_version: str | None = None, *, max_key_bytes: int = 512,
                     namespace: str = "") -> BlockShape:
-        """This rank's block (kvledger_connector/block_shape.py): the parts of `layouts_for`, in order, each
+        """This rank's block (kvledger_connector/shape/block_shape.py): the parts of `layouts_for`, in order, each
         with its KV cache group, the group's kind and its key builder, under `weights_version` (default: the
         one the facts were built under)."""
         return BlockShape.of_keys([KeyBuilder(lay, max_key_bytes, namespace)

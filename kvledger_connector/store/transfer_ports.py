@@ -12,7 +12,7 @@ Whoever connects to the data port reads and writes any buffer the client registe
 staging buffer and, on the zero-copy path, the KV cache) without authentication; no integrity mode helps,
 since the bytes change in place, after the tag was checked or before it is.
 
-So the recipe is a firewall: ``python -m kvledger_connector.transfer_ports --allow HOST ... --pid PID ...``
+So the recipe is a firewall: ``python -m kvledger_connector.store.transfer_ports --allow HOST ... --pid PID ...``
 prints an nftables table that accepts TCP to the listed processes' listening ports from the allowed hosts
 and drops it from anyone else; nothing is applied here (``nft -f -`` in the processes' network namespace
 does). The ports are random per start, and applying the table replaces the previous one whole: run it after
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.embedded import parse_tcp_listeners, read_tcp_table
+from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
 
 TABLE = "kvledger_transfer"
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -164,7 +164,7 @@ def _pid(value: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m kvledger_connector.transfer_ports",
+        prog="python -m kvledger_connector.store.transfer_ports",
         description="Print an nftables ruleset that lets only the --allow hosts reach the TCP ports the "
                     "--pid processes listen on (their Mooncake transfer ports). Nothing is applied: pipe it "
                     "to `nft -f -` in their network namespace, again after each restart.")

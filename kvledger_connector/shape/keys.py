@@ -24,7 +24,7 @@ hash algorithm and the operator's `weights_version`. Two engines serving one pat
 quantization or overrides never share a key; engines differing in any field vLLM hashes are kept apart too,
 even where the KV would match (e.g. only `max_model_len`): a missed share, never a wrong load.
 
-The object's byte order is the resolved `KVCacheLayout`'s own (kvledger_connector/kvlayout.py), so the layout
+The object's byte order is the resolved `KVCacheLayout`'s own (kvledger_connector/shape/kvlayout.py), so the layout
 name is in the digest: engines with different physical layouts never share a key (they would read each
 other's bytes in the wrong order); engines that differ only in the attention backend's kernel block size
 share keys (a split block is stored in token order). `kvl1` keys (the pre-0.32 object format) are never

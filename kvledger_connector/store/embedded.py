@@ -11,7 +11,7 @@ standalone one). Each Mooncake *client* (every `setup()`: the scheduler's and ev
 on two TCP ports, random in 15000-17000: the transfer engine's handshake port on 0.0.0.0 and the TCP
 transport's data port on [::] (dual-stack). Mooncake hard-codes the wildcard; `MC_TCP_BIND_ADDRESS` only
 sets the address it advertises. Whoever reaches the data port reads and writes the client's registered
-memory, unauthenticated: across hosts, firewall these ports (`python -m kvledger_connector.transfer_ports`).
+memory, unauthenticated: across hosts, firewall these ports (`python -m kvledger_connector.store.transfer_ports`).
 
 Processes are started in their own session and stopped by pid (`stop()`, idempotent, also at interpreter
 exit). `restart_master()` kills and restarts the master on the same ports: every key is lost, as in a real
@@ -31,8 +31,8 @@ process can choose that inode. A server is ready only when its own listener is t
 accepts"); `master_inode` records the master's after each (re)start, and `authentic()` is "that listener
 is still the one on the port". When the old master is gone and another process holds its port, the
 supervisor does not wait for it: it warns (port, uid) and starts the master on a fresh port, then calls
-`on_restart` (the rendezvous owner republishes the new address and inode; kvledger_connector/rendezvous.py).
-Clients on the old address cannot follow: their stores stay shut (kvledger_connector/store.py) until the
+`on_restart` (the rendezvous owner republishes the new address and inode; kvledger_connector/store/rendezvous.py).
+Clients on the old address cannot follow: their stores stay shut (kvledger_connector/store/client.py) until the
 engine restarts.
 """
 from __future__ import annotations

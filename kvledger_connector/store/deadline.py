@@ -10,7 +10,7 @@ outcome counted into the one counter sink. A store that does not answer costs an
                                      (`MooncakeStore.trip`): later calls are skipped at once until its
                                      prober sees the master answer
 
-In order, per call: the reset's gate (`StoreRemovals.gated`, kvledger_connector/reset.py) answers every
+In order, per call: the reset's gate (`StoreRemovals.gated`, kvledger_connector/scheduler/reset.py) answers every
 key "missing" while the keys may still hold pre-reset KV; a store whose breaker is open answers without the
 round trip through the thread; otherwise the call goes through the thread, bounded. ``batch_is_exist`` is a
 prefix lookup: its duration (gated ones included) goes to ``lookup_s`` and its histogram; the KV-events
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store import StoreCode
+from kvledger_connector.store.client import StoreCode
 
 logger = logging.getLogger(__name__)
 
