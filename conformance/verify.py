@@ -137,7 +137,8 @@ def _mooncake() -> Iterator[Any]:
 
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
-COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/steps.py", "kvledger_connector/scheduler/side.py")
+COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/steps.py",
+           "kvledger_connector/scheduler/side.py")
 #: processes replaying side by side, each on its own loopback master (a behaviour's replay is independent
 #: of the others': each starts from the model's initial state on a fresh driver state)
 REPLAY_SHARDS = PARALLEL_RUNS
@@ -226,7 +227,8 @@ def replay_stage(_done: Done) -> StageResult:
     figures = {"behaviours": n, "conforming": good, "edges_taken": taken, "edges_total": total,
                "coverage": cov, "ci_states": len(ci.graph.states), "ci_edges": len(ci.graph.edges),
                "ci_initial": len(ci.graph.init), **{f"lines {p}": v for p, v in covered.items()}}
-    lines = ", ".join(f"{Path(p).name} {100 * v:.0f}%" for p, v in covered.items())
+    lines = ", ".join(f"{Path(p).relative_to('kvledger_connector')} {100 * v:.0f}%"
+                      for p, v in covered.items())
     detail = (f"{good}/{n} behaviours replayed and conforming; edge coverage {taken}/{total} = "
               f"{100 * cov:.1f}% of the CI graph ({CI_CFG.name}: {len(ci.graph.states)} states, "
               f"{len(ci.graph.edges)} edges, {len(ci.graph.init)} initial); line coverage of the "

@@ -53,8 +53,8 @@ this one never reads them.
 
 Without a version change the keys stay where they are, so until their removal is done they may hold
 pre-reset KV: every existence check of the scheduler (lookups, the KV-events check) answers "missing"
-(the gate of `kvledger_connector.store.deadline.DeadlineStore`) until a removal that started after the reset succeeds. A removal given up keeps the gate:
-the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
+(the gate of `kvledger_connector.store.deadline.DeadlineStore`) until a removal that started after the
+reset succeeds. A removal given up keeps the gate: the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
 After any reset the scheduler side forgets what it learned from the store: cached lookup answers, save
 trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
 """

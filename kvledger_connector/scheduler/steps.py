@@ -515,7 +515,8 @@ class SchedulerSteps:
         self.peak_held_requests = 0  # most held (deferred, or released and not yet freed) at once
         # inputs a step could not serve, newest last (the adapter logs them); bounded: the count is in stats
         self.errors: deque[str] = deque(maxlen=MAX_STEP_ERRORS)
-        # KV events for routers (kvledger_connector/telemetry/events.py); set by the connector when kv events are enabled
+        # KV events for routers (kvledger_connector/telemetry/events.py); set by the connector when kv events
+        # are enabled
         self.events: Any = None
 
     # ------------------------------------------------------------------ binding

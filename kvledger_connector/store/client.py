@@ -96,7 +96,8 @@ class StoreCode(enum.IntEnum):
     UNHEALTHY_SKIPPED = -9002  # skipped: master failed recently (backoff)
     CLIENT_EXCEPTION = -9003  # the client raised; see MooncakeStore.last_exception
     BAD_BUFFER = -9004  # null pointer or size <= 0 for this key: not sent
-    INTEGRITY_MISMATCH = -9005  # read whole, but its trailer's tag does not match (kvledger_connector/shape/integrity.py)
+    # read whole, but its trailer's tag does not match (kvledger_connector/shape/integrity.py)
+    INTEGRITY_MISMATCH = -9005
 
     @staticmethod
     def label(code: int) -> str:
@@ -644,7 +645,8 @@ class MooncakeStore:
 
     def remove_by_regex(self, regex: str, force: bool = False) -> int:
         """Keys removed (>= 0) or < 0 error (-600 for a regex the master cannot parse). The master *searches*
-        each key (ECMAScript syntax): anchor the pattern. Used by `reset_cache` (kvledger_connector/scheduler/reset.py)."""
+        each key (ECMAScript syntax): anchor the pattern. Used by `reset_cache`
+        (kvledger_connector/scheduler/reset.py)."""
         skipped = self._skip(1)
         if skipped is not None:
             return skipped[0]

@@ -33,8 +33,9 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                kv_events_dropped, kv_events_stored_blocks, kv_events_removed_blocks (blocks announced in
                BlockStored / BlockRemoved events, telemetry/events.py), resets, resets_refused (logged with why),
                weights_version_switches (the keys moved to a new weights version at a reset); the resets'
-               removals (scheduler/reset.py, their own thread): reset_removals (patterns removed), reset_removed_keys,
-               reset_removal_retries, reset_removals_given_up (after REMOVAL_ATTEMPTS tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
+               removals (scheduler/reset.py, their own thread): reset_removals (patterns removed),
+               reset_removed_keys, reset_removal_retries, reset_removals_given_up (after REMOVAL_ATTEMPTS
+               tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
                the store's breaker (store/client.py): breaker_trips (it opened), breaker_probes (probes sent),
                master_unauthentic (it opened because the listener on the embedded master's port was not the
                master this process joined: gone, or another process's), store_close_leaked (a close that

@@ -115,11 +115,11 @@ class WorkerSide:
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
                            kv_caches: Mapping[str, torch.Tensor] | None = None) -> None:
-        """The copy plan of vLLM's KV cache views (kvledger_connector/shape/kvlayout.py), or one per part of a block
-        (a hybrid model's KV cache groups, whose views share their allocations, a block id being owned by one
-        group at a time; the TP-shared layout's head shards): a key's object is the plan's segments of one block, then its integrity trailer (read from
-        ``kv_caches``, the views the plan was made of). Each backing allocation, and the trailer slots, is
-        registered with the store once."""
+        """The copy plan of vLLM's KV cache views (kvledger_connector/shape/kvlayout.py), or one per part of
+        a block (a hybrid model's KV cache groups, whose views share their allocations, a block id being owned
+        by one group at a time; the TP-shared layout's head shards): a key's object is the plan's segments of
+        one block, then its integrity trailer (read from ``kv_caches``, the views the plan was made of). Each
+        backing allocation, and the trailer slots, is registered with the store once."""
         if self._plans:
             raise KVLayoutError("register_kv_caches called twice on one worker")
         plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)

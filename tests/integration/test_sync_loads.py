@@ -4,7 +4,7 @@ so vLLM schedules its request in the step that admits it (never WAITING_FOR_REMO
 loads before that step's forward; its pins are released by the ranks' ``completed_loads``; the request's
 save waits for that report; a failed block is still reported and fails the request. Loads are sync only
 under vLLM's ``kv_load_failure_policy`` "fail" (its default; the harness's is "recompute", so these tests
-name it): under "recompute" every load is async (scheduler_steps' notes say why)."""
+name it): under "recompute" every load is async (kvledger_connector.scheduler.steps' notes say why)."""
 from __future__ import annotations
 
 from typing import Any

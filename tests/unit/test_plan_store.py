@@ -1,5 +1,5 @@
-"""EmitStore's choice of blocks as a pure function (`scheduler_steps.plan_store`): plain tables in, the pins,
-the tail pins, the ids the ranks get and each group's leading nulls out."""
+"""EmitStore's choice of blocks as a pure function (`kvledger_connector.scheduler.steps.plan_store`): plain
+tables in, the pins, the tail pins, the ids the ranks get and each group's leading nulls out."""
 from __future__ import annotations
 
 import pytest
