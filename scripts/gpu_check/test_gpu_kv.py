@@ -133,7 +133,8 @@ def _mm8_material(num_chunks: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _mm8_definition(obj: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """T of one object (host, int64 arithmetic, which wraps: mod 2**64): shape/integrity.py's definition."""
+    """T of one object (host, int64 arithmetic, which wraps: mod 2**64): the definition in
+    kvledger_connector/shape/integrity.py."""
     n = u.shape[0]
     b = torch.zeros(n * tagkernel.CHUNK, dtype=torch.int64)
     b[:obj.numel()] = obj.view(torch.int8).to(torch.int64)

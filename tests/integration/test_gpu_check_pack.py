@@ -1,5 +1,6 @@
 """The prepared GPU check packs and passes here on CPU (GPU_CHECK_DEVICE=cpu): the folder it ships is
-self-contained (no vLLM, no project import beyond shape/kvlayout.py and shape/tagkernel.py) and its checks hold on CPU memory."""
+self-contained (no vLLM, no project import beyond kvledger_connector/shape/kvlayout.py and tagkernel.py,
+shipped flat) and its checks hold on CPU memory."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ def test_gpu_check_packs_and_passes_on_cpu(tmp_path: Path) -> None:
            "PYTHON": sys.executable}
     subprocess.run(["scripts/gpu-check.sh", "pack"], cwd=ROOT, env=env, check=True, timeout=300)
     shipped = sorted(p.name for p in (tmp_path / "pack").iterdir())
-    assert set(shipped) == {"shape/kvlayout.py", "shape/tagkernel.py", "test_gpu_kv.py", "geometry.json", "record.log"}
+    assert set(shipped) == {"kvlayout.py", "tagkernel.py", "test_gpu_kv.py", "geometry.json", "record.log"}
     # the pack must not reach back into the project: run it from a copy's own folder with no PYTHONPATH
     env.pop("PYTHONPATH", None)
     res = subprocess.run(["scripts/gpu-check.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True,
