@@ -229,8 +229,10 @@ def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_toke
     """Lookup (`SchedulerSteps.ask` / `answer`) with its one store call made here, at the edge: vLLM's
     `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked."""
     ask = steps.ask(request, num_computed_tokens)
-    if isinstance(ask, int) or store is None:
-        return 0 if store is None else ask
+    if isinstance(ask, int):
+        return ask
+    if store is None:
+        return 0
     try:
         codes = store.batch_is_exist(list(ask.keys))
     except Exception:  # the store wrapper returns codes; a raising test double is a miss
