@@ -214,7 +214,8 @@ class TeeSchedulerConnector(KVConnectorBase_V1):
         return self._ours_only("request_finished", lambda: self.ours.request_finished(request))
 
     def has_pending_push_work(self) -> bool:
-        ours, up = self._both("has_pending_push_work", self.ours.has_pending_push_work, self.up.has_pending_push_work)
+        ours, up = self._both("has_pending_push_work", self.ours.steps.has_pending_push_work,
+                              self.up.has_pending_push_work)
         return bool(ours or up)
 
     def get_kv_connector_stats(self) -> Any:

@@ -198,7 +198,7 @@ class Probe:
             return orig_alloc(request, blocks, num_external_tokens)
         conn.update_state_after_alloc = update_state_after_alloc
         if h.connector_kind == "ours":
-            ledger = conn.scheduler_side.ledger
+            ledger = conn.scheduler_side.steps.ledger
             assert not ledger._pinned
             ledger._pinned = self.pins = PinClock(self)
             for r, w in enumerate(h.workers):
@@ -387,7 +387,7 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             "p2_computed": sum(len(pr) - h.stats.local_hit_tokens.get(f"p2-req-{i}", 0)
                                - probe.p2_first_tokens.get(f"p2-req-{i}", 0) for i, pr in enumerate(prompts))
             if not reuse_ids else None,
-            "saves_dropped": h.scheduler_connector.scheduler_side.stats.total("saves_dropped") if ours else None,
+            "saves_dropped": h.scheduler_connector.scheduler_side.steps.stats.total("saves_dropped") if ours else None,
             "wrong_kv": len(h.garbage), "wrong_out": wrong_out, "errors": errors,
             "leaked": h.num_blocks - 1 - h.block_pool.get_num_free_blocks(), "at_rest": problems,
             "jobs_per_req": (statistics.mean(probe.jobs_by_req.values()) if probe.jobs_by_req else 0.0),

@@ -74,10 +74,11 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger, put_positions
 from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.store.io import StoreIO
 from kvledger_connector.worker.steps import JobAction, SaveJob, WorkerSteps, no_lock
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.scheduler.side import ask_store
 from kvledger_connector.scheduler.steps import SchedulerSteps, tail_hash
 from testbed.faults import BATCH_OPS, FaultyMooncakeClient, ManualClock, RawFault, faulty_mooncake_store
@@ -344,17 +345,23 @@ class KVDriver:
         self.store = self.backend.store  # the connector's MooncakeStore
         self.stage = {w: self._stage(w) for w in self.ranks}
         self.read_from: dict[int, torch.Tensor] = {}  # block id -> the row a put reads (the DMA's copy)
-        self.steps = {w: WorkerSteps(store=self.store, ledger=self.workers[w], loads=self.loads[w],
-                                     buffers=self._buffers, tp_rank=0, block_size=BS, key_bytes=ROW_BYTES,
-                                     shape=BlockShape.of_keys([self.kb]), load_sub_batch_keys=self.sub_batch,
+        # the ranks' connector config, checked as the connector's is (its block and load sub-batch)
+        self.worker_config = ConnectorConfig(store=StoreConfig(load_sub_batch_keys=self.sub_batch), block_size=BS)
+        self.steps = {w: WorkerSteps(self.worker_config, ledger=self.workers[w], loads=self.loads[w],
+                                     buffers=self._buffers, tp_rank=0, key_bytes=ROW_BYTES,
+                                     shape=BlockShape.of_keys([self.kb]),
                                      lock=no_lock(),
                                      stripe=(i, len(self.ranks)) if self.stripe else (0, 1))
                       for i, w in enumerate(self.ranks)}
+        # each rank's edge: the one wrapper its store calls go through, as `WorkerSide.io`
+        self.io = {w: StoreIO(self.store, self.steps[w].stats) for w in self.ranks}
         # the connector's scheduler-side steps (what SchedulerSide runs in vLLM's scheduler thread)
-        self.ss = SchedulerSteps(block_size=BS, world_size=len(self.ranks), key_builders=[self.kb],
-                                 max_pinned_blocks=self.pin_cap * self.num_blocks,
-                                 save_partial_tail=self.partial_tail, sync_load_max_tokens=SYNC_LOAD_MAX_TOKENS,
-                                 trace=tr, max_held_requests=self.max_held)
+        self.ss = SchedulerSteps(ConnectorConfig(store=StoreConfig(), block_size=BS, world_size=len(self.ranks),
+                                                 max_pinned_blocks=self.pin_cap * self.num_blocks,
+                                                 save_partial_tail=self.partial_tail,
+                                                 sync_load_max_tokens=SYNC_LOAD_MAX_TOKENS,
+                                                 max_held_requests=self.max_held),
+                                 key_builders=[self.kb], trace=tr)
         self.ss.bind_ledger(self.sched)
         self.specs: dict[int, SaveSpec] = {}  # the SaveSpec of each emitted job
         # each rank's received job, its blocks resolved by the rank (WorkerSteps.receive_save)
@@ -645,7 +652,7 @@ class KVDriver:
         j = self.queue[w].pop(0)
         job = self.received[w].pop(j)
         self.busy[w] = j
-        gen = self.steps[w].save_steps(job.req_id, j, job.end_block, job.block_ids, job.block_hashes,
+        gen = self.steps[w].save_steps(self.io[w], job.req_id, j, job.end_block, job.block_ids, job.block_hashes,
                                        full_end_block=job.full_end_block)
         self.gens[w] = gen
         if failed:
@@ -768,7 +775,7 @@ class KVDriver:
         ld["spec"] = spec
         ld["blocks"], ld["pin"] = list(spec.block_ids), True
         # every rank's load thread takes it: the connector's load generator does EmitLoad (begin_load)
-        ld["gens"] = {w: self.steps[w].load_steps(spec.req_id, spec.block_ids, spec.block_hashes, spec.sync)
+        ld["gens"] = {w: self.steps[w].load_steps(self.io[w], spec.req_id, spec.block_ids, spec.block_hashes, spec.sync)
                       for w in self.ranks}
         for w in self.ranks:
             self._expect_step(next(ld["gens"][w]), JobAction.EMIT_LOAD, 0)

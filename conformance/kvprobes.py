@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -27,6 +29,8 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.load import LoadLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.config import ConnectorConfig, StoreConfig
+from kvledger_connector.store.io import StoreCall, StoreIO
 from kvledger_connector.worker.steps import WorkerSteps, no_lock
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
@@ -108,14 +112,46 @@ def _buffers(ids: list[int], parts: list[int] | None = None) -> tuple[list[list[
     return [[i] for i in ids], [[KEY_BYTES]] * len(ids)
 
 
+_R = TypeVar("_R")
+
+# each driver rank's edge: the `StoreIO` its store calls go through (what `WorkerSide.io` is to the connector)
+_EDGES: weakref.WeakKeyDictionary[WorkerSteps, StoreIO] = weakref.WeakKeyDictionary()
+
+
+def with_edge(steps: WorkerSteps, store: Any) -> WorkerSteps:
+    """``steps`` with ``store`` behind its edge (`io_of`), counting into the rank's one sink."""
+    _EDGES[steps] = StoreIO(store, steps.stats)
+    return steps
+
+
+def io_of(steps: WorkerSteps) -> StoreIO:
+    """The edge a driver rank's store calls go through (`with_edge`)."""
+    return _EDGES[steps]
+
+
+def drain(steps: WorkerSteps, gen: Generator[StoreCall, list[int] | None, _R]) -> _R:
+    """One sans-I/O part of a job (`WorkerSteps.put`, `load_batch`) run to its return value, each store call
+    it yields made through the rank's edge."""
+    io = io_of(steps)
+    try:
+        call = next(gen)
+        while True:
+            call = gen.send(io(call))
+    except StopIteration as done:
+        return done.value
+
+
+def worker_config(block_size: int = BLOCK_SIZE, sub_batch: int = 2) -> ConnectorConfig:
+    """A driver rank's connector config, checked as the connector's is: its block and load sub-batch."""
+    return ConnectorConfig(store=StoreConfig(load_sub_batch_keys=sub_batch), block_size=block_size)
+
+
 def rank(store: ProbeStore, tp_rank: int = 0, sub_batch: int = 2) -> WorkerSteps:
     keys = KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, dtype="torch.float32",
                                 kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8))
-    return WorkerSteps(store=store, ledger=WorkerLedger(tp_rank, max_live_jobs=8),
-                       loads=LoadLedger(tp_rank, max_inflight_loads=4), buffers=_buffers, tp_rank=tp_rank,
-                       block_size=BLOCK_SIZE, key_bytes=KEY_BYTES, shape=BlockShape.of_keys([keys]),
-                       load_sub_batch_keys=sub_batch,
-                       lock=no_lock())
+    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), ledger=WorkerLedger(tp_rank, max_live_jobs=8),
+                                 loads=LoadLedger(tp_rank, max_inflight_loads=4), buffers=_buffers, tp_rank=tp_rank,
+                                 key_bytes=KEY_BYTES, shape=BlockShape.of_keys([keys]), lock=no_lock()), store)
 
 
 HASHES = [bytes([i + 1]) * 4 for i in range(6)]
@@ -131,7 +167,7 @@ def probe_partial_put_fails_the_job() -> None:
         st.mem.update({1: 101, 2: 102, 3: 103})
         st.put_codes[keys[1]] = code
         w.receive("r", 1, 0)
-        w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+        w.run_save(io_of(w), "r", 1, 3, [1, 2, 3], HASHES[:3])
         off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
         check(off == 0, f"a put whose key answered {code} moved the saved offset to {off}")
         failed = w.stats.total("failed_jobs")
@@ -147,7 +183,7 @@ def probe_an_answer_of_the_wrong_length_fails_the_job() -> None:
     st.mem.update({1: 1, 2: 2})
     st.batch_put = lambda keys, ptrs, sizes: [0]  # type: ignore[method-assign]
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])
     off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
     check(off == 0, f"one put code for two keys moved the saved offset to {off}")
     check(w.take_reports() == {1: 1}, "the job was not reported exactly once")
@@ -162,7 +198,7 @@ def probe_pressure_anywhere_in_a_batch() -> None:
     st.mem.update({1: 101, 2: 102, 3: 103})
     st.put_codes[keys[2]] = -200
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])
+    w.run_save(io_of(w), "r", 1, 3, [1, 2, 3], HASHES[:3])
     check(w.ledger.under_pressure, "a -200 on the batch's last key did not mark store pressure")
     check(w.take_reports() == {1: 1}, "the job was not reported")
 
@@ -174,7 +210,7 @@ def probe_short_read_is_a_load_error() -> None:
     keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[0]: 201, keys[1]: 202, keys[2]: 203})
     st.get_codes[keys[1]] = KEY_BYTES // 2
-    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    res = w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])
     check(res.failed == {5}, f"short read: failed blocks {sorted(res.failed)}, expected [5]")
     check(w.take_load_errors() == {5}, "the short read's block was not reported to vLLM")
 
@@ -186,7 +222,7 @@ def probe_rotated_load_reports_the_right_block() -> None:
     w = rank(st, tp_rank=1, sub_batch=2)
     keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[1]: 302, keys[2]: 303})
-    res = w.run_load("r", [10, 11, 12], HASHES[:3])
+    res = w.run_load(io_of(w), "r", [10, 11, 12], HASHES[:3])
     first = next(c for c in st.calls if c[0] == "batch_get")[1][0]
     check(first == keys[1], f"rank 1 did not start on key 1 (started on key {keys.index(first)})")
     check(res.failed == {10}, f"key 0 missing: failed blocks {sorted(res.failed)}, expected [10]")
@@ -199,12 +235,12 @@ def probe_exception_in_a_save_still_reports() -> None:
     st = ProbeStore()
     w = rank(st)
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
     check(w.ledger.job_state(1) == "reported", f"job 1 is {w.ledger.job_state(1)} after its handler raised")
     st.raises.add("batch_put")
     st.mem.update({1: 1, 2: 2})
     w.receive("r", 2, 0)
-    w.run_save("r", 2, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 2, 2, [1, 2], HASHES[:2])
     raised = w.stats.total("store_exceptions")
     check(raised == 1, f"store_exceptions={raised}")
     check(w.take_reports() == {1: 1, 2: 1}, "a job whose handler or store call raised was not reported")
@@ -214,7 +250,7 @@ def probe_exception_in_a_load_reports_every_block() -> None:
     """A load whose handler raises is still finished, every block reported failed."""
     st = ProbeStore()
     w = rank(st)
-    w.run_load("r", [4, 5], [HASHES[0], b""])
+    w.run_load(io_of(w), "r", [4, 5], [HASHES[0], b""])
     check(w.take_finished_loads() == {"r"}, "a load whose handler raised never finished")
     check(w.take_load_errors() == {4, 5}, "a load whose handler raised did not report its blocks")
 
@@ -225,9 +261,9 @@ def probe_put_resumes_at_the_saved_offset() -> None:
     w = rank(st)
     st.mem.update({1: 1, 2: 2, 3: 3, 4: 4})
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])
     w.receive("r", 2, 0)
-    w.run_save("r", 2, 4, [1, 2, 3, 4], HASHES[:4])
+    w.run_save(io_of(w), "r", 2, 4, [1, 2, 3, 4], HASHES[:4])
     keys = w.block_shape().builders[0].keys(HASHES[:4])
     lost = [i for i, k in enumerate(keys) if k not in st.data]
     check(not lost, f"blocks {lost} never reached the store (the put resumed past the saved offset)")
@@ -247,9 +283,9 @@ def probe_stale_and_skipped_jobs_put_nothing() -> None:
     check(plan.verdict is Verdict.STALE, f"a job of a superseded generation is {plan.verdict.value}")
     w.report_save(1)
     st.put_codes[w.block_shape().builders[0].key(HASHES[0])] = -200
-    w.run_save("r", 2, 1, [1], HASHES[:1])  # pressure: generation 1 is skipped until a put succeeds
+    w.run_save(io_of(w), "r", 2, 1, [1], HASHES[:1])  # pressure: generation 1 is skipped until a put succeeds
     w.receive("r", 3, 1)
-    w.run_save("r", 3, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 3, 2, [1, 2], HASHES[:2])
     check(not st.data, f"a stale or skipped job put {sorted(st.data)}")
     check(w.take_reports() == {1: 1, 2: 1, 3: 1}, "stale / skipped jobs not reported")
 
@@ -350,10 +386,11 @@ def parts_rank(store: ProbeStore, layouts: Sequence[KeyLayout], sub_batch: int =
         if reads is not None:
             reads.extend(zip(ids, parts if parts is not None else [0] * len(ids)))
         return _buffers(ids)
-    return WorkerSteps(store=store, ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
-                       buffers=buffers, tp_rank=0, block_size=BLOCK_SIZE, key_bytes=KEY_BYTES,
-                       shape=BlockShape.of_keys([KeyBuilder(lay) for lay in layouts]),
-                       load_sub_batch_keys=sub_batch, lock=no_lock())
+    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), ledger=WorkerLedger(0, max_live_jobs=8),
+                                 loads=LoadLedger(0, max_inflight_loads=4), buffers=buffers, tp_rank=0,
+                                 key_bytes=KEY_BYTES,
+                                 shape=BlockShape.of_keys([KeyBuilder(lay) for lay in layouts]),
+                                 lock=no_lock()), store)
 
 
 def tp_shared_rank(store: ProbeStore, sub_batch: int = 3) -> WorkerSteps:
@@ -376,7 +413,7 @@ def probe_a_block_of_several_keys_loads_only_when_every_key_did() -> None:
     shard = [w.block_shape().parts[j].builder.keys(HASHES[:3]) for j in range(2)]
     check(shard[0][0] != shard[1][0], f"head shards 0 and 1 share the key {shard[0][0]!r}")
     st.data.update(dict.fromkeys(shard[0] + shard[1], 1))
-    gen = w.load_steps("r", [4, 5], HASHES[:2])
+    gen = w.load_steps(io_of(w), "r", [4, 5], HASHES[:2])
     lid = next(gen).load_id  # EMIT_LOAD
     next(gen)  # the first sub-batch: block 4's two keys and block 5's first
     pend = w.pending(lid)
@@ -387,7 +424,7 @@ def probe_a_block_of_several_keys_loads_only_when_every_key_did() -> None:
     check(w.take_finished_loads() == {"r"}, "the load cut short was not finished")
     del st.data[shard[1][1]]  # block 5's second key (the second sub-batch) missing
     st.get_codes[shard[1][2]] = KEY_BYTES // 2  # block 6's second key (the same sub-batch as its first) short
-    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    res = w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])
     check(res.loaded == {4} and res.failed == {5, 6},
           f"blocks whose second key failed: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}; "
           f"expected loaded [4], failed [5, 6]")
@@ -411,7 +448,7 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
     group1 = w.block_shape().parts[1].builder
     st.put_codes[group1.key(HASHES[1])] = -800  # group 1's key of block 1 fails: the offset stays 0
     assert job is not None
-    w.run_save("r", 1, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
+    w.run_save(io_of(w), "r", 1, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
     off = w.ledger.request("r").saved_offset  # type: ignore[union-attr]
     check(off == 0, f"a put with a failed key moved the offset to {off}")
     st.put_codes.clear()
@@ -423,7 +460,7 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
           f"null_before=(0, 2) resolved the job's ids to {ids}, expected (11, 0, 12, 0, 13, 23): group 1's "
           f"blocks 0 and 1 null, group 0's kept")
     assert job is not None
-    w.run_save("r", 2, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
+    w.run_save(io_of(w), "r", 2, job.end_block, job.block_ids, job.block_hashes, None, job.full_end_block)
     freed = sorted({(21, 1), (22, 1)} & set(reads))
     check(not freed, f"the resuming rank read blocks {freed} (block id, group) that vLLM freed")
     check(sorted(reads) == [(13, 0), (23, 1)], f"the resuming put read {reads}, expected [(13, 0), (23, 1)]")
@@ -436,17 +473,17 @@ def probe_a_mismatched_object_is_removed_and_only_it() -> None:
     """Integrity on: a get that read a whole object whose tag does not match (block 2's bytes changed after
     it was tagged) is a load error of that block, and that key, only that one, is removed from the store,
     by force (a reader's lease must not keep it: while it exists no save replaces it), by the store's own
-    thread (`remove_mismatched`), never inline by the load (a sync load runs on the model runner's thread).
+    thread (`take_removals`, removed through the edge), never inline by the load (a sync load runs on the model runner's thread).
     The good block loads, its key and the others stay."""
     from conformance.probes_parts import integrity_case
 
     w, _seal, _kv = integrity_case()
-    st: ProbeStore = w.store
+    st: ProbeStore = io_of(w).store
     st.data.update({"k1": 1, "k2": 2, "k3": 3})  # k3: a key of no load here
     st.get_codes.update({"k1": w.key_bytes, "k2": w.key_bytes})  # both read whole
     st.leased.add("k2")
     lid = w.begin_load("r", [1, 2])
-    w.load_batch(lid, ["k1", "k2"], [1, 2])
+    drain(w, w.load_batch(lid, ["k1", "k2"], [1, 2]))
     res = w.finish_load(lid, "done")
     check(res.loaded == {1} and res.failed == {2},
           f"block 2 failed its tag: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}")
@@ -455,7 +492,7 @@ def probe_a_mismatched_object_is_removed_and_only_it() -> None:
     inline = [keys[0] for fn, keys in st.calls if fn == "remove"]
     check(inline == [], f"the load itself removed {inline} (on the loading thread: the model runner's for a "
                         f"sync load), not the store thread")
-    w.remove_mismatched()  # what the store thread runs
+    io_of(w).remove(w.take_removals())  # what the store thread runs
     removed = [keys[0] for fn, keys in st.calls if fn == "remove"]
     check(removed == ["k2"], f"after k2's integrity mismatch the worker removed {removed}, expected ['k2']")
     check("k2" not in st.data, "the mismatched object is still in the store (a reader's lease kept it)")

@@ -59,6 +59,7 @@ from kvledger_connector.worker.steps import SavePlan, SentBlocks, WorkerSteps
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
 from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.io import StoreIO
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / ".tlc-out"
@@ -447,33 +448,18 @@ def _null_before_wrong_index(orig):  # null_before applied at ids[b + grp], not 
     return resolve
 
 
-class _StoreView:
-    """The rank's store as a mutant's call sees it: ``remove`` replaced, the rest the store's own."""
-
-    def __init__(self, store: Any, remove: Callable[..., int]) -> None:
-        self._store, self.remove = store, remove
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+def _mismatch_not_removed(orig):  # a mismatched object is reported and left in the store (the removal forgotten)
+    def remove(self, keys):
+        return []
+    return remove
 
 
-def _with_remove(make_remove: Callable[[Any], Callable[..., int]]):
-    def factory(orig):
-        def remove_mismatched(self):
-            store = self.store
-            self.store = _StoreView(store, make_remove(store))
-            try:
-                return orig(self)
-            finally:
-                self.store = store
-        return remove_mismatched
-    return factory
-
-
-# a mismatched object is reported and left in the store (the removal forgotten)
-_mismatch_not_removed = _with_remove(lambda store: lambda key, force=False: 0)
-# removed without force: a reader's lease keeps the object, which then fails every later load of its key
-_mismatch_removed_unforced = _with_remove(lambda store: lambda key, force=False: store.remove(key))
+def _mismatch_removed_unforced(orig):  # without force: a reader's lease keeps the object, which then fails
+    def remove(self, keys):             # every later load of its key
+        for k in keys:
+            self.store.remove(k)
+        return []
+    return remove
 
 
 def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch, the good ones too
@@ -483,14 +469,6 @@ def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch,
             for k, c in zip(keys, out):
                 if c != int(StoreCode.INTEGRITY_MISMATCH):
                     self.queue_removal(k)
-        return out
-    return _verified
-
-
-def _mismatch_removed_inline(orig):  # the loading thread removes the object (a sync load: the model runner's)
-    def _verified(self, slot, keys, block_ids, res, parts=None):
-        out = orig(self, slot, keys, block_ids, res, parts)
-        self.remove_mismatched()
         return out
     return _verified
 
@@ -546,10 +524,9 @@ MUTANTS: dict[str, list[Patch]] = {
     # integrity tags
     "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
     "integrity_tag_ignores_key": [(IntegrityKey, "bind", _bind_ignores_key)],
-    "integrity_mismatch_not_removed": [(WorkerSteps, "remove_mismatched", _mismatch_not_removed)],
-    "integrity_mismatch_removed_unforced": [(WorkerSteps, "remove_mismatched", _mismatch_removed_unforced)],
+    "integrity_mismatch_not_removed": [(StoreIO, "remove", _mismatch_not_removed)],
+    "integrity_mismatch_removed_unforced": [(StoreIO, "remove", _mismatch_removed_unforced)],
     "integrity_mismatch_removes_whole_batch": [(WorkerSteps, "_verified", _mismatch_removes_batch)],
-    "integrity_mismatch_removed_inline": [(WorkerSteps, "_verified", _mismatch_removed_inline)],
     # the TP-shared layout (a block as a key per head shard), SentBlocks of several KV cache groups
     "shared_block_loaded_at_first_key": [(WorkerSteps, "begin_load", _shared_block_one_key)],
     "load_ledger_ignores_keys_per_block": [(LoadLedger, "record_ok", _record_ok_per_key)],

@@ -22,7 +22,7 @@ from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector import config as connector_config
 from kvledger_connector.scheduler import steps as scheduler_steps
-from kvledger_connector.config import max_job_blocks
+from kvledger_connector.config import ConnectorConfig, StoreConfig, max_job_blocks
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
 from kvledger_connector.scheduler.side import ask_store
@@ -72,15 +72,20 @@ class Sched:
                 self.store.data[k] = 1
 
 
+def sched_config(**settings: Any) -> ConnectorConfig:
+    """A probe's connector config, checked as the connector's is: block size BS, one rank, ``settings``."""
+    return ConnectorConfig(store=StoreConfig(), block_size=BS, **settings)
+
+
 def sched(*, shards: int = 1, jobs_cap: int = 4, pins: int = 32, partial_tail: bool = False,
           sync_load_max_tokens: int = 0, policy: str = "fail", held: int = 0) -> Sched:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
     store = ProbeStore()
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[_kb(s, shards) for s in range(shards)],
-                           max_pinned_blocks=pins, save_partial_tail=partial_tail,
-                           sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy,
-                           max_held_requests=held)
+    steps = SchedulerSteps(sched_config(max_pinned_blocks=pins, save_partial_tail=partial_tail,
+                                        sync_load_max_tokens=sync_load_max_tokens, kv_load_failure_policy=policy,
+                                        max_held_requests=held),
+                           key_builders=[_kb(s, shards) for s in range(shards)])
     steps.bind_ledger(led)
     return Sched(steps, led, pool, store, {})
 
@@ -94,8 +99,8 @@ def _hybrid(second: str, jobs_cap: int = 4, pins: int = 32) -> Sched:
                                        kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=kbs, max_pinned_blocks=pins,
-                           num_groups=2, sync_load_max_tokens=0, max_held_requests=0)
+    steps = SchedulerSteps(sched_config(max_pinned_blocks=pins, num_kv_groups=2, sync_load_max_tokens=0,
+                                        max_held_requests=0), key_builders=kbs)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, ProbeStore(), {})
 
@@ -461,8 +466,8 @@ def _lone_sliding() -> Sched:
                               extra=(("group", "0"), ("window", str(2 * BS)))))
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=4, max_pinned_blocks=32, first_job_id=1)
-    steps = SchedulerSteps(block_size=BS, world_size=1, key_builders=[kb], max_pinned_blocks=32,
-                           sync_load_max_tokens=0, max_held_requests=0)
+    steps = SchedulerSteps(sched_config(max_pinned_blocks=32, sync_load_max_tokens=0, max_held_requests=0),
+                           key_builders=[kb])
     steps.bind_ledger(led)
     return Sched(steps, led, pool, ProbeStore(), {})
 

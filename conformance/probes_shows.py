@@ -18,7 +18,7 @@ import kvledger_connector.worker.steps as jobs
 import kvledger_connector.shape.keys as keys
 import kvledger_connector.scheduler.steps as scheduler_steps
 from conformance import probes_edge, probes_identity, probes_sched, probes_specs
-from conformance.kvprobes import (HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
+from conformance.kvprobes import (io_of, HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
                                   tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
                                      replicas_of, reset_case, runtime_dir_env)
@@ -219,7 +219,7 @@ def _() -> None:
     w = rank(st)
     st.mem.update({1: 1, 2: 2})
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])
     w.receive("r", 2, 0)
     plan = w.begin_save(2, 4)
     check(plan.start == 2, f"with 2 blocks saved the next put starts at block {plan.start}")
@@ -235,14 +235,14 @@ def _() -> None:
 def _() -> None:
     w = rank(ProbeStore())
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], [HASHES[0], b""])  # an empty hash: the key builder raises
     check(w.take_reports() == {1: 1}, "a job whose handler raised was not reported")
 
 
 @shows("load_unfinished_on_exception")
 def _() -> None:
     w = rank(ProbeStore())
-    w.run_load("r", [4, 5], [HASHES[0], b""])
+    w.run_load(io_of(w), "r", [4, 5], [HASHES[0], b""])
     check(w.take_finished_loads() == {"r"}, "a load whose handler raised never finished")
 
 
@@ -346,36 +346,27 @@ def _() -> None:
 # ---------------------------------------------------------------- worker side: removal, TP-shared blocks, SentBlocks
 def _mismatch_removal() -> tuple[list[str], ProbeStore]:
     """WorkerSteps._verified on k1 (good) and k2 (changed after its tag, leased by a reader), then
-    remove_mismatched (the store thread's): the keys removed, and the store."""
+    the removal the store thread makes (`take_removals` through the edge's `StoreIO.remove`): the keys
+    removed, and the store."""
     w, _seal, _kv = integrity_case()
-    st = w.store
+    st = io_of(w).store
     st.data.update({"k1": 1, "k2": 2})
     st.leased.add("k2")
     w._verified(0, ["k1", "k2"], [1, 2], [w.key_bytes, w.key_bytes])
-    w.remove_mismatched()
+    io_of(w).remove(w.take_removals())
     return [k[0] for fn, k in st.calls if fn == "remove"], st
-
-
-@shows("integrity_mismatch_removed_inline")
-def _() -> None:
-    w, _seal, _kv = integrity_case()
-    st = w.store
-    st.data.update({"k2": 2})
-    w._verified(0, ["k2"], [2], [w.key_bytes])
-    inline = [k[0] for fn, k in st.calls if fn == "remove"]
-    check(inline == [], f"WorkerSteps._verified removed {inline} itself, on the loading thread")
 
 
 @shows("integrity_mismatch_not_removed")
 def _() -> None:
     removed, _st = _mismatch_removal()
-    check(removed == ["k2"], f"WorkerSteps.remove_mismatched removed {removed} after k2's mismatch, expected ['k2']")
+    check(removed == ["k2"], f"the store thread's removal removed {removed} after k2's mismatch, expected ['k2']")
 
 
 @shows("integrity_mismatch_removed_unforced")
 def _() -> None:
     _removed, st = _mismatch_removal()
-    check("k2" not in st.data, "WorkerSteps.remove_mismatched left a leased mismatched object in the store")
+    check("k2" not in st.data, "the store thread's removal left a leased mismatched object in the store")
 
 
 @shows("integrity_mismatch_removes_whole_batch")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import kvledger_connector.worker.steps as jobs
 import kvledger_connector.metadata as metadata
-from conformance.kvprobes import HASHES, ProbeFailed, ProbeStore, check, rank
+from conformance.kvprobes import io_of, HASHES, ProbeFailed, ProbeStore, check, rank
 from kvledger.errors import LedgerInputError
 from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
@@ -36,7 +36,7 @@ def _start_loads(w: WorkerSteps, specs: list[LoadSpec]) -> None:
     """The loads of one step as `WorkerSide.start_step` runs them (a load thread's run drained inline)."""
     for spec in specs:
         if _no_raise(f"admit_load({spec})", lambda: w.admit_load(spec)):
-            _no_raise(f"run_load({spec})", lambda: w.run_load(spec.req_id, spec.block_ids, spec.block_hashes,
+            _no_raise(f"run_load({spec})", lambda: w.run_load(io_of(w), spec.req_id, spec.block_ids, spec.block_hashes,
                                                                sync=spec.sync, groups=spec.groups))
 
 

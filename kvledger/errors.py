@@ -44,14 +44,15 @@ class LedgerInvariantError(LedgerError):
 
 
 class LedgerInputError(LedgerError, ValueError):
-    """Bad input from the caller (config, unknown id, malformed report). Names the field and the value;
-    the ledger state is unchanged by the rejected item."""
+    """Bad input from the caller (config, unknown id, malformed report, a KV cache that cannot be served).
+    Names the field and the value; the ledger state is unchanged by the rejected item. ``message``: the
+    text of a subclass that words it its own way (default ``field=value: reason``)."""
 
-    def __init__(self, field: str, value: Any, reason: str) -> None:
+    def __init__(self, field: str, value: Any, reason: str, message: str | None = None) -> None:
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"{field}={value!r}: {reason}")
+        super().__init__(f"{field}={value!r}: {reason}" if message is None else message)
 
 
 def check_positive_int(field: str, value: Any, *, allow_zero: bool = False) -> int:

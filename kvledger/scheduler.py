@@ -90,14 +90,15 @@ class SchedulerLedger:
     # ---------------------------------------------------------------- EmitStore
     def open_job(self, req_id: str, block_ids: Sequence[int],
                  tail_block_ids: Sequence[int] = (), *, generation: int | None = None) -> int | None:
-        """EmitStore: a new store job id, with every non-null block of ``block_ids`` then of
-        ``tail_block_ids`` (copy-on-write tail blocks outside the table) pinned, deduplicated in order.
+        """EmitStore: a new store job id, with every block of ``block_ids`` then of ``tail_block_ids``
+        (copy-on-write tail blocks outside the table) pinned, deduplicated in order.
 
         Returns None (DEFER) when the cap on in-flight jobs or pinned blocks would be exceeded: nothing was
         pinned and no id was used; the caller keeps the save and asks again in a later step. Raises
-        :class:`LedgerInputError` for a block id outside the pool, or for a job that needs more pins than
-        ``max_pinned_blocks`` (it could never be admitted). ``generation`` (the request's, as the ranks get
-        it in the job's metadata) is only written to the trace."""
+        :class:`LedgerInputError` for the null block (the caller drops null positions: nothing to pin), a
+        block id outside the pool, or a job that needs more pins than ``max_pinned_blocks`` (it could never
+        be admitted). ``generation`` (the request's, as the ranks get it in the job's metadata) is only
+        written to the trace."""
         try:
             fast = not tail_block_ids and (not block_ids or min(block_ids) > NULL_BLOCK_ID)
         except TypeError:  # a non-int id: the slow path names it
@@ -107,7 +108,7 @@ class SchedulerLedger:
             if len(set(ids)) != len(ids):
                 ids = list(dict.fromkeys(ids))
         else:
-            ids = self._clean_ids(block_ids, tail_block_ids)
+            ids = self._checked_ids(block_ids, tail_block_ids)
         n = len(ids)
         pinned = self._pinned
         njobs = len(pinned)
@@ -146,12 +147,12 @@ class SchedulerLedger:
         return job_id
 
     @staticmethod
-    def _clean_ids(block_ids: Sequence[int], tail_block_ids: Sequence[int]) -> list[int]:
-        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
-        ids.extend(b for b in tail_block_ids if b != NULL_BLOCK_ID)
-        neg = [b for b in ids if b.__class__ is not int or b < 0]
-        if neg:
-            raise LedgerInputError("block_ids", neg, "block ids must be non-negative ints")
+    def _checked_ids(block_ids: Sequence[int], tail_block_ids: Sequence[int]) -> list[int]:
+        ids = [*block_ids, *tail_block_ids]
+        bad = [b for b in ids if b.__class__ is not int or b <= NULL_BLOCK_ID]
+        if bad:
+            raise LedgerInputError("block_ids", bad, "block ids must be ints > 0 (the null block is never pinned: "
+                                   "its positions are dropped before)")
         return list(dict.fromkeys(ids))
 
     # ---------------------------------------------------------------- Collect

@@ -66,12 +66,12 @@ _DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:,/ -]{0,1024}$")
 _METADATA_SCHEMES = ("http", "https", "etcd", "redis")
 
 
-class ConfigError(ValueError):
+class ConfigError(LedgerInputError):
     """Invalid configuration; the message names the source, the field and the value."""
 
     def __init__(self, field: str, value: Any, reason: str, source: str = "config") -> None:
-        self.field, self.value, self.reason, self.source = field, value, reason, source
-        super().__init__(f"{source}: {field}={value!r}: {reason}")
+        self.source = source
+        super().__init__(field, value, reason, f"{source}: {field}={value!r}: {reason}")
 
     def at(self, source: str) -> ConfigError:
         """The same error, naming `source` (where the value was read)."""
@@ -308,6 +308,8 @@ _PARSERS: dict[str, Callable[[Key, str, Any, str], Any]] = {
 
 _T = 1 << 40
 _MS_BOUND = 600_000  # ten minutes: a longer RPC bound or back-off stalls an engine step, not a cap
+#: the smallest memory segment Mooncake's setup() takes (-600, "Total size must be at least 16777216")
+MIN_OFFLOAD_SEGMENT = 16 << 20
 
 KEYS: tuple[Key, ...] = (
     # -- the Mooncake client (StoreConfig)
@@ -372,6 +374,43 @@ KEYS: tuple[Key, ...] = (
         tests="test_connector_worker.py::test_full_load_queue_reports_every_block"),
     Key("namespace", "namespace", "", "store",
         "first component of every key: tenants sharing a store with different namespaces never share a key"),
+    # -- Mooncake's disk tier (docs/disk-tier.md)
+    Key("disk_offload", "bool", False, "store",
+        "Mooncake's disk tier: objects in this client's memory segment are also written to files under "
+        "`disk_offload_dir`, and read back from there once evicted from memory (a key on disk answers a lookup "
+        "as present). The master must run with `--enable_offload=true` (else start-up fails with -1300). A "
+        "client with no segment (`global_segment_size` 0) writes nothing itself: the segment's owner does",
+        tests="test_disk_tier.py::test_a_working_set_four_times_the_segment_is_read_back_from_disk_byte_exact"),
+    Key("disk_offload_dir", "path", None, "store",
+        "directory under which each client owning a segment makes its own private directory (mode 0700, removed "
+        "when the client closes) for the tier's files; created 0700 when absent; refused unless this user's "
+        "directory, not a link, that no one else may write. Required with `disk_offload` and a segment",
+        shown_default="none",
+        tests="test_disk_tier.py::test_a_directory_others_may_write_is_refused_by_name"),
+    Key("disk_offload_size", "size", 16 << 30, "store",
+        "bound on each client's files on disk; past it the least recently used objects' files are removed "
+        "(they are then misses)", lo=16 << 20, hi=1 << 50,
+        tests="test_disk_tier.py::test_the_disk_bound_evicts_files_and_leaves_misses_never_wrong_bytes"),
+    Key("disk_offload_staging_size", "size", 64 << 20, "store",
+        "the segment owner's buffer for reads from its files (Mooncake's default 1.25 GiB per client): one "
+        "`batch_get`'s disk-resident objects must fit in it, else each of them fails (-10), so keep "
+        "`load_sub_batch_keys` × a key's bytes within it", lo=16 << 20, hi=16 << 30,
+        tests="test_disk_tier.py::test_bad_tier_settings_are_refused_by_name"),
+    Key("disk_offload_heartbeat_s", "int", 1, "store",
+        "how often the client writes new objects to disk (Mooncake's default 10): an object's memory stays "
+        "taken until it is written, so a put into a full segment fails meanwhile", lo=1, hi=60,
+        tests="test_disk_tier.py::test_a_working_set_four_times_the_segment_is_read_back_from_disk_byte_exact"),
+    Key("full_put_retries", "int", 20, "store",
+        "with `disk_offload`: times a put's keys that found the memory segment full (-200) are put again, each "
+        "after `full_put_retry_ms`, while the tier writes objects out and frees their memory (counted in "
+        "`full_put_retries`); past them the save fails under pressure, as without the tier. Without the tier a "
+        "full store fails the save at once", lo=0, hi=100,
+        tests="test_job_steps.py::test_a_put_into_a_full_segment_is_retried_with_the_tier_then_fails"),
+    Key("full_put_retry_ms", "int", 250, "store",
+        "the wait before each of `full_put_retries`: the tier frees an object's memory once it is written (at a "
+        "`disk_offload_heartbeat_s`) and its lease has run out; by default a put waits up to 5 s for room. A "
+        "worker's store thread waits, its later saves queue behind (backpressure)", lo=1, hi=60_000,
+        tests="test_job_steps.py::test_a_put_into_a_full_segment_is_retried_with_the_tier_then_fails"),
     # -- the connector's two sides (ConnectorConfig)
     Key("max_pinned_blocks", "int", DERIVED, "connector",
         "cap on pinned blocks. Unset: max(L, min(P / 2, J × L)) with L = ceil(`max_model_len`/`block_size`) the "
@@ -531,9 +570,28 @@ class StoreConfig:
     store_queue_size: int = 128
     load_queue_size: int = 128
     namespace: str = ""
+    disk_offload: bool = False
+    disk_offload_dir: str | None = None
+    disk_offload_size: int = 16 << 30
+    disk_offload_staging_size: int = 64 << 20
+    disk_offload_heartbeat_s: int = 1
+    full_put_retries: int = 20
+    full_put_retry_ms: int = 250
 
     def __post_init__(self) -> None:
         _check_fields(self, "store")
+        if self.disk_offload_dir is not None and not self.disk_offload:
+            raise ConfigError("disk_offload_dir", self.disk_offload_dir, "set without disk_offload true")
+        if self.disk_offload and self.global_segment_size > 0:
+            if self.disk_offload_dir is None:
+                raise ConfigError("disk_offload_dir", None, "required with disk_offload and a memory segment "
+                                  "(global_segment_size > 0): a directory on the disk to hold the tier")
+            if not os.path.isabs(self.disk_offload_dir):
+                raise ConfigError("disk_offload_dir", self.disk_offload_dir, "must be an absolute path")
+            if self.global_segment_size < MIN_OFFLOAD_SEGMENT:
+                raise ConfigError("global_segment_size", self.global_segment_size,
+                                  f"must be >= {_size_text(MIN_OFFLOAD_SEGMENT)} with disk_offload (Mooncake's "
+                                  "setup() refuses a smaller segment)")
         if self.master_server_address is None and self.metadata_server is not None:
             raise ConfigError("metadata_server", self.metadata_server,
                               "set without master_server_address (embedded mode starts its own)")
@@ -988,7 +1046,8 @@ def upstream_markdown() -> str:
     out += ["## Environment", "", _row("upstream variable", "here", "test"), "|---|---|---|"]
     out += [_row(f"`{u.name}`", u.here, u.tests) for u in upstream.KEYS if u.where == "env"]
     out += ["", "Not read here: `VLLM_MOONCAKE_DISK_STAGING_USABLE_RATIO` and upstream's disk-staging settings "
-                "(no SSD tier).", "", "## Config keys only here", "",
+                "(upstream sizes a load-splitting budget with them; the tier here is `disk_offload`).", "",
+            "## Config keys only here", "",
             "Meanings, defaults and bounds: README's settings table (rendered from the same table).", "",
             _row("key", "test"), "|---|---|"]
     upstream_names = {u.ours for u in upstream.KEYS if u.kind in ("same", "alias")}

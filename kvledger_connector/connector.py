@@ -165,10 +165,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=bounded, weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group
-                self.scheduler_side.events = StoreEvents(
+                self.scheduler_side.steps.events = StoreEvents(
                     key_builders=builders, store=bounded.untimed(), block_size=cfg.block_size,
                     max_pending=cfg.max_kv_events,
-                    stats=self.stats, group_specs=spec_metadata([g.spec for g in facts.groups] or [facts.spec]))
+                    stats=self.stats, group_specs=spec_metadata([g.spec for g in facts.groups]))
         else:
             self.store = store if store is not None else self._connect(sc)
             self.worker_side = WorkerSide(
@@ -183,7 +183,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         if cfg.embedded:
-            self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms)
+            self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms,
+                                                       disk_offload=cfg.disk_offload, stats=self.stats)
         store = MooncakeStore.connect(cfg, embedded=self._embedded)
         store.stats = self.stats  # breaker_trips, breaker_probes, master_unauthentic
         return store
@@ -238,11 +239,11 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().request_finished(request)
 
     def has_pending_push_work(self) -> bool:
-        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
+        return self.scheduler_side is not None and self.scheduler_side.steps.has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """vLLM's Scheduler publishes these with its own each step (kvledger_connector/telemetry/events.py)."""
-        events = self.scheduler_side.events if self.scheduler_side is not None else None
+        events = self.scheduler_side.steps.events if self.scheduler_side is not None else None
         return events.take() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
@@ -258,12 +259,12 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         if self._weights_version_file is not None:
             try:
                 version = read_weights_version(self._weights_version_file)
-            except (ConfigError, LedgerInputError) as e:
+            except LedgerInputError as e:  # a ConfigError too
                 logger.error("reset_cache refused: %s", e)
                 self.stats.add("resets_refused")
                 return False
             new_keys = (version, self._key_builders(version))
-        return reset_scheduler_side(side, removals, new_keys)
+        return reset_scheduler_side(side.steps, removals, new_keys)
 
     # ============================================================ worker side
     def _worker(self) -> WorkerSide:
@@ -343,7 +344,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             steps.append(self.worker_side.shutdown)
         if self.scheduler_side is not None:
             # no worker reads or writes any more (they shut down first in vLLM): every pin can go
-            steps.append(self.scheduler_side.release_all)
+            steps.append(self.scheduler_side.steps.release_all)
         if self._lookups is not None:
             steps.append(self._lookups.stop)
         if self.removals is not None:

@@ -92,11 +92,11 @@ KEYS: tuple[UpstreamKey, ...] = (
                 accepts=lambda v: v in ("embedded", "standalone-store"),
                 why="must be 'embedded' (this worker contributes global_segment_size > 0) or 'standalone-store' "
                     "(global_segment_size 0; an external mooncake_client owns the pool)"),
-    UpstreamKey("enable_offload", "checked", "file", "false", "accepted false; true refused: Mooncake's SSD tier is "
-                "not wired in", f"{_T_REFUSED}, ::test_upstream_keys_at_values_that_ask_for_nothing_we_lack_are_"
-                "accepted", accepts=_off,
-                why="Mooncake's SSD offload tier is not wired into this connector: remove it or set false, and size "
-                    "the memory pool with global_segment_size"),
+    UpstreamKey("enable_offload", "alias", "file", "false", "mapped → `disk_offload`: Mooncake's disk tier, written "
+                "by this worker's own client (upstream's embedded mode writes nothing to disk); with a segment it "
+                "needs `disk_offload_dir`", "test_disk_tier.py::test_upstream_enable_offload_turns_the_tier_on, "
+                "test_config.py::test_upstream_keys_at_values_that_ask_for_nothing_we_lack_are_accepted",
+                ours="disk_offload"),
     UpstreamKey("tenant_id", "checked", "file", '"default"', "accepted \"default\"/\"\"/null; others refused: use "
                 "`namespace` to keep tenants' keys apart",
                 f"{_T_REFUSED}, test_namespace.py::test_two_namespaces_never_share_keys_on_one_store",

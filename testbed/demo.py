@@ -112,7 +112,7 @@ def run(argv: list[str] | None = None) -> DemoResult:
         for pass_no in (1, 2):
             if pass_no == 2 and not args.no_faults:
                 for r, w in enumerate(h.workers):
-                    w.worker_side.steps.store = FaultyStore(w.worker_side.steps.store, FaultPlan(
+                    w.worker_side.io.store = FaultyStore(w.worker_side.io.store, FaultPlan(
                         [FaultRule("get", "evict", probability=0.03)], seed=7 + r))
             h.stats.outputs.clear()
             for i, p in enumerate(prompts):

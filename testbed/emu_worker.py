@@ -478,7 +478,7 @@ class EmuWorker(WorkerBase):
                 info["key_prefixes"] = [kb.prefix for kb in steps.block_shape().builders]  # a key per part of a block
                 info["get_keys"] = int(steps.stats.total("get_keys"))
                 info["pending_work"] = bool(ws.has_pending_work())
-                injected = getattr(steps.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
+                injected = getattr(ws.io.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
                 if injected is not None:
                     info["faults_injected"] = injected
             info["store"] = _store_info(conn)
@@ -721,5 +721,5 @@ class FaultyEmuWorker(EmuWorker):
                     r[k] = frozenset(r[k])
             rules.append(FaultRule(**r))
         ws = connector.worker_side
-        ws.steps.store = FaultyStore(ws.steps.store, FaultPlan(rules, seed=int(plan.get("seed", 0))))
+        ws.io.store = FaultyStore(ws.io.store, FaultPlan(rules, seed=int(plan.get("seed", 0))))
         logger.warning("FaultyEmuWorker rank %d: fault injection on the connector's store: %s", self.tp_rank, rules)

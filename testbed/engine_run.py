@@ -207,9 +207,9 @@ def _inproc_state(llm: Any) -> dict[str, Any] | None:
     conn = sched.get_kv_connector()
     ss = getattr(conn, "scheduler_side", None)
     if ss is not None:
-        state["pinned_jobs"] = list(ss.ledger.inflight_jobs())[:20]
-        state["jobs_opened"] = ss.ledger.num_jobs_opened
-        state["jobs_released"] = ss.ledger.counts.total("jobs_released")
+        state["pinned_jobs"] = list(ss.steps.ledger.inflight_jobs())[:20]
+        state["jobs_opened"] = ss.steps.ledger.num_jobs_opened
+        state["jobs_released"] = ss.steps.ledger.counts.total("jobs_released")
         state["load_pins"] = ss.steps.num_load_pins
     return state
 

@@ -415,7 +415,7 @@ def wrap_raw_clients(h: Any, **kw: Any) -> list[RawClientFaults]:
     wrapped = []
     for w in h.workers:
         if h.connector_kind == "ours":
-            store = w.worker_side.steps.store
+            store = w.worker_side.io.store
             store._raw = RawClientFaults(store._raw, **kw)
             wrapped.append(store._raw)
         else:
@@ -474,10 +474,10 @@ def run_pass_with_a_failed_get(h: Any, prompts: list[list[int]], max_tokens: int
     (``injected`` lists what fired). A hybrid model's failed load is reported per request: it recomputes."""
     from kvledger_connector.store.client import StoreCode
     h.scheduler.reset_prefix_cache()
-    steps = h.workers[rank].worker_side.steps
-    faulty = FaultyStore(steps.store, FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL),
-                                                           max_fires=1)]))
-    steps.store = faulty
+    io = h.workers[rank].worker_side.io
+    faulty = FaultyStore(io.store, FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL),
+                                                        max_fires=1)]))
+    io.store = faulty
     h.run_pass(prompts, max_tokens, tag=tag)
     return faulty
 

@@ -412,7 +412,7 @@ class Harness:
         sc = self.scheduler_connector.scheduler_side.steps
         sc.store = wrap(sc.store)  # type: ignore[union-attr]
         for w in self.workers:
-            w.worker_side.steps.store = wrap(w.worker_side.steps.store)  # type: ignore[union-attr]
+            w.worker_side.io.store = wrap(w.worker_side.io.store)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -744,7 +744,7 @@ class Harness:
 
     def _num_pinned_jobs(self) -> int:
         if self.connector_kind == "ours":
-            return self.scheduler_connector.scheduler_side.ledger.num_inflight_jobs  # type: ignore
+            return self.scheduler_connector.scheduler_side.steps.ledger.num_inflight_jobs  # type: ignore
         if self.connector_kind == "upstream":
             return len(self.scheduler_connector.connector_scheduler._pinned_saves)
         return 0
@@ -770,7 +770,7 @@ class Harness:
                 problems += upstream.at_rest_problems(self.scheduler_connector, self.workers)
             self.rested = not problems
             return problems
-        ledger = self.scheduler_connector.scheduler_side.ledger  # type: ignore[union-attr]
+        ledger = self.scheduler_connector.scheduler_side.steps.ledger  # type: ignore[union-attr]
         if ledger.has_pending_work():
             problems.append(f"pins held by jobs {ledger.inflight_jobs()[:20]}")
         if self.scheduler_connector.scheduler_side.steps.num_load_pins:  # type: ignore[union-attr]

@@ -72,7 +72,7 @@ from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.store.client import StoreCode
 
 if TYPE_CHECKING:
-    from kvledger_connector.scheduler.side import SchedulerSide
+    from kvledger_connector.scheduler.steps import SchedulerSteps
 
 logger = logging.getLogger(__name__)
 
@@ -261,51 +261,51 @@ class StoreRemovals:
             self._changed.notify_all()
 
 
-def refusal(side: SchedulerSide) -> str | None:
+def refusal(steps: SchedulerSteps) -> str | None:
     """Why a reset now would be wrong (see the module doc), or None."""
-    ledger = side.ledger
+    ledger = steps.ledger
     if ledger is not None and ledger.num_inflight_jobs:
         return f"{ledger.num_inflight_jobs} store jobs in flight (a put landing after the wipe would re-create a key)"
-    if side.has_pending_loads():
+    if steps.has_pending_loads():
         return "loads of pre-reset KV pending or in flight"
-    busy = side.requests_with_computed_kv()
+    busy = steps.requests_with_computed_kv()
     if busy:
         return f"{len(busy)} live requests hold computed KV (e.g. {busy[0]!r}) that a later save would store"
     return None
 
 
-def _refuse(side: SchedulerSide, why: str) -> bool:
+def _refuse(steps: SchedulerSteps, why: str) -> bool:
     logger.warning("reset_cache refused: %s", why)
-    side.stats.add("resets_refused")
+    steps.stats.add("resets_refused")
     return False
 
 
-def reset_scheduler_side(side: SchedulerSide, removals: StoreRemovals,
+def reset_scheduler_side(steps: SchedulerSteps, removals: StoreRemovals,
                          new_keys: tuple[str, Sequence[KeyBuilder]] | None = None) -> bool:
     """The reset (module doc): switch to `new_keys` (weights version, its key builders) when the version
     changed, forget what the scheduler side learned from the store, and queue the removal of the keys it
     built until now on `removals`; no store call here. False (logged, counted, nothing changed) when
     refused."""
-    why = refusal(side)
+    why = refusal(steps)
     if why is None and not removals.can_remove:
         why = f"the store client {type(removals.store).__name__} cannot remove by pattern"
     if why is not None:
-        return _refuse(side, f"{why}; retry once the engine is drained")
-    old = engine_key_regex(side.key_builders)
-    switch = new_keys is not None and new_keys[0] != side.weights_version
+        return _refuse(steps, f"{why}; retry once the engine is drained")
+    old = engine_key_regex(steps.key_builders)
+    switch = new_keys is not None and new_keys[0] != steps.weights_version
     if switch and new_keys is not None:
-        before = side.weights_version
+        before = steps.weights_version
         try:
-            side.switch_weights_version(*new_keys)
+            steps.switch_weights_version(*new_keys)
         except LedgerInputError as e:
-            return _refuse(side, f"cannot switch to weights version {new_keys[0]!r}: {e}")
+            return _refuse(steps, f"cannot switch to weights version {new_keys[0]!r}: {e}")
         logger.info("reset_cache: weights version %r -> %r: keys move to %s", before, new_keys[0],
                     new_keys[1][0].prefix if new_keys[1] else "?")
-    side.forget_store_knowledge()
-    if side.events is not None:
-        side.events.store_reset()
+    steps.forget_store_knowledge()
+    if steps.events is not None:
+        steps.events.store_reset()
     removals.submit(old, gate=not switch)
-    side.stats.add("resets")
+    steps.stats.add("resets")
     logger.info("reset_cache: keys matching %s queued for removal%s", old,
                 "" if switch else "; lookups miss until they are removed")
     return True

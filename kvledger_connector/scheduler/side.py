@@ -52,61 +52,12 @@ class SchedulerSide:
                  weights_version: str = "") -> None:
         if not isinstance(config, ConnectorConfig):
             raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
-        self.steps = SchedulerSteps(
-            block_size=config.block_size, world_size=config.world_size, key_builders=key_builders,
-            max_pinned_blocks=config.max_pinned_blocks, save_enabled=config.save_enabled,
-            load_enabled=config.load_enabled, save_decode=config.save_decode,
-            save_partial_tail=config.save_partial_tail, max_lookup_cache=config.max_lookup_cache,
-            sync_load_max_tokens=config.sync_load_max_tokens, kv_load_failure_policy=config.kv_load_failure_policy,
-            stats=stats, trace=trace, weights_version=weights_version, num_groups=config.num_kv_groups,
-            max_held_requests=config.max_held_requests)
+        self.steps = SchedulerSteps(config, key_builders=key_builders, stats=stats, trace=trace,
+                                    weights_version=weights_version)
         self.config = config
         self.store = store  # the lookups' calls (the store-call wrapper); None: no lookups
         self._kv_cache_manager: Any = None
         self._step = 0
-
-    # ------------------------------------------------------------------ what the connector and scheduler/reset.py read
-    @property
-    def stats(self) -> StatsRecorder:
-        return self.steps.stats
-
-    @property
-    def ledger(self) -> SchedulerLedger | None:
-        return self.steps.ledger
-
-    @property
-    def key_builders(self) -> list[KeyBuilder]:
-        return self.steps.key_builders
-
-    @property
-    def weights_version(self) -> str:
-        return self.steps.weights_version
-
-    @property
-    def events(self) -> Any:
-        return self.steps.events
-
-    @events.setter
-    def events(self, events: Any) -> None:
-        self.steps.events = events
-
-    def switch_weights_version(self, weights_version: str, key_builders: Sequence[KeyBuilder]) -> None:
-        self.steps.switch_weights_version(weights_version, key_builders)
-
-    def forget_store_knowledge(self) -> None:
-        self.steps.forget_store_knowledge()
-
-    def has_pending_loads(self) -> bool:
-        return self.steps.has_pending_loads()
-
-    def requests_with_computed_kv(self) -> list[str]:
-        return self.steps.requests_with_computed_kv()
-
-    def has_pending_push_work(self) -> bool:
-        return self.steps.has_pending_push_work()
-
-    def release_all(self) -> None:
-        self.steps.release_all()
 
     # ------------------------------------------------------------------ binding
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
@@ -126,7 +77,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ vLLM's hooks
     def _hook_error(self, hook: str, e: BaseException) -> None:
         logger.error("KVLedgerConnector %s: %s: %s", hook, type(e).__name__, e)
-        self.stats.add("hook_errors")
+        self.steps.stats.add("hook_errors")
 
     def _log_step_errors(self) -> None:
         while self.steps.errors:

@@ -81,7 +81,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger.trace import TraceSink
-from kvledger_connector.config import LOAD_FAILURE_POLICIES, ConnectorConfig
+from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.keys import KeyBuilder, dense_table, partial_tail_hash
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
@@ -190,20 +190,16 @@ def plan_store(rng: StoreRange, tables: Sequence[Sequence[int]], *, sent_blocks:
     already, vLLM's Mamba hand-offs of this step (``offers``: (group, block id, boundary tokens)), a deferred
     job's kept blocks ((group, block) -> (block id, its prefix-cache record unchanged)) and each sliding-window
     group's mask of blocks [sent_blocks, end) a later hit can use. The rows are rewritten in that order (state
-    offers, kept blocks, masks); with ``dense`` (one full-attention group, `keys.dense_table`) the table is the
-    request's every block, else null ids are nothing to pin."""
+    offers, kept blocks, masks). Null ids are nothing to pin: dropped here, the one place (the ledger refuses
+    them); with ``dense`` (one full-attention group, `keys.dense_table`) the table is the request's every
+    block and the ranks get no null positions."""
     lo, hi = sent_blocks, rng.end
     rows = _state_rows(tables, offers, lo, hi, block_size, state_groups)
     rows, kept_used, kept_expired = _with_kept_blocks(rows, kept, lo, hi)
     rows = _reachable_rows(rows, reachable, lo, hi)
-    if dense:
-        pins = tuple(rows[0][:hi])
-        tail_pins = tuple(rows[0][hi:rng.reach])
-        null_before: tuple[int, ...] = ()
-    else:
-        pins = tuple(b for t in rows for b in t[:hi] if b != 0)
-        tail_pins = tuple(t[p] for t in rows for p in range(hi, rng.reach) if t[p] != 0)
-        null_before = tuple(_leading_nulls(t, hi) for t in rows)
+    pins = tuple(b for t in rows for b in t[:hi] if b != 0)
+    tail_pins = tuple(t[p] for t in rows for p in range(hi, rng.reach) if t[p] != 0)
+    null_before = () if dense else tuple(_leading_nulls(t, hi) for t in rows)
     sent_ids = tuple(t[p] for p in range(lo, rng.reach) for t in rows)
     return StorePlan(tuple(tuple(t) for t in rows), pins, tail_pins, sent_ids, null_before, kept_used, kept_expired)
 
@@ -437,38 +433,24 @@ class SchedulerSteps:
     """The scheduler side's state and decisions. Called from one thread (vLLM's scheduler, or the replay
     driver): no lock. ``ledger`` is bound once the block pool is known (`bind_ledger`)."""
 
-    def __init__(self, *, block_size: int, world_size: int, key_builders: Sequence[KeyBuilder],
-                 max_pinned_blocks: int, save_enabled: bool = ConnectorConfig.save_enabled,
-                 load_enabled: bool = ConnectorConfig.load_enabled, save_decode: bool = ConnectorConfig.save_decode,
-                 save_partial_tail: bool = ConnectorConfig.save_partial_tail,
-                 max_lookup_cache: int = ConnectorConfig.max_lookup_cache,
-                 sync_load_max_tokens: int = ConnectorConfig.sync_load_max_tokens,
-                 kv_load_failure_policy: str = ConnectorConfig.kv_load_failure_policy,
+    def __init__(self, config: ConnectorConfig, *, key_builders: Sequence[KeyBuilder],
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
-                 weights_version: str = "", num_groups: int = ConnectorConfig.num_kv_groups,
-                 max_held_requests: int = ConnectorConfig.max_held_requests) -> None:
-        for name, v in (("block_size", block_size), ("world_size", world_size),
-                        ("max_pinned_blocks", max_pinned_blocks), ("max_lookup_cache", max_lookup_cache)):
-            if v.__class__ is not int or v < 1:
-                raise LedgerInputError(name, v, "must be an int >= 1")
-        for name, v in (("sync_load_max_tokens", sync_load_max_tokens), ("max_held_requests", max_held_requests)):
-            if v.__class__ is not int or v < 0:
-                raise LedgerInputError(name, v, "must be an int >= 0")
-        if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise LedgerInputError("kv_load_failure_policy", kv_load_failure_policy,
-                                   f"must be one of {LOAD_FAILURE_POLICIES}")
-        self.sync_load_max_tokens = sync_load_max_tokens
-        self.kv_load_failure_policy = kv_load_failure_policy
-        self.block_size = block_size
-        self.world_size = world_size
+                 weights_version: str = "") -> None:
+        """``config``: the connector's, checked whole where it was built (`ConnectorConfig`): every setting
+        these steps read is its, under its name (its ``num_kv_groups`` here ``num_groups``)."""
+        if not isinstance(config, ConnectorConfig):
+            raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
+        self.config = config
+        self.sync_load_max_tokens = config.sync_load_max_tokens
+        self.kv_load_failure_policy = config.kv_load_failure_policy
+        self.block_size = config.block_size
+        self.world_size = config.world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
         self.weights_version = weights_version  # the key builders' (in every step's metadata for the workers)
-        if num_groups.__class__ is not int or num_groups < 1:
-            raise LedgerInputError("num_groups", num_groups, "must be an int >= 1")
         # KV cache groups of a hybrid model: block tables come one per group (vLLM's tuple of lists), a
         # block's keys one per group (key_builders holds every shard's and group's), and every load is
         # asynchronous (vLLM takes a failed load of several groups per request, not per block)
-        self.num_groups = num_groups
+        self.num_groups = config.num_kv_groups
         # Mamba groups in vLLM's "align" mode: a block holds the state after its last token, saved only from
         # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
         self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
@@ -488,16 +470,16 @@ class SchedulerSteps:
         # unchanged: the block still holds those bytes, as for vLLM's own prefix hits. Set by the connector
         # from vLLM's BlockPool; None here: a deferred job saves only what its request still holds
         self.block_hash_of: Callable[[int], object | None] | None = None
-        self.max_pinned_blocks = max_pinned_blocks
-        self.save_enabled = save_enabled  # kv_role kv_producer | kv_both
-        self.load_enabled = load_enabled  # kv_role kv_consumer | kv_both
-        self.save_decode = save_decode
-        self.save_partial_tail = save_partial_tail
-        self.max_lookup_cache = max_lookup_cache
+        self.max_pinned_blocks = config.max_pinned_blocks
+        self.save_enabled = config.save_enabled  # kv_role kv_producer | kv_both
+        self.load_enabled = config.load_enabled  # kv_role kv_consumer | kv_both
+        self.save_decode = config.save_decode
+        self.save_partial_tail = config.save_partial_tail
+        self.max_lookup_cache = config.max_lookup_cache
         self.stats = stats or StatsRecorder()
         self.trace = trace
         self.ledger: SchedulerLedger | None = None
-        self._reqs = _RequestTable(max_lookup_cache)
+        self._reqs = _RequestTable(config.max_lookup_cache)
         # outboxes, drained once per step
         self._loads_out: list[LoadSpec] = []  # loads pinned since the last step
         self._finished_out: dict[str, int] = {}  # req_id -> generation, finished since the last step
@@ -506,7 +488,7 @@ class SchedulerSteps:
         # nothing left in flight). Then released: its finish notice goes out with ``release`` (every rank
         # answers finished_sending, vLLM frees the blocks), and it waits in ``_freeing`` until vLLM reports
         # it so. Both bounded together by ``max_held_requests``.
-        self.max_held_requests = max_held_requests
+        self.max_held_requests = config.max_held_requests
         self._held: dict[str, int | None] = {}
         self._freeing: dict[str, None] = {}
         # whole-run counts with no counter in kvledger_connector.telemetry.stats.COUNTERS yet (tests, demo report)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvledger.errors import LedgerInputError
 from kvledger_connector.shape.keys import KeyBuilder, dense_table
+from kvledger_connector.shape.kvlayout import BlockCopyPlan
 
 
 class GroupKind(enum.Enum):
@@ -107,3 +108,34 @@ class BlockShape:
         """(this rank's replica index, replicas) among ranks sharing its keys (`kvledger.put_positions`)."""
         lay = self.parts[0].builder.layout
         return lay.replica, lay.kv_replicas
+
+
+class PartBuffers:
+    """Where a block's parts lie in the registered KV cache: ``(ptrs, sizes)`` of each (block id, part) for
+    one store batch call, from each part's copy plan (kvledger_connector/shape/kvlayout.py). Built once the
+    KV cache is registered; before that (no plans) every block id is refused. Block 0 is vLLM's null block:
+    refused too. A value of the shape, read by the worker steps: no call back into the worker side."""
+
+    def __init__(self, plans: Sequence[BlockCopyPlan] = ()) -> None:
+        self.plans = tuple(plans)
+        self.num_blocks = self.plans[0].num_blocks if self.plans else 0
+
+    def __call__(self, block_ids: Sequence[int], parts: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Entry i is part ``parts[i]`` of block ``block_ids[i]``."""
+        for b in block_ids:
+            if not self.plans or not 0 < b < self.num_blocks:
+                raise LedgerInputError("block_id", b, f"not in 1..{self.num_blocks - 1} (or no KV cache "
+                                       f"registered)")
+        if len(parts) != len(block_ids) or not all(0 <= p < len(self.plans) for p in parts):
+            raise LedgerInputError("parts", sorted(set(parts)), f"one of 0..{len(self.plans) - 1} per block id")
+        ptrs: list[list[int]] = [[] for _ in block_ids]
+        sizes: list[list[int]] = [[] for _ in block_ids]
+        for p, plan in enumerate(self.plans):
+            at = [i for i, pi in enumerate(parts) if pi == p]
+            if len(at) == len(parts):  # the batch is of one part: its plan's buffers as they come
+                return plan.batch_buffers(block_ids)
+            if at:
+                got, got_sizes = plan.batch_buffers([block_ids[i] for i in at])
+                for i, pi, si in zip(at, got, got_sizes):
+                    ptrs[i], sizes[i] = pi, si
+        return ptrs, sizes

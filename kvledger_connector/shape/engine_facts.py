@@ -20,7 +20,7 @@ import torch
 
 from kvledger_connector.config import BY_NAME, ConfigError
 from kvledger_connector.shape.block_shape import BlockShape
-from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout, dense_table
 from kvledger_connector.shape.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
                                         plan_state_copies)
 from kvledger_connector.ownfile import read_own_file
@@ -102,8 +102,9 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     with equal block sizes and layer counts (vLLM pads every group's page to one size, so a block's bytes are
     then equal too). Anything else is refused at start-up, naming the group, its spec and why."""
     if kv_cache_config is None:
-        kv_cache_spec(kv_cache_config)  # raises, naming it
-    groups = cast("KVCacheConfig", kv_cache_config).kv_cache_groups
+        raise KVLayoutError("kv_cache_config is None: vLLM 0.32 passes the engine's KVCacheConfig to every "
+                            "connector; the connector needs its KV cache spec")
+    groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise KVLayoutError("kv_cache_config has no KV cache groups: the connector needs an attention group")
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -130,18 +131,16 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     return out
 
 
+def _first_attention(groups: Sequence[KVGroup]) -> int:
+    """The index of the first attention group (`kv_cache_groups` refuses a model without one): the group a
+    rank's KV heads and TP figures are about."""
+    return next(i for i, g in enumerate(groups) if not g.state)
+
+
 def kv_cache_spec(kv_cache_config: KVCacheConfig | None) -> Any:
-    """The one attention spec this connector serves; anything else is refused at start-up (several KV
-    cache groups would need block ids per group; Mamba state has no per-block pages)."""
-    if kv_cache_config is None:
-        raise KVLayoutError("kv_cache_config is None: vLLM 0.32 passes the engine's KVCacheConfig to every "
-                            "connector; the connector needs its KV cache spec")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise KVLayoutError(f"{len(groups)} KV cache groups ("
-                            + "; ".join(f"{type(g.kv_cache_spec).__name__}: {g.layer_names[:2]}..." for g in groups)
-                            + "): the connector serves models with one KV cache group (no hybrid models)")
-    return _group_spec(groups[0].layer_names, groups[0].kv_cache_spec)
+    """The spec of the first attention KV cache group (`kv_cache_groups`, which refuses what is not served)."""
+    groups = kv_cache_groups(kv_cache_config)
+    return groups[_first_attention(groups)].spec
 
 
 def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
@@ -152,7 +151,8 @@ def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
                             "vLLM's EngineCore resolves it before creating connectors; a driver that builds "
                             "connectors itself must set it (see testbed.kvcache.build_kv_cache_config)")
     if name not in LAYOUT_HNC_ORDER:
-        raise KVLayoutError(f"KV cache layout {name!r}: not one of {sorted(LAYOUT_HNC_ORDER)}")
+        raise KVLayoutError(f"KV cache layout {name!r}: not one of {sorted(LAYOUT_HNC_ORDER)}",
+                            "kv_cache_layout", name)
     return str(name)
 
 
@@ -272,13 +272,36 @@ def _state_layout_of(vllm_config: VllmConfig, spec: Any, kv_layout: str, tp_rank
                      kv_replicas=1, integrity=integrity_tag)
 
 
+def _group_layouts(vllm_config: VllmConfig, groups: Sequence[KVGroup], kv_layout: str, tp_rank: int,
+                   pp_rank: int, weights_version: str = "", replicated_once: bool = True, integrity_tag: str = ""
+                   ) -> list[KeyLayout]:
+    """This rank's key layout per KV cache group, in the groups' order: each keyed by its layers, its window
+    or state, except a dense table's (`keys.dense_table`: one full-attention group)."""
+    has_state = any(g.state for g in groups)
+    # a Mamba state is a rank's shard of the mixer: keys per rank for every group (ranks sharing an
+    # attention group's keys would need a put stripe per group)
+    layouts = [(_state_layout_of if g.state else _layout_of)(
+        vllm_config, g.spec, kv_layout, tp_rank, pp_rank, weights_version, replicated_once and not has_state,
+        integrity_tag) for g in groups]
+    named = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
+        ("group", str(g.index)), ("window", str(g.window or 0)),
+        ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]))
+        + ((("state", "align"),) if g.state else ()))
+        for g, lay in zip(groups, layouts)]
+    # cannot go: a dense table's keys predate KV cache groups and name none, so stored keys keep their bytes
+    return layouts if dense_table(named) else named
+
+
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,
                pp_rank: int = 0, weights_version: str = "", replicated_once: bool = True,
                integrity_tag: str = "") -> KeyLayout:
-    """What a block's bytes depend on besides its tokens: the resolved layout and the KV cache spec,
-    from the configs alone (the scheduler has no tensors; the worker checks its tensors against it)."""
-    return _layout_of(vllm_config, kv_cache_spec(kv_cache_config), resolved_layout(vllm_config, kv_cache_config),
-                      tp_rank, pp_rank, weights_version, replicated_once, integrity_tag)
+    """What a block's bytes depend on besides its tokens, for the first attention KV cache group
+    (`EngineFacts.layout`): the resolved layout and the KV cache spec, from the configs alone (the scheduler
+    has no tensors; the worker checks its tensors against it)."""
+    groups = kv_cache_groups(kv_cache_config)
+    layouts = _group_layouts(vllm_config, groups, resolved_layout(vllm_config, kv_cache_config), tp_rank, pp_rank,
+                             weights_version, replicated_once, integrity_tag)
+    return layouts[_first_attention(groups)]
 
 
 def _vllm_tp_rank() -> int | None:
@@ -337,17 +360,14 @@ class EngineFacts:
     load_enabled: bool  # kv_role kv_consumer | kv_both
     kv_load_failure_policy: str  # "fail" | "recompute": whether loads may be sync (scheduler_steps)
     kv_events: bool  # vLLM publishes KV cache events (--kv-events-config)
-    layout: KeyLayout  # this rank's
-    spec: Any  # the attention KV cache spec
-    num_layers: int  # layers of the KV cache config (this stage's)
+    layout: KeyLayout  # this rank's, of the first attention group
+    spec: Any  # the first attention group's KV cache spec
+    groups: tuple[KVGroup, ...]  # the KV cache groups (`kv_cache_groups`): one for most models
+    group_layouts: tuple[KeyLayout, ...]  # this rank's key layout per group (`_group_layouts`), in order
     num_blocks: int  # blocks of the KV cache config
     model_config_hash: str = ""  # vLLM's ModelConfig.compute_hash(), for `layouts_for` a new weights version
     hash_algo: str = ""  # vLLM's prefix_caching_hash_algo
     weights_version: str = ""  # the one `layout` is keyed under (a worker's: until the first step's metadata)
-    # the KV cache groups (`kv_cache_groups`) when they are not one full-attention group: several (a hybrid
-    # model), or one sliding-window group (its table holds vLLM's null block below the window); else ()
-    groups: tuple[KVGroup, ...] = ()
-    group_layouts: tuple[KeyLayout, ...] = ()  # this rank's key layout per group (hybrid; `layout` is group 0's)
     # the TP-shared layout: KV heads per key (0: a key per TP shard), the model's KV heads, this rank's first
     kv_heads_per_key: int = 0
     total_kv_heads: int = 0
@@ -375,25 +395,12 @@ class EngineFacts:
         groups = kv_cache_groups(kv_cache_config)  # refuses a missing kv_cache_config too
         kv_cfg = cast("KVCacheConfig", kv_cache_config)
         kv_layout = resolved_layout(vllm_config, kv_cfg)
-        has_state = any(g.state for g in groups)
-        # a Mamba state is a rank's shard of the mixer: keys per rank for every group (ranks sharing an
-        # attention group's keys would need a put stripe per group)
-        layouts = [(_state_layout_of if g.state else _layout_of)(
-            vllm_config, g.spec, kv_layout, tp, pp, weights_version, replicated_once and not has_state,
-            integrity_tag) for g in groups]
-        # a table of the request's every block (one full-attention group) is keyed as it always was; anything
-        # else keys each group by its layers, its window or state, and is served by the groups' rules
-        per_group = [(g.window, g.state) for g in groups] != [(None, False)]
-        if per_group:
-            layouts = [dataclasses.replace(lay, num_layers=len(g.layer_names), extra=lay.extra + (
-                ("group", str(g.index)), ("window", str(g.window or 0)),
-                ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]))
-                + ((("state", "align"),) if g.state else ()))
-                for g, lay in zip(groups, layouts)]
-        first = next(i for i, g in enumerate(groups) if not g.state)  # the attention spec the rest is about
+        layouts = _group_layouts(vllm_config, groups, kv_layout, tp, pp, weights_version, replicated_once,
+                                 integrity_tag)
+        first = _first_attention(groups)
         spec, layout = groups[first].spec, layouts[first]
         total_heads = first_head = 0
-        if kv_heads_per_key and has_state:
+        if kv_heads_per_key and any(g.state for g in groups):
             raise ConfigError("kv_heads_per_key", kv_heads_per_key, "a Mamba state group has no KV heads to key "
                               "by: the TP-shared layout is not served for a model with Mamba layers; set 0", _EXTRA)
         if kv_heads_per_key:
@@ -402,7 +409,7 @@ class EngineFacts:
                                   "never a rank: ranks holding the same heads share it; leave it true", _EXTRA)
             total_heads, first_head = kv_head_shard(vllm_config, spec.num_heads, tp, kv_heads_per_key)
             layouts = [dataclasses.replace(lay, heads=(first_head, total_heads)) for lay in layouts]
-            layout = layouts[0]
+            layout = layouts[first]
         kvev = vllm_config.kv_events_config
         return cls(engine_id=str(kt.engine_id), scheduler=scheduler, tp_rank=tp, pp_rank=pp,
                    tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size, world_size=pc.world_size,
@@ -411,16 +418,14 @@ class EngineFacts:
                    max_num_seqs=vllm_config.scheduler_config.max_num_seqs, save_enabled=bool(kt.is_kv_producer),
                    load_enabled=bool(kt.is_kv_consumer), kv_load_failure_policy=str(kt.kv_load_failure_policy),
                    kv_events=kvev is not None and bool(kvev.enable_kv_cache_events), layout=layout, spec=spec,
-                   num_layers=len(kv_cfg.kv_cache_groups[0].layer_names), num_blocks=kv_cfg.num_blocks,
+                   groups=tuple(groups), group_layouts=tuple(layouts), num_blocks=kv_cfg.num_blocks,
                    model_config_hash=vllm_config.model_config.compute_hash(),
                    hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version,
-                   groups=tuple(groups) if per_group else (),
-                   group_layouts=tuple(layouts) if per_group else (),
                    kv_heads_per_key=kv_heads_per_key, total_kv_heads=total_heads, first_kv_head=first_head)
 
     @property
     def num_groups(self) -> int:
-        return len(self.groups) or 1
+        return len(self.groups)
 
     @property
     def num_state_groups(self) -> int:
@@ -443,11 +448,10 @@ class EngineFacts:
                 for j in range(rank_layout.num_kv_heads // k)]
 
     def _rank_layouts(self, weights_version: str | None) -> list[KeyLayout]:
-        base = list(self.group_layouts) or [self.layout]
         if weights_version is None:
-            return base
+            return list(self.group_layouts)
         h = _identity(self.model_config_hash, self.hash_algo, weights_version)
-        return [dataclasses.replace(lay, model_hash=h) for lay in base]
+        return [dataclasses.replace(lay, model_hash=h) for lay in self.group_layouts]
 
     def layouts_for(self, weights_version: str | None = None) -> list[KeyLayout]:
         """This rank's key layouts, a block's parts in order: per KV cache group (one for most models) its
@@ -480,14 +484,13 @@ class EngineFacts:
         """One copy plan per part of a block (`layouts_for`'s order), each over its own layers' views (a
         hybrid model's groups' views alias each other's allocations: a block id belongs to one group at a
         time) and, in the TP-shared layout, over its own heads of them."""
-        groups = self.groups or (KVGroup(0, self.spec, tuple(kv_caches), None),)
         plans = []
-        for g, lay in zip(groups, self._rank_layouts(None)):
+        for g, lay in zip(self.groups, self._rank_layouts(None)):
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
                 raise KVLayoutError(f"KV cache group {g.index}: no view for layers {missing[:4]}")
             views = {n: kv_caches[n] for n in g.layer_names}
-            num_layers = len(g.layer_names) if self.groups else self.num_layers
+            num_layers = len(g.layer_names)
             if g.state:
                 plans.append(plan_state_copies(views, page_bytes=g.spec.page_size_bytes, num_blocks=self.num_blocks))
                 continue

@@ -19,12 +19,13 @@ other's objects):
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
   so a MAC under K. `BlockSeal` computes it without holding the GIL: a block that is one run in memory is
   hashed where it lies; otherwise one TorchScript call copies a chunk of blocks into a staging buffer
-  (STAGE_BYTES per trailer slot); then one call per block, in which the `blake3` package releases the GIL.
-  The thread takes the GIL back once per block and once per chunk, never per segment: where vLLM's main
-  thread holds it, each take may wait (up to the interpreter's switch interval). Measured
-  here (2 cores, other jobs running; 64 KiB-2 MiB inputs, one core): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2
-  GB/s, keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3. Its cost is one more read of the bytes at the hash's
-  rate, plus the staging copy for a block of several runs (`bench.datapath` measures it).
+  (STAGE_BYTES per trailer slot); then one call per block, in which the `blake3` package releases the GIL,
+  a call's blocks shared among HASH_THREADS threads (the caller and a process-wide pool) hashing side by
+  side. A thread takes the GIL back once per block and once per chunk, never per segment: where vLLM's main
+  thread holds it, each take may wait (up to the interpreter's switch interval). Measured (64 KiB-2
+  MiB inputs, one core, other jobs running): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2 GB/s,
+  keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3. Its cost is one more read of the bytes at the hash's rate
+  over HASH_THREADS cores, plus the staging copy for a block of several runs (`bench.datapath` measures it).
 * ``mm8``, KV on a GPU (written for tensor cores; the bytes never cross to the host), the definition
   `reference_digest` gives in numpy and `BlockSeal` computes with torch on the KV cache's device:
 
@@ -64,6 +65,8 @@ import hashlib
 import hmac
 import os
 import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,6 +101,22 @@ _MASK = (1 << 64) - 1
 CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption and a block under another key, "
                  "but not a forger: any client of this Mooncake master can recompute it. Set integrity_secret_file "
                  "(16-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
+
+
+#: b3: the threads that hash one call's blocks side by side (the calling thread is one of them): `blake3`
+#: releases the GIL while it hashes, so a batch's tags take about 1/HASH_THREADS of one core's time
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool): a forked child makes its own
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process's HASH_THREADS - 1 helper threads, started on first use."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(HASH_THREADS - 1, thread_name_prefix="kvledger-tag"))
+        return _pool[1]
 
 
 class IntegrityError(LedgerError):
@@ -398,6 +417,27 @@ class BlockSeal:
         h.update(data)
         return h.digest(TAG_BYTES)
 
+    def _b3_all(self, out: list[bytes], work: Sequence[tuple[int, bytes, Any]]) -> None:
+        """``out[i]`` = the b3 tag of each (i, bound, bytes) of ``work``, hashed by up to HASH_THREADS threads
+        side by side (this one included), each over a contiguous share; returns when every tag is in."""
+        k = min(HASH_THREADS, len(work))
+        if k <= 1:
+            for i, bound, data in work:
+                out[i] = self._b3(bound, data)
+            return
+        shares = [work[j * len(work) // k:(j + 1) * len(work) // k] for j in range(k)]
+
+        def run(share: Sequence[tuple[int, bytes, Any]]) -> None:
+            for i, bound, data in share:
+                out[i] = self._b3(bound, data)
+
+        helpers = [_hash_pool().submit(run, share) for share in shares[1:]]
+        try:
+            run(shares[0])
+        finally:
+            for f in helpers:
+                f.result()  # waits for each share; re-raises a helper's error here
+
     def tags(self, slot: int, keys: Sequence[str], nonces: Sequence[bytes], block_ids: Sequence[int],
              parts: Sequence[int] | None = None, rows: Mapping[int, torch.Tensor] | None = None) -> list[bytes]:
         """The TAG_BYTES of each block (of part ``parts``) under its key and nonce, from the KV
@@ -422,22 +462,21 @@ class BlockSeal:
                 digests[i] = self._digests(row[None, :])[0]
             return [_mm8_tag(self.ikey, k, d, nc) for k, d, nc in zip(keys, digests, nonces)]
         bind = self.ikey.bind
-        for i, row in rows.items():
-            out[i] = self._b3(bind(keys[i], nonces[i]), _host(row[:self.block_bytes]))
+        # blocks hashed where they lie (and staged tails): all at once, at the end
+        work = [(i, bind(keys[i], nonces[i]), _host(row[:self.block_bytes])) for i, row in rows.items()]
         for g, at in self._by_part(n, parts).items():
             at = [i for i in at if i not in rows]
             here = self._in_place[g]
             if here is not None:
-                for i in at:
-                    out[i] = self._b3(bind(keys[i], nonces[i]), here[block_ids[i]])
+                work += [(i, bind(keys[i], nonces[i]), here[block_ids[i]]) for i in at]
                 continue
             stage = self._stage[slot]
-            for s in range(0, len(at), self._rows):
+            for s in range(0, len(at), self._rows):  # each chunk hashed before the stage is refilled
                 chunk = at[s:s + self._rows]
                 gather_rows(self._views[g], self._offsets[g], [int(block_ids[i]) for i in chunk], stage)
                 got = _host(stage[:len(chunk)])
-                for r, i in enumerate(chunk):
-                    out[i] = self._b3(bind(keys[i], nonces[i]), got[r])
+                self._b3_all(out, [(i, bind(keys[i], nonces[i]), got[r]) for r, i in enumerate(chunk)])
+        self._b3_all(out, work)
         return out
 
     # ------------------------------------------------------------------ trailer slots

@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvledger.errors import LedgerInputError
+
 #: the physical order of (H, N, C) inside a block, per vLLM 0.32 `KVCacheLayout` name (L and B dropped)
 LAYOUT_HNC_ORDER: dict[str, tuple[str, ...]] = {
     "LBHNC": ("H", "N", "C"), "LBNHC": ("N", "H", "C"), "LHBNC": ("H", "N", "C"),
@@ -46,8 +48,12 @@ LAYOUT_HNC_ORDER: dict[str, tuple[str, ...]] = {
 MAX_SEGMENTS_PER_KEY = 1 << 14
 
 
-class KVLayoutError(ValueError):
-    """The KV cache tensors cannot be served (shape, layout, aliasing); the message names layer and why."""
+class KVLayoutError(LedgerInputError):
+    """The KV cache cannot be served (its config's groups and specs, or its tensors: shape, layout, aliasing);
+    the message names the layer or group and why. ``field``, ``value``: what was refused, where known."""
+
+    def __init__(self, message: str, field: str = "kv_cache", value: Any = None) -> None:
+        super().__init__(field, value, message, message)
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class BlockCopyPlan:
 
     def buffers(self, block_id: int) -> tuple[list[int], list[int]]:
         if not 0 <= block_id < self.num_blocks:
-            raise KVLayoutError(f"block_id={block_id}: not in 0..{self.num_blocks - 1}")
+            raise KVLayoutError(f"block_id={block_id}: not in 0..{self.num_blocks - 1}", "block_id", block_id)
         return ([s.base + block_id * s.block_stride for s in self.segments],
                 [s.nbytes for s in self.segments])
 
@@ -95,7 +101,7 @@ class BlockCopyPlan:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             bad = [int(b) for b in ids if not 0 <= b < self.num_blocks]
-            raise KVLayoutError(f"block_id={bad[0]}: not in 0..{self.num_blocks - 1}")
+            raise KVLayoutError(f"block_id={bad[0]}: not in 0..{self.num_blocks - 1}", "block_id", bad[0])
         bases, strides, sizes = self._arrays
         return (bases[None, :] + ids[:, None] * strides[None, :]).tolist(), [sizes] * len(ids)
 
@@ -163,7 +169,8 @@ def plan_block_copies(kv_caches: Mapping[str, Any], *, layout: str, block_size: 
     (`cache_config.get_resolved_kv_cache_layout().name`); `num_blocks`: the manager's block count
     (checked against the views when given)."""
     if layout not in LAYOUT_HNC_ORDER:
-        raise KVLayoutError(f"KV cache layout {layout!r}: not one of {sorted(LAYOUT_HNC_ORDER)}")
+        raise KVLayoutError(f"KV cache layout {layout!r}: not one of {sorted(LAYOUT_HNC_ORDER)}", "layout",
+                            layout)
     if not kv_caches:
         raise KVLayoutError("register_kv_caches: no KV cache tensors")
     seen_views: dict[tuple[Any, ...], str] = {}
@@ -242,7 +249,7 @@ def plan_state_copies(kv_caches: Mapping[str, Any], *, page_bytes: int, num_bloc
     state starting its page (``data_ptr + m * stride(0)``), the rest of the page vLLM's padding. Stored
     per layer in natural name order: | L0 page | L1 page | ..."""
     if page_bytes.__class__ is not int or page_bytes < 1:
-        raise KVLayoutError(f"page_bytes={page_bytes!r}: must be an int >= 1")
+        raise KVLayoutError(f"page_bytes={page_bytes!r}: must be an int >= 1", "page_bytes", page_bytes)
     if not kv_caches:
         raise KVLayoutError("register_kv_caches: no Mamba state views")
     segs: list[Segment] = []

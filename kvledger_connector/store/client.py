@@ -33,6 +33,10 @@ What it adds over the raw pybind11 client (and why):
     to return, and when one does not, leaves the client open (leaked, logged, `store_close_leaked`) rather
     than close it under that call.
 
+Mooncake's disk tier (``disk_offload``, docs/disk-tier.md): a client that owns a memory segment is set up with
+offload on, writing to a private directory of its own that `connect` makes under ``disk_offload_dir``
+(`make_offload_dir`) and `close` removes; the variables Mooncake reads for it are set just before `setup()`.
+
 Zero-copy only: puts use `batch_put_from_multi_buffers`, gets `batch_get_into_multi_buffers`; a key's
 object is the concatenation of its chunks (e.g. one chunk per layer's K and V), and a get must ask for
 exactly the object's total size (larger: -800, smaller: -600).
@@ -48,7 +52,10 @@ import enum
 import logging
 import math
 import os
+import shutil
 import socket
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +64,8 @@ from urllib.parse import urlsplit
 
 from kvledger import codes as ledger_codes
 from kvledger.counts import Counter, Counts
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import ConfigError, StoreConfig
+from kvledger_connector.store.embedded import OFFLOAD_PATH_ENV
 
 if TYPE_CHECKING:
     from kvledger_connector.store.embedded import EmbeddedMooncake
@@ -91,6 +99,7 @@ class StoreCode(enum.IntEnum):
     TRANSFER_FAIL = -800  # destination larger than the object; segment owner dead
     RPC_FAIL = -900  # master unreachable
     RPC_TIMEOUT = -901  # master hung past MC_RPC_TIMEOUT_MS
+    UNABLE_OFFLOAD = -1300  # setup() with the disk tier against a master started without --enable_offload
     # local codes (never produced by Mooncake)
     KEY_TOO_LONG = -9001  # key longer than max_key_bytes: not sent
     UNHEALTHY_SKIPPED = -9002  # skipped: master failed recently (backoff)
@@ -210,10 +219,84 @@ def _unique_rounds(keys: Sequence[str], send: list[int]) -> list[list[int]]:
     return rounds
 
 
-def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None
-                ) -> tuple[Any, StoreConfig]:
+#: the disk tier's backend: Mooncake's bucket backend with one object per bucket (written at the next
+#: heartbeat; its default of 500 keys per bucket leaves a short run's objects in memory) and a bound on its
+#: files with least-recently-used eviction. The file-per-key backend ignores the size bound in 0.3.13
+#: (docs/disk-tier.md).
+OFFLOAD_BACKEND = "bucket_storage_backend"
+#: serialises the process-wide variables Mooncake reads at setup() with the setup that reads them
+_SETUP_ENV_LOCK = threading.Lock()
+
+
+def offload_environment(config: StoreConfig, directory: str) -> dict[str, str]:
+    """The variables Mooncake's client reads at setup() for its disk tier, for a client writing to `directory`."""
+    return {
+        OFFLOAD_PATH_ENV: directory,
+        "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": OFFLOAD_BACKEND,
+        "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1",
+        "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(config.disk_offload_size),
+        "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru",
+        "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(config.disk_offload_size),
+        "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": str(config.disk_offload_heartbeat_s),
+        "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(config.disk_offload_staging_size),
+    }
+
+
+def offloads(config: StoreConfig) -> bool:
+    """Whether a client with `config` writes the disk tier itself (it owns a memory segment)."""
+    return config.disk_offload and config.global_segment_size > 0
+
+
+def _refuse_dir(path: str, reason: str) -> ConfigError:
+    return ConfigError("disk_offload_dir", path, reason)
+
+
+def _check_dir(path: str, st: os.stat_result, *, private: bool) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse_dir(path, "is not a directory (or is a link)")
+    if st.st_uid != os.geteuid():
+        raise _refuse_dir(path, f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})")
+    mode = stat.S_IMODE(st.st_mode)
+    if private and mode & 0o077:
+        raise _refuse_dir(path, f"has mode {mode:04o}: other users may enter it")
+    if mode & 0o022:
+        raise _refuse_dir(path, f"has mode {mode:04o}: other users may write to it, and could replace the "
+                          f"tier's files; chmod go-w or name another directory")
+
+
+def make_offload_dir(config: StoreConfig) -> str:
+    """A fresh private directory (0700) for one client's disk tier, under `config.disk_offload_dir` (created
+    0700 when absent). The named directory must be this user's, not a link, and writable by no one else
+    (else `ConfigError` naming it): Mooncake allows one live client per directory and reads back whatever
+    files are there, so no other user may put files in either."""
+    parent = config.disk_offload_dir
+    if parent is None:
+        raise ConfigError("disk_offload_dir", None, "required with disk_offload and a memory segment")
+    try:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        st = os.lstat(parent)
+    except OSError as e:
+        raise _refuse_dir(parent, f"cannot be created or read: {e.strerror or e}") from None
+    _check_dir(parent, st, private=False)
+    try:
+        mine = tempfile.mkdtemp(prefix="kvledger-tier-", dir=parent)
+        st = os.lstat(mine)
+    except OSError as e:
+        raise _refuse_dir(parent, f"cannot hold a directory of ours: {e.strerror or e}") from None
+    try:
+        _check_dir(mine, st, private=True)
+    except ConfigError:
+        shutil.rmtree(mine, ignore_errors=True)
+        raise
+    return mine
+
+
+def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
+                offload_dir: str | None = None) -> tuple[Any, StoreConfig]:
     """A set-up `MooncakeDistributedStore` at `config`'s master (or `embedded`'s), and the config with the
-    addresses it used; `MooncakeStore.connect` wraps it. Raises `StoreUnavailableError` when setup() fails."""
+    addresses it used; `MooncakeStore.connect` wraps it. Raises `StoreUnavailableError` when setup() fails.
+    A client that writes the disk tier (`offloads`) writes to `offload_dir` (`make_offload_dir`; its caller
+    removes it)."""
     if embedded is not None:
         config = config.with_addresses(embedded.master_address, embedded.metadata_server)
     if config.master_server_address is None or config.metadata_server is None:
@@ -235,11 +318,18 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
     os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(config.transfer_timeout_s)
     from mooncake.store import MooncakeDistributedStore  # heavy import, only at the edge
 
+    tier = offloads(config)
+    if tier and offload_dir is None:
+        raise ConfigError("disk_offload_dir", config.disk_offload_dir, "open_client: pass offload_dir= "
+                          "(make_offload_dir) for a client that writes the disk tier")
     raw = MooncakeDistributedStore()
     try:
-        rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
-                       config.local_buffer_size, config.protocol, config.rdma_devices,
-                       config.master_server_address)
+        with _SETUP_ENV_LOCK:
+            if tier and offload_dir is not None:
+                os.environ.update(offload_environment(config, offload_dir))
+            rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
+                           config.local_buffer_size, config.protocol, config.rdma_devices,
+                           config.master_server_address, None, tier, offload_dir or "")
     except Exception as e:  # pybind11 raises on bad argument types
         raise StoreUnavailableError(config.master_server_address, config.metadata_server, -1,
                                     f"setup raised {type(e).__name__}: {e}") from e
@@ -248,8 +338,12 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
             raw.close()
         except Exception:
             pass
-        raise StoreUnavailableError(config.master_server_address, config.metadata_server, rc,
-                                    "is the master running and reachable?")
+        # destroyed here, not whenever the traceback is: its destructor unmounts through the master again,
+        # ~10 s against one gone meanwhile
+        raw = None
+        hint = ("disk_offload needs a master started with --enable_offload=true"
+                if rc == StoreCode.UNABLE_OFFLOAD else "is the master running and reachable?")
+        raise StoreUnavailableError(config.master_server_address, config.metadata_server, rc, hint)
     return raw, config
 
 
@@ -290,6 +384,8 @@ class MooncakeStore:
         self._close_result: bool | None = None  # what the first close returned (later closes repeat it)
         self.last_exception: BaseException | None = None
         self.registered: dict[int, int] = {}  # ptr -> size
+        # this client's own directory of the disk tier (`connect` made it), removed once the client is closed
+        self.offload_dir: str | None = None
 
     # -- connection --------------------------------------------------------------------------------
 
@@ -298,8 +394,16 @@ class MooncakeStore:
                 clock: Callable[[], float] = time.monotonic) -> MooncakeStore:
         """Join the store at `config`'s master, or at `embedded`'s when given (then `config` may be in
         embedded mode). Raises `StoreUnavailableError` when setup() fails (bad address, master down)."""
-        raw, config = open_client(config, embedded=embedded)
-        return cls(raw, config, embedded, clock=clock)
+        tier_dir = make_offload_dir(config) if offloads(config) else None
+        try:
+            raw, config = open_client(config, embedded=embedded, offload_dir=tier_dir)
+        except BaseException:
+            if tier_dir is not None:
+                shutil.rmtree(tier_dir, ignore_errors=True)
+            raise
+        store = cls(raw, config, embedded, clock=clock)
+        store.offload_dir = tier_dir
+        return store
 
     @property
     def raw(self) -> Any:
@@ -387,6 +491,11 @@ class MooncakeStore:
                 self._raw.close()
             except Exception as e:
                 self.last_exception = e
+            if self.offload_dir is not None:
+                # Mooncake's close leaves a client with the disk tier running (its heartbeat writes on, its
+                # segment stays mounted): only its destructor unmounts it, run here by the last reference's
+                # drop, while the master still answers (every call after close is refused by `_enter`)
+                self._raw = None
             done.set()
 
         t = threading.Thread(target=_close, name="kvledger-store-close", daemon=True)
@@ -398,6 +507,8 @@ class MooncakeStore:
             self._close_result = False
             return False
         self._close_result = True
+        if self.offload_dir is not None:  # the client that wrote it is gone: its files are read by no one
+            shutil.rmtree(self.offload_dir, ignore_errors=True)
         return True
 
     # -- health ------------------------------------------------------------------------------------

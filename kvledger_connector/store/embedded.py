@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 _START_TIMEOUT_S = 30.0
+#: where a Mooncake client with the disk tier writes (an existing absolute directory, one live client each)
+OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 MAX_RESTART_BACKOFF_S = 30.0  # a supervised master that keeps failing to start is retried at most this often
 # flags we set ourselves; overriding them could open a listener beyond loopback or break readiness
 _OWN_FLAGS = frozenset({"--rpc_address", "--rpc_port", "--port", "--enable_http_metadata_server",
@@ -262,15 +264,18 @@ class EmbeddedMooncake:
 
     Attributes once started: `master_address` ("127.0.0.1:port"), `metadata_server`
     ("http://127.0.0.1:port/metadata"), `master_pid`, `master_inode` (its listener's socket inode),
-    `metadata_pid`, `log_dir`. ``on_restart``: called with this object after each restart of the master
-    (by the supervisor or `restart_master`), from the restarting thread, once the new master is ready; its
-    address may have moved (module doc).
+    `metadata_pid`, `log_dir`, `restarts` (the supervisor's restarts of this master). ``on_restart``: called
+    with this object after each restart of the master (by the supervisor or `restart_master`), from the
+    restarting thread, once the new master is ready; its address may have moved (module doc).
+    ``disk_offload``: the master takes Mooncake's disk tier (``--enable_offload=true``; docs/disk-tier.md).
+    ``stats``: the counter sink the supervisor counts ``master_restarts`` into (its own `Counts` if none).
     """
 
     def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
                  client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
                  extra_master_flags: Sequence[str] = (), supervise: bool = False,
-                 on_restart: Callable[[EmbeddedMooncake], None] | None = None) -> None:
+                 on_restart: Callable[[EmbeddedMooncake], None] | None = None, disk_offload: bool = False,
+                 stats: Counter | None = None) -> None:
         for name, value in (("rpc_timeout_ms", rpc_timeout_ms), ("lease_ttl_ms", lease_ttl_ms),
                             ("client_ttl_s", client_ttl_s)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -280,6 +285,8 @@ class EmbeddedMooncake:
             raise ValueError(f"EmbeddedMooncake extra_master_flags={bad!r}: must be --flag[=value] and not one of "
                              f"{sorted(_OWN_FLAGS)} (those keep every listener on 127.0.0.1)")
         self.extra_master_flags = tuple(extra_master_flags)
+        # the master takes the disk tier of the clients that write one (docs/disk-tier.md)
+        self.disk_offload = bool(disk_offload)
         self.rpc_timeout_ms = rpc_timeout_ms
         # short leases let tests remove/evict recently read keys; Mooncake's default is 10 s
         self.lease_ttl_ms = lease_ttl_ms
@@ -297,9 +304,9 @@ class EmbeddedMooncake:
         self.supervise = supervise
         self.on_restart = on_restart
         self.master_inode = 0  # the master's listener (socket inode) since its last start; 0: none yet
-        # the counter sink: master_restarts (by the supervisor; `wait_restarts` reads it, so a recorder handed
-        # in here is one no other master counts into)
-        self.stats: Counter = Counts()
+        # the counter sink: master_restarts (by the supervisor); `restarts` counts this master's alone
+        self.stats: Counter = stats if stats is not None else Counts()
+        self.restarts = 0
         self._start_lock = threading.Lock()  # the supervisor vs restart_master: one starts the master
         self._restarted = threading.Condition()
         self._supervisor: threading.Thread | None = None
@@ -375,6 +382,7 @@ class EmbeddedMooncake:
             f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             f"--client_ttl={self.client_ttl_s}",
+            *(["--enable_offload=true"] if self.disk_offload else []),
             "--logtostderr", f"--minloglevel={1 if self.quiet else 0}", *self.extra_master_flags]
         self._refuse_busy("master", [self.rpc_port, self.metrics_port])
         self._master = self._spawn("master", cmd)
@@ -418,10 +426,11 @@ class EmbeddedMooncake:
             if not started:  # restart_master started it: wait on that one
                 continue
             with self._restarted:
-                self.stats.add("master_restarts")
+                self.restarts += 1
                 self._restarted.notify_all()
+            self.stats.add("master_restarts")
             logger.warning("embedded mooncake_master restarted (pid %s, restart %d) on %s", self.master_pid,
-                           self.stats.total("master_restarts"), self.master_address)
+                           self.restarts, self.master_address)
             self._announce()
 
     def _restart(self) -> bool:
@@ -452,23 +461,35 @@ class EmbeddedMooncake:
     def wait_restarts(self, n: int, timeout: float) -> bool:
         """Whether the supervisor has restarted the master at least ``n`` times within ``timeout`` seconds."""
         with self._restarted:
-            return self._restarted.wait_for(lambda: self.stats.total("master_restarts") >= n, timeout)
+            return self._restarted.wait_for(lambda: self.restarts >= n, timeout)
 
-    def start_holder(self, segment_size: int) -> int:
+    def start_holder(self, segment_size: int, *, offload_env: Mapping[str, str] | None = None) -> int:
         """Start a storage-only `mooncake_client` contributing `segment_size` bytes to the pool (RPC port on
         127.0.0.1); returns its pid. Workers can then run with ``global_segment_size=0`` and every byte they
-        store crosses a real TCP connection, and stored KV outlives any one worker (Mooncake §6 advice)."""
+        store crosses a real TCP connection, and stored KV outlives any one worker (Mooncake §6 advice).
+        ``offload_env``: the holder writes Mooncake's disk tier, with these variables (kvledger_connector's
+        `store.client.offload_environment`: its directory, an existing absolute path, and the rest); the
+        master must take the tier (``disk_offload``)."""
         if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < (1 << 20):
             raise ValueError(f"start_holder segment_size={segment_size!r}: must be an int >= 1 MiB")
         if self._pid(self._master) is None:
             raise EmbeddedStartError("start_holder: the master is not running")
+        tier: list[str] = []
+        if offload_env is not None:
+            where = offload_env.get(OFFLOAD_PATH_ENV, "")
+            if not self.disk_offload:
+                raise ValueError("start_holder offload_env: this master was started without disk_offload")
+            if not os.path.isabs(where) or not os.path.isdir(where):
+                raise ValueError(f"start_holder offload_env {OFFLOAD_PATH_ENV}={where!r}: must be an existing "
+                                 "absolute directory")
+            tier = ["--enable_offload=true"]
         port = free_port()
         cmd = _tool("mooncake_client") + [
             f"--host={LOOPBACK}", f"--port={port}", f"--global_segment_size={segment_size >> 20}MB",
             f"--master_server_address={self.master_address}", f"--metadata_server={self.metadata_server}",
-            "--protocol=tcp", "--logtostderr", f"--minloglevel={1 if self.quiet else 0}"]
+            "--protocol=tcp", *tier, "--logtostderr", f"--minloglevel={1 if self.quiet else 0}"]
         self._refuse_busy("holder", [port])
-        proc = self._spawn(f"holder-{len(self._holders)}", cmd)
+        proc = self._spawn(f"holder-{len(self._holders)}", cmd, offload_env)
         self._wait_ready(proc, [port])
         self._holders.append(proc)
         return proc.popen.pid if proc.popen is not None else -1
@@ -529,12 +550,14 @@ class EmbeddedMooncake:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, cmd: list[str]) -> _Proc:
+    def _spawn(self, name: str, cmd: list[str], extra_env: Mapping[str, str] | None = None) -> _Proc:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         cmd = _pdeathsig_prefix() + cmd
+        env = _child_env(self.rpc_timeout_ms)
+        env.update(extra_env or {})
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=_child_env(self.rpc_timeout_ms), start_new_session=True)
+                                     env=env, start_new_session=True)
         return _Proc(name, cmd, log_path, popen)
 
     @staticmethod

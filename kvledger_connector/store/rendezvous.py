@@ -61,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvledger.counts import Counter
 from kvledger.errors import LedgerInputError
 from kvledger_connector.store.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
 from kvledger_connector.ownfile import read_own_file
@@ -405,16 +406,20 @@ _SHARED_LOCK = threading.Lock()
 _SHARED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake | AttachedMooncake, refcount]
 
 
-def acquire_shared(engine_id: str, rpc_timeout_ms: int) -> EmbeddedMooncake | AttachedMooncake:
+def acquire_shared(engine_id: str, rpc_timeout_ms: int, *, disk_offload: bool = False,
+                   stats: Counter | None = None) -> EmbeddedMooncake | AttachedMooncake:
     """This process's handle on the engine's embedded servers: one per engine for every connector of this
-    process (reference counted), found across the engine's processes by `acquire`."""
+    process (reference counted), found across the engine's processes by `acquire`. Servers this process
+    starts take the disk tier with `disk_offload` and count master_restarts into `stats` (the first
+    connector's: every process of an engine has the same configuration)."""
     with _SHARED_LOCK:
         ent = _SHARED.get(engine_id)
         if ent is None:
             # supervised: a master that dies is restarted (on its ports unless another process took them) and
             # republished; every process's client re-attaches to it where it stayed on its address
             handle = acquire(engine_id, lambda: EmbeddedMooncake(
-                rpc_timeout_ms=rpc_timeout_ms, supervise=True, on_restart=lambda e: republish(engine_id, e)))
+                rpc_timeout_ms=rpc_timeout_ms, supervise=True, on_restart=lambda e: republish(engine_id, e),
+                disk_offload=disk_offload, stats=stats))
             ent = _SHARED[engine_id] = [handle, 0]
         ent[1] += 1
         return ent[0]

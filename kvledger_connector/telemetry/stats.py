@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvledger.errors import LedgerInputError
 
 COUNTERS = (
-    "puts", "put_keys", "put_bytes", "put_failed_keys",
+    "puts", "put_keys", "put_bytes", "put_failed_keys", "full_put_retries", "full_put_retried_keys",
     "gets", "get_keys", "get_bytes", "store_exceptions", "integrity_mismatches",
     "lookups", "lookup_hit_tokens", "loaded_tokens",
     "store_jobs", "tail_saves", "deferrals", "saves_dropped", "held_requests", "kept_blocks", "expired_kept_blocks",

@@ -30,8 +30,8 @@ block id, carried along the rotation, so the mapping back is exact.
 Three layers, one owner each: this module owns the threads, the queues and shutdown; the per-job work
 (DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are kvledger_connector/worker/steps.py's
 `WorkerSteps` (`self.steps`), whose per-job generators the conformance driver advances one model action at a
-time; the ledgers are kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.store`,
-`steps.stats`, `steps.errors`.
+time; the ledgers are kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.stats`,
+`steps.errors`; the store, through the one wrapper its calls go through: `io.store`.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.shape.block_shape import BlockShape, PartBuffers
 from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
 from kvledger_connector.worker.steps import SaveJob, WorkerSteps
@@ -53,6 +53,7 @@ from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
 from kvledger_connector.store.client import KVStore
+from kvledger_connector.store.io import StoreIO
 from kvledger.errors import LedgerInputError
 from kvledger.load import LoadLedger
 from kvledger.trace import TraceSink
@@ -61,7 +62,7 @@ from kvledger.worker import WorkerLedger
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-_REMOVE = object()  # wakes the store thread for `WorkerSteps.remove_mismatched` alone
+_REMOVE = object()  # wakes the store thread for `_remove_mismatched` alone
 
 
 class WorkerSide:
@@ -78,7 +79,6 @@ class WorkerSide:
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
         num_load_threads = connector_config.load_threads
-        block_size = connector_config.block_size
         self.tp_rank = tp_rank
         self.connector_config = connector_config
         self.weights_version = weights_version
@@ -102,14 +102,16 @@ class WorkerSide:
         self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
         # the per-job work, its counting and the ledgers (kvledger_connector/worker/steps.py); loads in flight:
         # queued + one per load thread (+1: a rejected load is begun and finished at once)
-        stats = stats if stats is not None else StatsRecorder()  # one sink: the steps' and the load ledger's
+        stats = stats if stats is not None else StatsRecorder()  # one sink: the steps', the ledger's, the io's
+        # the one wrapper every store call of this rank's threads goes through (kvledger_connector/store/io.py)
+        self.io = StoreIO(store, stats)
         self.steps = WorkerSteps(
-            store=store, buffers=self._block_buffers, tp_rank=tp_rank, block_size=block_size, shape=shape,
+            connector_config, buffers=PartBuffers(), tp_rank=tp_rank, shape=shape,
             ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
                                 trace=trace),
             loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
                              trace=trace, counts=stats),
-            load_sub_batch_keys=config.load_sub_batch_keys, stats=stats, lock=self._lock,
+            stats=stats, lock=self._lock,
             num_blocks=0)  # no KV cache registered yet: every spec's block ids refused
 
     # ------------------------------------------------------------------ set-up
@@ -139,12 +141,13 @@ class WorkerSide:
             seal = BlockSeal(self.integrity, plans, kv_caches, slots=self._num_load_threads + 2,
                              max_keys=plan.num_blocks)
         for ptr, nbytes in sorted({s for p in plans for s in p.storages}):  # groups share allocations
-            self.steps.store.register_buffer(ptr, nbytes)
+            self.io.store.register_buffer(ptr, nbytes)
         if seal is not None:
             for ptr, nbytes in seal.regions:
-                self.steps.store.register_buffer(ptr, nbytes)
+                self.io.store.register_buffer(ptr, nbytes)
             self.steps.seal = seal
         self._plans = plans
+        self.steps.buffers = PartBuffers(plans)
         self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
         self._num_blocks = self.steps.num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
@@ -160,27 +163,6 @@ class WorkerSide:
                                                   name=f"kvledger-load{i}-r{self.tp_rank}"))
         for t in self._threads:
             t.start()
-
-    def _block_buffers(self, block_ids: list[int], parts: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """(ptrs, sizes) per block, for one store batch call: entry i is part ``parts[i]`` of block
-        ``block_ids[i]``, from that part's copy plan; block 0 is vLLM's null block."""
-        for b in block_ids:
-            if not self._plans or not 0 < b < self._num_blocks:
-                raise LedgerInputError("block_id", b, f"not in 1..{self._num_blocks - 1} (or no KV cache "
-                                       f"registered)")
-        if len(parts) != len(block_ids) or not all(0 <= p < len(self._plans) for p in parts):
-            raise LedgerInputError("parts", sorted(set(parts)), f"one of 0..{len(self._plans) - 1} per block id")
-        ptrs: list[list[int]] = [[] for _ in block_ids]
-        sizes: list[list[int]] = [[] for _ in block_ids]
-        for p, plan in enumerate(self._plans):
-            at = [i for i, pi in enumerate(parts) if pi == p]
-            if len(at) == len(parts):  # the batch is of one part: its plan's buffers as they come
-                return plan.batch_buffers(block_ids)
-            if at:
-                got, got_sizes = plan.batch_buffers([block_ids[i] for i in at])
-                for i, pi, si in zip(at, got, got_sizes):
-                    ptrs[i], sizes[i] = pi, si
-        return ptrs, sizes
 
     # ------------------------------------------------------------------ per step (model runner thread)
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
@@ -226,7 +208,8 @@ class WorkerSide:
             self.steps.reject_load(spec.req_id, spec.block_ids, "worker shut down", sync=True)
             return
         try:  # run_load reports every block not loaded; an error past that must not fail the step
-            self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, sync=True, groups=spec.groups)
+            self.steps.run_load(self.io, spec.req_id, spec.block_ids, spec.block_hashes, sync=True,
+                                groups=spec.groups)
         except Exception as e:
             self.steps.note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
 
@@ -286,7 +269,7 @@ class WorkerSide:
         while True:
             item = self._store_q.get()
             try:  # first: a save after a tampered object's load must find it gone, never skip it as stored
-                self.steps.remove_mismatched()
+                self._remove_mismatched()
             except Exception as e:
                 self.steps.note_error(f"store thread: removals: {type(e).__name__}: {e}")
             if item is _STOP:
@@ -302,7 +285,7 @@ class WorkerSide:
     def _handle_save(self, job: SaveJob, event: Any) -> None:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
         forward's CUDA event before it reads the blocks."""
-        self.steps.run_save(job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
+        self.steps.run_save(self.io, job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
                             event.synchronize if event is not None else None, job.full_end_block)
 
     # ------------------------------------------------------------------ load thread(s)
@@ -313,13 +296,19 @@ class WorkerSide:
                 return
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_load(spec)
-                self.steps.remove_mismatched()  # objects this load found tampered, on this store thread
+                self._remove_mismatched()  # objects this load found tampered, on this store thread
             except Exception as e:
                 self.steps.note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
 
     def _handle_load(self, spec: LoadSpec) -> None:
         """Load: every sub-batch is tried; a block not loaded is reported (`WorkerSteps.load_steps`)."""
-        self.steps.run_load(spec.req_id, spec.block_ids, spec.block_hashes, groups=spec.groups)
+        self.steps.run_load(self.io, spec.req_id, spec.block_ids, spec.block_hashes, groups=spec.groups)
+
+    def _remove_mismatched(self) -> None:
+        """Removes the objects loads found failing their tag (`WorkerSteps.take_removals`), on this store
+        thread. Best effort: the load error stood already."""
+        for err in self.io.remove(self.steps.take_removals()):
+            self.steps.note_error(f"{err} (after an integrity mismatch)")
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:
@@ -342,6 +331,7 @@ class WorkerSide:
         thread may still be making (that crashes the process)."""
         with self._shutdown_lock:
             first, self._closed = not self._closed, True
+        self.io.stop()  # a put waiting for room gives up now: the queued jobs run and are reported
         if not first:
             return self._shutdown_done.wait(timeout) and self._shutdown_clean
         try:
@@ -371,5 +361,5 @@ class WorkerSide:
         if alive:
             self.num_threads_left_running = len(alive)
             self.steps.note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
-                             f"inside the client: {getattr(self.steps.store, 'calls_inside', 'unknown')})")
+                             f"inside the client: {getattr(self.io.store, 'calls_inside', 'unknown')})")
         return not alive

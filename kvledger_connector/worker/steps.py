@@ -9,7 +9,7 @@ second copy of this orchestration.
                                                            from `SentBlocks` (each id crosses once)
     DropGeneration WorkerSteps.drop_generation(req_id, ..) WorkerLedger.drop_generation, SentBlocks.drop
     Collect        WorkerSteps.take_reports()              WorkerLedger.take_completed (this rank's part)
-    (a save job)   gen = WorkerSteps.save_steps(...)       started, stopped at START: nothing done yet
+    (a save job)   gen = WorkerSteps.save_steps(io, ...)   started, stopped at START: nothing done yet
     DmaRead        next(gen) -> SaveStep(DMA_READ)         begin_save: WorkerLedger.begin, saved_offset
                    gen.throw(exc) -> SaveStep(DMA_READ)    the handler raised: fail_save (record_failed)
     Put            next(gen) -> SaveStep(PUT)              put: this rank's share (kvledger.put_positions),
@@ -17,7 +17,7 @@ second copy of this orchestration.
                                                            record_put: kvledger.codes.classify_put ->
                                                            record_saved | record_failed
     Report         next(gen) -> SaveStep(REPORT)           report_save: WorkerLedger.finish (exactly once)
-    EmitLoad       next(lg) -> LoadStep(EMIT_LOAD)         lg = load_steps(...): LoadLedger.begin_load
+    EmitLoad       next(lg) -> LoadStep(EMIT_LOAD)         lg = load_steps(io, ...): LoadLedger.begin_load
     Load           next(lg) -> LoadStep(LOAD)              one sub-batch: batch_get, LoadLedger.record_results;
                                                            the last one also finishes the load (fail_pending,
                                                            finish_load)
@@ -27,10 +27,12 @@ Every spec is checked whole before any of the above runs for it (kvledger_connec
 `admit_load` (a malformed or refused load: every real block reported failed, the load finished, nothing
 read), `receive_save` (a malformed save: its job reported at once through `WorkerLedger.refuse`, nothing
 put), `receive_drop`. An object a load finds failing its integrity tag is queued (`queue_removal`) and
-removed by `remove_mismatched`, which the store's own threads run.
+removed by the store's own threads (`take_removals`).
 
-Store I/O runs outside the lock; a store call that raises counts as CLIENT_EXCEPTION for each of its keys;
-any other exception fails the job, which is still reported (S5) / whose blocks are still reported failed
+No store call is made here (I/O at the edge): where an action needs one, the job's generator yields a
+`StoreCall` and is sent the codes; `Stepped` (kvledger_connector/store/io.py) makes each through the caller's
+`StoreIO`, outside the lock, where a call that raises counts as CLIENT_EXCEPTION for each of its keys. Any
+other exception fails the job, which is still reported (S5) / whose blocks are still reported failed
 (S8). So does abandoning a generator (``close()``, or its collection): see ``save_steps``, ``load_steps``.
 
 Counting: every event is counted once, into ``stats`` (kvledger_connector/telemetry/stats.py), which feeds vLLM's
@@ -42,7 +44,6 @@ import contextlib
 import enum
 import logging
 import threading
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence, TypeVar
@@ -52,11 +53,13 @@ from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerError, LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger, LoadResult, load_order
 from kvledger.worker import Verdict, WorkerLedger, put_positions
+from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.metadata import (DropNotice, LoadSpec, SaveSpec, check_drop_notice, check_job_id,
                                          check_load_spec, check_req_id, check_save_spec, reportable_blocks)
 from kvledger_connector.telemetry.stats import StatsRecorder
 from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.io import StoreCall, StoreIO, Stepped
 
 if TYPE_CHECKING:
     from kvledger_connector.shape.integrity import BlockSeal
@@ -199,38 +202,39 @@ class SentBlocks:
             del self._tables[req_id]
 
 
-SaveSteps = Generator[SaveStep, None, None]
-LoadSteps = Generator[LoadStep, None, None]
+# a job's generator: its model steps, and the store calls it needs made (each answered by ``send(codes)``)
+SaveCalls = Generator["SaveStep | StoreCall", "list[int] | None", None]
+LoadCalls = Generator["LoadStep | StoreCall", "list[int] | None", None]
+Codes = Generator[StoreCall, "list[int] | None", list[int]]  # one store call's part of a job: its codes
 
 
 class WorkerSteps:
-    """One rank's step functions over its ledgers and store. ``lock`` guards the ledgers (the connector
-    shares it with the model runner thread); store calls run outside it."""
+    """One rank's step functions over its ledgers. They make no store call: a job's generator yields each
+    `StoreCall` and is sent its codes (kvledger_connector/store/io.py); ``io`` arguments are the caller's
+    `StoreIO`, which makes them. ``lock`` guards the ledgers (the connector shares it with the model runner
+    thread); store calls run outside it."""
 
-    def __init__(self, *, store: Any, ledger: WorkerLedger, loads: LoadLedger, buffers: Buffers,
-                 tp_rank: int, block_size: int, key_bytes: int = 0, shape: BlockShape | None = None,
-                 load_sub_batch_keys: int = 1 << 30, stats: StatsRecorder | None = None,
-                 lock: ContextManager[Any] | None = None, stripe: tuple[int, int] | None = None,
-                 num_blocks: int | None = None) -> None:
-        """``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
+    def __init__(self, config: ConnectorConfig, *, ledger: WorkerLedger, loads: LoadLedger, buffers: Buffers,
+                 tp_rank: int, key_bytes: int = 0, shape: BlockShape | None = None,
+                 stats: StatsRecorder | None = None, lock: ContextManager[Any] | None = None,
+                 stripe: tuple[int, int] | None = None, num_blocks: int | None = None) -> None:
+        """``config``: the connector's, checked whole where it was built (its ``block_size``, and its store's
+        ``load_sub_batch_keys``). ``ledger.max_requests`` also bounds the `SentBlocks` tables (one per request generation).
         ``shape``: this rank's block (kvledger_connector/shape/block_shape.py), its parts' key builders; None: no
         keys, every job fails. ``buffers`` takes each entry's block id and part. ``stripe``: (this rank's
         replica index, replicas) among ranks that share keys (`kvledger.put_positions`); default the shape's,
         else (0, 1). ``num_blocks``: blocks of the registered KV cache, the range a spec's block ids are
         checked against (0: none registered, every id refused; None: a driver's own buffers, ids not bounded
         above)."""
-        if block_size.__class__ is not int or block_size <= 0:
-            raise LedgerInputError("block_size", block_size, "must be an int > 0")
-        if load_sub_batch_keys.__class__ is not int or load_sub_batch_keys <= 0:
-            raise LedgerInputError("load_sub_batch_keys", load_sub_batch_keys, "must be an int > 0")
+        if not isinstance(config, ConnectorConfig):
+            raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
         if shape is not None and not isinstance(shape, BlockShape):
             raise LedgerInputError("shape", type(shape).__name__, "must be a BlockShape")
-        self.store = store  # tests may wrap it (e.g. to hold the store thread)
         self.ledger = ledger
         self.loads = loads
         self.buffers = buffers
         self.tp_rank = tp_rank
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.key_bytes = key_bytes  # set once the KV cache is registered (with the trailer, under a seal)
         self.seal: BlockSeal | None = None  # integrity tags (kvledger_connector/shape/integrity.py); None: off
         # swapped whole by a weights-version switch (`BlockShape.rekeyed`); the threads read it once per job
@@ -239,13 +243,16 @@ class WorkerSteps:
             stripe = shape.stripe if shape is not None else (0, 1)
         put_positions(0, 0, *stripe)  # checks it
         self.stripe = stripe
-        self.sub_batch = load_sub_batch_keys
+        self.sub_batch = config.store.load_sub_batch_keys
+        # a full memory segment with the disk tier frees room each heartbeat: its keys are put again (bounded)
+        self.full_retries = config.store.full_put_retries if config.store.disk_offload else 0
+        self.full_retry_s = config.store.full_put_retry_ms / 1000
         self.stats = stats or StatsRecorder()
         self.sent = SentBlocks(ledger.max_requests, counts=self.stats)
         self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
         self.num_blocks = num_blocks
         # keys of objects that failed their integrity tag, in order, each once (bounded): removed by
-        # `remove_mismatched` on the store's own thread, never on the thread that loaded (a sync load runs on
+        # the store's own thread (`take_removals`), never on the thread that loaded (a sync load runs on
         # the model runner's)
         self.removals: dict[str, None] = {}
         # loads finished and not yet reported, in order (bounded by loads in flight); a list, not a set: two
@@ -286,15 +293,6 @@ class WorkerSteps:
         logger.error("kvledger worker r%d: %s", self.tp_rank, msg)
         if len(self.errors) < MAX_ERRORS_KEPT:
             self.errors.append(msg)
-
-    def store_call(self, fn: str, n: int, *args: Any) -> list[int]:
-        """A store batch call whose exception becomes CLIENT_EXCEPTION for each of its ``n`` keys (the
-        Mooncake wrapper already does this; a wrapped or test store may raise)."""
-        try:
-            return list(getattr(self.store, fn)(*args))
-        except Exception:
-            self.stats.add("store_exceptions")
-            return [int(StoreCode.CLIENT_EXCEPTION)] * n
 
     def has_pending_work(self) -> bool:
         """A job not yet reported, or a load not finished or not yet taken by a step."""
@@ -403,11 +401,11 @@ class WorkerSteps:
         return SavePlan(job_id, verdict, min(offset // self.block_size, end_block), end_block)
 
     def put(self, keys: Sequence[str], ids: Sequence[int], before_read: Callable[[], None] | None = None,
-            tails: Sequence[int] = (), parts: Sequence[int] | None = None) -> list[int]:
+            tails: Sequence[int] = (), parts: Sequence[int] | None = None) -> Codes:
         """Put: the keys not in the store yet are put from ``buffers(ids, parts)`` (``before_read``: wait for
         the forward's writes first); ``tails``: the indices of a partial tail block's keys (one per part of the
         block), whose later slots decode may still write; ``parts``: each key's part of a block (default part
-        0). Returns one code per key (0 for a key already present)."""
+        0). Yields its store calls; returns one code per key (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
@@ -416,7 +414,8 @@ class WorkerSteps:
             raise LedgerInputError("parts", len(parts), f"one part per key ({len(keys)} keys)")
         if not keys:
             return []
-        todo = codes.missing(self.store_call("batch_is_exist", len(keys), keys), len(keys))
+        exist = yield StoreCall("batch_is_exist", tuple(keys))
+        todo = codes.missing(exist, len(keys))
         out = [int(codes.STORED)] * len(keys)
         if not todo:
             return out
@@ -425,24 +424,40 @@ class WorkerSteps:
         put_keys, put_ids = [keys[j] for j in todo], [ids[j] for j in todo]
         put_parts = [parts[j] for j in todo]
         ptrs, sizes = self.buffers(put_ids, put_parts)
-        t0 = time.perf_counter()
         if self.seal is None:
-            res = self.store_call("batch_put", len(todo), put_keys, ptrs, sizes)
+            res = yield from self._put_until_room(put_keys, ptrs, sizes)
         else:  # each object ends in its trailer (kvledger_connector/shape/integrity.py), tagged from the blocks read
             with self.seal.slot(len(todo)) as slot:
                 stages = [j for j, i in enumerate(todo) if i in tails]
                 trailers, staged = self.seal.seal(slot, put_keys, put_ids, stages, put_parts)
                 for j, ptr in zip(stages, staged):  # a tail is sent from the copy its tag was computed over
                     ptrs[j], sizes[j] = [ptr], [self.seal.block_bytes]
-                res = self.store_call("batch_put", len(todo), put_keys, [p + [t] for p, t in zip(ptrs, trailers)],
-                                      [s + [self.seal.trailer_bytes] for s in sizes])
-        self.stats.add("put_s", time.perf_counter() - t0)
-        self.stats.add("puts")
-        self.stats.add("put_keys", len(todo))
-        codes.check_count("batch_put codes", res, len(todo))
+                res = yield from self._put_until_room(put_keys, [p + [t] for p, t in zip(ptrs, trailers)],
+                                                      [s + [self.seal.trailer_bytes] for s in sizes])
         for j, c in zip(todo, res):
             out[j] = c
         self.stats.add("put_bytes", self.key_bytes * sum(1 for c in res if c == codes.STORED))
+        return out
+
+    def _put_until_room(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> Codes:
+        """The batch put of ``keys``; the keys the store had no room for (NO_AVAILABLE_HANDLE) put again after
+        a wait, up to ``full_retries`` times (the disk tier frees memory as it writes objects out). Returns
+        each key's last code."""
+        res = yield StoreCall("batch_put", tuple(keys), tuple(ptrs), tuple(sizes))
+        codes.check_count("batch_put codes", res, len(keys))
+        out = list(res)
+        for _ in range(self.full_retries):
+            full = [j for j, c in enumerate(out) if c == codes.NO_AVAILABLE_HANDLE]
+            if not full:
+                break
+            self.stats.add("full_put_retries")
+            self.stats.add("full_put_retried_keys", len(full))
+            yield StoreCall("wait", (), wait_s=self.full_retry_s)
+            res = yield StoreCall("batch_put", tuple(keys[j] for j in full), tuple(ptrs[j] for j in full),
+                                  tuple(sizes[j] for j in full))
+            codes.check_count("batch_put codes", res, len(full))
+            for j, c in zip(full, res):
+                out[j] = c
         return out
 
     def record_put(self, job_id: int, put_codes: Sequence[int], num_keys: int, saved_tokens: int
@@ -483,11 +498,12 @@ class WorkerSteps:
         self.stats.add("rejected_jobs")
         self.report_save(job_id)
 
-    def save_steps(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
+    def save_steps(self, io: StoreIO, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                    block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
-                   full_end_block: int | None = None) -> SaveSteps:
-        """One store job as a generator, already started: it stands at START (nothing done). Each
-        ``next()`` does the next model action and returns its `SaveStep`:
+                   full_end_block: int | None = None) -> Stepped[SaveStep]:
+        """One store job as an iterator of its model steps, its store calls made by ``io``
+        (`Stepped`), already started: it stands at START (nothing done). Each ``next()`` does the next model
+        action and returns its `SaveStep`:
 
             DMA_READ  the ledger's verdict (RUN, STALE, SKIP); a job that does not run goes to REPORT next
             PUT       the missing keys put from ``buffers`` (``before_read`` first) and the outcome recorded
@@ -507,13 +523,14 @@ class WorkerSteps:
         partial tail block, which is stored under its own key and saved whole later if decode fills it.
         ``block_ids``: an id per KV cache group of each block (`SaveSpec`); a block is saved only when every
         part's key of it is (a null id has nothing to put)."""
-        gen = self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block)
+        gen = Stepped(self._save_job(req_id, job_id, end_block, block_ids, block_hashes, before_read,
+                                     full_end_block), io)
         next(gen)  # START
         return gen
 
     def _save_job(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                   block_hashes: Sequence[Any], before_read: Callable[[], None] | None,
-                  full_end_block: int | None) -> SaveSteps:
+                  full_end_block: int | None) -> SaveCalls:
         nxt = JobAction.DMA_READ  # the action under way or next: the one a failure ends
         verdict: Verdict | None = None
         try:
@@ -529,7 +546,7 @@ class WorkerSteps:
                     keys, ids, parts, at = self._entries(pos, block_ids, block_hashes)
                     # a partial tail is a key per part of its block, each staged
                     tails = [j for j, i in enumerate(at) if partial and i == end_block - 1]
-                    res = self.put(keys, ids, before_read, tails, parts)
+                    res = yield from self.put(keys, ids, before_read, tails, parts)
                     saved_to = end_block if full_end_block is None else full_end_block
                     out = self.record_put(job_id, res, len(keys), saved_to * self.block_size)
                     nxt = JobAction.REPORT
@@ -556,11 +573,11 @@ class WorkerSteps:
         except LedgerError as e:
             self.note_error(f"fail job {job_id}: {e}")
 
-    def run_save(self, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
+    def run_save(self, io: StoreIO, req_id: str, job_id: int, end_block: int, block_ids: Sequence[int],
                  block_hashes: Sequence[Any], before_read: Callable[[], None] | None = None,
                  full_end_block: int | None = None) -> None:
         """One store job, as the store thread runs it: `save_steps` drained."""
-        for _ in self.save_steps(req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block):
+        for _ in self.save_steps(io, req_id, job_id, end_block, block_ids, block_hashes, before_read, full_end_block):
             pass
 
     def _entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any]
@@ -619,28 +636,24 @@ class WorkerSteps:
         return load_id
 
     def load_batch(self, load_id: int, keys: Sequence[str], block_ids: Sequence[int],
-                   parts: Sequence[int] | None = None) -> list[tuple[int, int]]:
+                   parts: Sequence[int] | None = None) -> Generator[StoreCall, list[int] | None, list[tuple[int, int]]]:
         """Load: one batch get of ``keys`` into the blocks ``block_ids`` (one per key; ``parts``: each key's
-        part of a block, default part 0), classified by :mod:`kvledger.codes`. Returns (block id, code) of
-        each block not loaded (already reported)."""
+        part of a block, default part 0), classified by :mod:`kvledger.codes`. Yields the get; returns (block
+        id, code) of each block not loaded (already reported)."""
         if len(keys) != len(block_ids):
             raise LedgerInputError("block_ids", len(block_ids), f"one block per key ({len(keys)} keys)")
         parts = [0] * len(keys) if parts is None else list(parts)
         if len(parts) != len(keys):
             raise LedgerInputError("parts", len(parts), f"one part per key ({len(keys)} keys)")
         ptrs, sizes = self.buffers(list(block_ids), parts)
-        t0 = time.perf_counter()
         if self.seal is None:
-            res = self.store_call("batch_get", len(keys), list(keys), ptrs, sizes)
+            res = yield StoreCall("batch_get", tuple(keys), tuple(ptrs), tuple(sizes))
         else:
             with self.seal.slot(len(keys)) as slot:
                 tails = self.seal.trailer_ptrs(slot, len(keys))
-                res = self.store_call("batch_get", len(keys), list(keys), [p + [t] for p, t in zip(ptrs, tails)],
-                                      [s + [self.seal.trailer_bytes] for s in sizes])
+                res = yield StoreCall("batch_get", tuple(keys), tuple(p + [t] for p, t in zip(ptrs, tails)),
+                                      tuple(s + [self.seal.trailer_bytes] for s in sizes))
                 res = self._verified(slot, keys, block_ids, res, parts)
-        self.stats.add("get_s", time.perf_counter() - t0)
-        self.stats.add("gets")
-        self.stats.add("get_keys", len(keys))
         with self.lock:
             bad = self.loads.record_results(load_id, block_ids, res, self.key_bytes)
         for _, c in bad:
@@ -671,7 +684,7 @@ class WorkerSteps:
         return out
 
     def queue_removal(self, key: str) -> None:
-        """``key``'s object failed its tag: queued for `remove_mismatched` (the store's own thread), each key
+        """``key``'s object failed its tag: queued for `take_removals` (the store's own thread), each key
         once; past the bound it is left (counted): its next load fails the tag again and queues it then."""
         with self.lock:
             if key not in self.removals and len(self.removals) >= MAX_PENDING_REMOVALS:
@@ -679,19 +692,14 @@ class WorkerSteps:
                 return
             self.removals[key] = None
 
-    def remove_mismatched(self) -> int:
-        """Removes every queued object that failed its tag, by force (a reader's lease must not keep it:
-        while it exists no save replaces it). Called on the store's own threads (the worker's store and
-        load threads), never the model runner's. Best effort: the load error stood already. Returns how
-        many it tried."""
+    def take_removals(self) -> list[str]:
+        """The keys of every queued object that failed its tag, each once, for removal by force (a reader's
+        lease must not keep it: while it exists no save replaces it) on the store's own threads (the
+        worker's store and load threads, `StoreIO.remove`), never the model runner's. Best effort: the load
+        error stood already."""
         with self.lock:
             keys, self.removals = list(self.removals), {}
-        for k in keys:
-            try:
-                self.store.remove(k, True)
-            except Exception as e:  # best effort: the load error stands either way
-                self.note_error(f"remove {k} after an integrity mismatch: {type(e).__name__}: {e}")
-        return len(keys)
+        return keys
 
     def pending(self, load_id: int) -> list[int]:
         with self.lock:
@@ -716,10 +724,11 @@ class WorkerSteps:
         self.stats.add("rejected_loads")
         return self.finish_load(self.begin_load(req_id, block_ids), reason, sync)
 
-    def load_steps(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
-                   sync: bool = False, groups: Sequence[int] = ()) -> LoadSteps:
-        """One load as a generator (not started: nothing is owed before the first ``next()``). Each
-        ``next()`` does the next model action and returns its `LoadStep`:
+    def load_steps(self, io: StoreIO, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
+                   sync: bool = False, groups: Sequence[int] = ()) -> Stepped[LoadStep]:
+        """One load as an iterator of its model steps, its store calls made by ``io`` (`Stepped`); not
+        started: nothing is owed before the first ``next()``. Each ``next()`` does the next model action and
+        returns its `LoadStep`:
 
             EMIT_LOAD  LoadLedger.begin_load; the keys in this rank's load order (`load_pairs`: rotated by
                        tp_rank, each block id travelling with its key); oversized keys reported. A load with
@@ -733,6 +742,10 @@ class WorkerSteps:
         ``close()`` (or the generator's collection) before the load finished does the same inside
         ``close()`` (S8). ``sync``: the load is reported as a sync one (`finish_load`). ``groups``: each
         block's KV cache group (`LoadSpec.groups`)."""
+        return Stepped(self._load_job(req_id, block_ids, block_hashes, sync, groups), io)
+
+    def _load_job(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any], sync: bool,
+                  groups: Sequence[int]) -> LoadCalls:
         load_id = self.begin_load(req_id, block_ids)
         reason = "not attempted"
         result: LoadResult | None = None
@@ -749,7 +762,7 @@ class WorkerSteps:
             for i, sub in enumerate(subs):
                 bad: list[tuple[int, int]] = []
                 try:
-                    bad = self.load_batch(load_id, [k for k, _, _ in sub], [b for _, b, _ in sub],
+                    bad = yield from self.load_batch(load_id, [k for k, _, _ in sub], [b for _, b, _ in sub],
                                           [p for _, _, p in sub])
                 except LedgerInputError as e:  # e.g. a block id outside the cache: this sub-batch fails
                     reason = str(e)  # its blocks stay pending: reported when the load finishes
@@ -800,11 +813,11 @@ class WorkerSteps:
             order = [o for j, o in enumerate(order) if j not in drop]
         return [order[lo:lo + self.sub_batch] for lo in range(0, len(order), self.sub_batch)]
 
-    def run_load(self, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
+    def run_load(self, io: StoreIO, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
                  sync: bool = False, groups: Sequence[int] = ()) -> LoadResult:
         """One load, as a load thread (or, ``sync``, the model runner thread) runs it: `load_steps` drained."""
         result: LoadResult | None = None
-        for step in self.load_steps(req_id, block_ids, block_hashes, sync, groups):
+        for step in self.load_steps(io, req_id, block_ids, block_hashes, sync, groups):
             result = step.result or result
         if result is None:  # load_steps ends only after its finishing step
             raise LedgerInvariantError.of("S8", f"rank {self.tp_rank}: load of {req_id!r} ended unfinished")

@@ -272,7 +272,6 @@ def test_upstream_mode_must_agree_with_the_segment(extra: dict[str, object], fra
 
 
 @pytest.mark.parametrize("key, value, instead", [
-    ("enable_offload", True, "global_segment_size"),
     ("tenant_id", "tenant-7", "namespace"),
     ("preferred_segment", "node-3:12345", "remove it"),
     ("enable_lookup", False, "kv_producer"),

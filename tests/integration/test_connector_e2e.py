@@ -59,8 +59,8 @@ def test_cap_defers_saves_and_everything_still_drains(store_config: StoreConfig)
         _run_pass(h, prompts, max_tokens=24)
         ss = h.scheduler_connector.scheduler_side
         assert h.scheduler_connector.stats.total("deferrals") > 0
-        assert ss.ledger.peak_inflight_jobs == 1 and ss.ledger.peak_pinned_blocks <= 8
-        assert ss.ledger.num_jobs_opened > 0
+        assert ss.steps.ledger.peak_inflight_jobs == 1 and ss.steps.ledger.peak_pinned_blocks <= 8
+        assert ss.steps.ledger.num_jobs_opened > 0
         assert h.scheduler_connector.stats.totals.data["deferrals"] > 0  # reported to vLLM's stats too
         _check(h, prompts, max_tokens=24)
 
@@ -77,12 +77,12 @@ def test_lookup_is_idempotent_while_waiting(store_config: StoreConfig):
         from vllm.v1.request import Request
         sp = SamplingParams(max_tokens=4)
         req = Request("probe", prompts[0], sp, None, block_hasher=h._hasher)
-        q0 = ss.stats.total("lookups")
+        q0 = ss.steps.stats.total("lookups")
         first = ss.get_num_new_matched_tokens(req, 0)
         again = ss.get_num_new_matched_tokens(req, 0)
         assert first == again and first[0] == 48  # the 3 stored blocks
         assert first[1] is True  # the harness's policy is "recompute": every load is async there
-        assert ss.stats.total("lookups") == q0 + 1
+        assert ss.steps.stats.total("lookups") == q0 + 1
         ss.request_finished(req)
 
 
@@ -115,7 +115,7 @@ def test_finished_request_frees_at_once_and_pins_keep_the_engine_stepping(store_
     prompt = shared_prefix_prompts(1, num_prefixes=1, prefix_len=48, suffix_len=8, seed=3)[0]
     with Harness(store_config, tp_size=2, num_blocks=16) as h:
         for w in h.workers:
-            w.worker_side.steps.store = SlowStore(w.worker_side.steps.store)
+            w.worker_side.io.store = SlowStore(w.worker_side.io.store)
         h.add_request("req-0", prompt, 1)
         pinned_after_finish = 0
         while h.step():
@@ -197,7 +197,7 @@ def test_abort_during_async_load_keeps_destination_blocks_pinned(store_config: S
     with Harness(store_config, tp_size=2, num_blocks=14, extra={"sync_load_max_tokens": 0}) as h:
         _run_pass(h, prompts, max_tokens=8)
         for w in h.workers:
-            w.worker_side.steps.store = SlowGet(w.worker_side.steps.store)
+            w.worker_side.io.store = SlowGet(w.worker_side.io.store)
         for i, p in enumerate(prompts):
             h.add_request(f"req-{i}", p, 8)
         ss = h.scheduler_connector.scheduler_side.steps

@@ -32,8 +32,8 @@ def _pass(h: Harness, prompts: list[list[int]]) -> None:
 def _wrap_workers(h: Harness, plan: FaultPlan) -> list[FaultyStore]:
     faulty = []
     for r, w in enumerate(h.workers):
-        fs = FaultyStore(w.worker_side.steps.store, FaultPlan(plan.rules, seed=plan.seed + r))
-        w.worker_side.steps.store = fs
+        fs = FaultyStore(w.worker_side.io.store, FaultPlan(plan.rules, seed=plan.seed + r))
+        w.worker_side.io.store = fs
         faulty.append(fs)
     return faulty
 

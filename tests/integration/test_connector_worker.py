@@ -250,7 +250,7 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     gate = threading.Event()
 
     blocker_hash = _hash(99, salt)
-    ws.steps.store = _GatedStore(ws.steps.store, gate)
+    ws.io.store = _GatedStore(ws.io.store, gate)
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("other", 0, 0, 0, 1, (3,), (blocker_hash,))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 2, (1, 2), tuple(hashes))]))
     ws.start_step(KVLedgerConnectorMetadata(step=3, drops=[DropNotice("r", 0, False)]))  # DropGeneration before it ran
@@ -269,7 +269,7 @@ def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, reque
     ws = _worker(engine, store, cfg, salt=salt, store_queue_size=1)
     _register(ws, _caches(engine))
     gate = threading.Event()
-    ws.steps.store = _GatedStore(store, gate)
+    ws.io.store = _GatedStore(store, gate)
     try:
         for job in range(3):  # job 0 is taken by the thread, job 1 fills the queue, job 2 is rejected
             ws.end_step(KVLedgerConnectorMetadata(step=job + 1, saves=[
@@ -291,7 +291,7 @@ def test_full_load_queue_reports_every_block(engine, store, cfg, request):
     ws = _worker(engine, store, cfg, salt=salt, load_queue_size=1)
     _register(ws, _caches(engine))
     gate = threading.Event()
-    ws.steps.store = _GatedStore(store, gate)
+    ws.io.store = _GatedStore(store, gate)
     try:
         ws.start_step(KVLedgerConnectorMetadata(step=1, loads=[LoadSpec("a", (1,), (_hash(0, salt),))]))
         _wait(lambda: ws._load_q.empty())
@@ -351,7 +351,7 @@ def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, sto
     ws, caches, salt = writer
     gate = threading.Event()
 
-    ws.steps.store = _GatedStore(ws.steps.store, gate)
+    ws.io.store = _GatedStore(ws.io.store, gate)
     h_old, h_new = _hash(0, salt + "old"), _hash(0, salt + "new")
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("blocker", 0, 0, 0, 1, (3,), (_hash(9, salt),))]))
     ws.end_step(KVLedgerConnectorMetadata(step=2, saves=[SaveSpec("r", 1, 0, 0, 1, (1,), (h_old,))]))

@@ -37,7 +37,7 @@ def test_a_load_that_never_finishes_stalls_the_harness_with_a_diagnosis(store_co
             h.add_request(f"req-{i}", p, 8)
         h.run()  # stores every prefix
         for w in h.workers:
-            w.worker_side.steps.store = GatedGet(w.worker_side.steps.store, gate)
+            w.worker_side.io.store = GatedGet(w.worker_side.io.store, gate)
         for i, p in enumerate(prompts):  # most prefixes left vLLM's cache: they are loaded from the store
             h.add_request(f"req-{i}", p, 8)
         t0 = time.monotonic()

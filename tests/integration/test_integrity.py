@@ -174,9 +174,10 @@ def test_a_key_a_get_misses_leaves_every_other_key_of_its_batch_checked_against_
         keys = h.key_builders[0].keys(h.block_hashes_of(prompts[0]))
         assert len(keys) >= 3 and h.workers[0].store.batch_is_exist(keys) == [1] * len(keys)
         steps = h.workers[0].worker_side.steps
-        faulty = FaultyStore(steps.store, FaultPlan([FaultRule("get", "evict", keys=frozenset({keys[0]}),
-                                                               max_fires=1)]))
-        steps.store = faulty
+        io = h.workers[0].worker_side.io
+        faulty = FaultyStore(io.store, FaultPlan([FaultRule("get", "evict", keys=frozenset({keys[0]}),
+                                                            max_fires=1)]))
+        io.store = faulty
         h.reset_prefix_cache_when_idle()
         h.run_pass(prompts, MAX_TOKENS, tag="p2")  # outputs right, no KV read wrong (S7), at rest
         assert len(faulty.injected) == 1  # the get of the prefix ran, with its first key gone

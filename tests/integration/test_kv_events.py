@@ -168,8 +168,8 @@ def test_block_stored_only_once_every_rank_holds_the_block(store_config: StoreCo
         with Harness(store_config, tp_size=2, extra={"namespace": "ranks"}, kv_events=kvev) as h:
             router.handshake(h.scheduler.kv_event_publisher)
             ss = h.scheduler_connector.scheduler_side.steps
-            real = h.workers[1].worker_side.steps.store
-            h.workers[1].worker_side.steps.store = HeldPuts(real, gate)
+            real = h.workers[1].worker_side.io.store
+            h.workers[1].worker_side.io.store = HeldPuts(real, gate)
             h.add_request("r0", p0, MAX_TOKENS)
             try:
                 while "r0" not in h.stats.finished:
@@ -187,7 +187,7 @@ def test_block_stored_only_once_every_rank_holds_the_block(store_config: StoreCo
             assert sorted(bh for e in _of_medium(router.drain(), BlockStored, MEDIUM_CPU)
                           for bh in e.block_hashes) == sorted(_hashes(h, p0)[:n0])
 
-            h.workers[1].worker_side.steps.store = FaultyStore(real, FaultPlan([
+            h.workers[1].worker_side.io.store = FaultyStore(real, FaultPlan([
                 FaultRule("put", "code", code=int(StoreCode.NO_AVAILABLE_HANDLE))]))
             n_events = len(router.events)
             h.add_request("r1", p1, MAX_TOKENS)
@@ -197,7 +197,7 @@ def test_block_stored_only_once_every_rank_holds_the_block(store_config: StoreCo
             announced = {bh for e in _of_medium(router.drain()[n_events:], BlockStored, MEDIUM_CPU)
                          for bh in e.block_hashes}
             assert fresh and not (fresh & announced)
-            h.workers[1].worker_side.steps.store = real
+            h.workers[1].worker_side.io.store = real
             h.scheduler.shutdown()
     finally:
         router.close()

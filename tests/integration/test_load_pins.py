@@ -51,7 +51,7 @@ def test_aborted_load_stays_pinned_until_every_rank_finished(store_config: Store
         ss = h.scheduler_connector.scheduler_side.steps
         ledger = ss.ledger
         rank0, rank1 = (w.worker_side for w in h.workers)
-        rank1.steps.store = GatedGet(rank1.steps.store, gate)  # the store the rank's step functions call
+        rank1.io.store = GatedGet(rank1.io.store, gate)  # the store the rank's step functions call
         h.add_request("victim", prompt, 4)
         while "victim" not in ledger.pinned_loads():
             assert h.step()

@@ -82,7 +82,7 @@ def cut_at_the_first_load(h):
     # the first get of the next pass waits for the test to cut this host's link, the others for the cut
     first, cut = threading.Lock(), threading.Event()
     for w in h.workers:
-        store = w.worker_side.steps.store
+        store = w.worker_side.io.store
         def get(keys, ptrs, sizes, real=store.batch_get):
             if first.acquire(blocking=False):
                 say(event="loading")

@@ -24,7 +24,7 @@ def test_two_namespaces_never_share_keys_on_one_store(store_config: StoreConfig,
     # tenant-a's engine stays up throughout: the objects live in its workers' segments of the pool
     with Harness(store_config, workdir=work, extra={"namespace": "tenant-a"}) as a:
         a.run_pass(prompts, MAX_TOKENS)
-        assert a.scheduler_connector.scheduler_side.ledger.num_jobs_opened > 0
+        assert a.scheduler_connector.scheduler_side.steps.ledger.num_jobs_opened > 0
         a_keys = a.key_builders[0].keys(a.block_hashes_of(prompts[0]))
         assert all(k.startswith("tenant-a/kvl2/") for k in a_keys)
         assert a.workers[0].store.batch_is_exist(a_keys) == [1] * len(a_keys)  # tenant-a's blocks are stored

@@ -34,7 +34,7 @@ def _opens(gate: threading.Event):
 
 def _gate_puts(h: Harness, gate: threading.Event) -> None:
     for w in h.workers:
-        w.worker_side.steps.store = HeldPuts(w.worker_side.steps.store, gate)  # a test double: holds puts, nothing else
+        w.worker_side.io.store = HeldPuts(w.worker_side.io.store, gate)  # a test double: holds puts, nothing else
 
 
 def _preempt_all(h: Harness) -> None:

@@ -89,7 +89,7 @@ def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig,
         h.run_pass(prompts[:1], MAX_TOKENS, "first")  # stored before: the refused reset must leave these
         kept = _keys(h, prompts[:1])
         for w in h.workers:
-            w.worker_side.steps.store = HeldPuts(w.worker_side.steps.store, gate)
+            w.worker_side.io.store = HeldPuts(w.worker_side.io.store, gate)
         h.add_request("held", prompts[1], MAX_TOKENS)
         sa = h.scheduler_connector.scheduler_side.steps
         while "held" not in h.stats.finished:  # the request finishes; its job stays pinned (put held)

@@ -16,6 +16,7 @@ from kvledger.worker import WorkerLedger
 from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.embedded import EmbeddedMooncake
+from conformance.kvprobes import io_of, with_edge, worker_config
 from kvledger_connector.worker.steps import JobAction, WorkerSteps, no_lock
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.shape.kvlayout import plan_block_copies
@@ -165,10 +166,11 @@ def _steps(store: MooncakeStore, salt: str) -> tuple[WorkerSteps, torch.Tensor]:
     keys = KeyBuilder(KeyLayout(model=f"raw-faults-{salt}", tp_rank=0, tp_size=1, block_size=1,
                                 dtype="torch.float32", kv_layout=LAYOUT, num_layers=1, num_kv_heads=1,
                                 head_size=64))
-    steps = WorkerSteps(store=store, ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
-                        buffers=lambda ids, parts: plan.batch_buffers(ids), tp_rank=0, block_size=1,
-                        key_bytes=plan.block_bytes, shape=BlockShape.of_keys([keys]), load_sub_batch_keys=1,
-                        lock=no_lock())
+    steps = with_edge(WorkerSteps(worker_config(1, 1), ledger=WorkerLedger(0, max_live_jobs=8),
+                                  loads=LoadLedger(0, max_inflight_loads=4),
+                                  buffers=lambda ids, parts: plan.batch_buffers(ids), tp_rank=0,
+                                  key_bytes=plan.block_bytes, shape=BlockShape.of_keys([keys]),
+                                  lock=no_lock()), store)
     (view,) = caches.values()
     _KV_CACHES.append(view)
     return steps, view
@@ -181,22 +183,22 @@ def test_a_save_under_a_down_master_fails_then_the_backoff_skips_then_it_saves(f
     hashes = [b"\x01" * 8, b"\x02" * 8]
     for job in (1, 2, 3):
         w.receive("r", job, 0)
-    gen = w.save_steps("r", 1, 2, [1, 2], hashes)
+    gen = w.save_steps(io_of(w), "r", 1, 2, [1, 2], hashes)
     assert next(gen).action is JobAction.DMA_READ
     with client.during(BATCH_OPS, RawFault(code=StoreCode.RPC_FAIL)):
         put = next(gen)
     assert put.outcome is not None and not put.outcome.stored and w.ledger.job_state(1) == "failed"
     assert next(gen).action is JobAction.REPORT
     before = dict(client.num_calls)
-    w.run_save("r", 2, 2, [1, 2], hashes)  # inside the backoff: skipped by the wrapper, failed, reported
+    w.run_save(io_of(w), "r", 2, 2, [1, 2], hashes)  # inside the backoff: skipped by the wrapper, failed, reported
     assert client.num_calls == before and w.ledger.job_state(2) == "reported"
     assert w.stats.total("failed_jobs") == 2 and w.ledger.request("r").saved_offset == 0
     clock.advance(BACKOFF_MS / 1000.0)
     assert store.probe()
-    w.run_save("r", 3, 2, [1, 2], hashes)
+    w.run_save(io_of(w), "r", 3, 2, [1, 2], hashes)
     assert w.ledger.request("r").saved_offset == 2 and w.take_reports() == {1: 1, 2: 1, 3: 1}
     # a load of the two keys with the second key's transfer failing: block 4 loaded, block 5 reported
-    lg = w.load_steps("r2", [4, 5], hashes)
+    lg = w.load_steps(io_of(w), "r2", [4, 5], hashes)
     assert next(lg).action is JobAction.EMIT_LOAD and next(lg).failed == ()
     with client.during("get", RawFault(keys={w.block_shape().builders[0].key(hashes[1]): StoreCode.TRANSFER_FAIL})):
         last = next(lg)

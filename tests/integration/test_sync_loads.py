@@ -134,7 +134,7 @@ def test_a_failed_sync_load_is_reported_in_its_own_step(store_config: StoreConfi
         ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w1 = h.workers[1].worker_side
-        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule("get", "code",
+        w1.io.store = FaultyStore(w1.io.store, FaultPlan([FaultRule("get", "code",
                                                                           code=int(StoreCode.TRANSFER_FAIL))]))
         h.add_request("b", prompt, 3)
         seen = _statuses(h, "b")
@@ -175,7 +175,7 @@ def test_a_save_reading_a_block_of_a_failing_sync_load_never_stores_it(store_con
         ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w0 = h.workers[0].worker_side
-        w0.steps.store = FaultyStore(w0.steps.store, FaultPlan([FaultRule("get", "evict")]))
+        w0.io.store = FaultyStore(w0.io.store, FaultPlan([FaultRule("get", "evict")]))
         h.add_request("a", prompt, 3)
         h.add_request("b", prompt, 3)
         h.run()
@@ -196,7 +196,7 @@ def test_a_get_that_keeps_failing_is_loaded_once_then_recomputed(store_config: S
         ss = h.scheduler_connector.scheduler_side.steps
         _warm(h, prompt)
         w1 = h.workers[1].worker_side
-        w1.steps.store = FaultyStore(w1.steps.store, FaultPlan([FaultRule(
+        w1.io.store = FaultyStore(w1.io.store, FaultPlan([FaultRule(
             "get", "code", code=int(StoreCode.TRANSFER_FAIL))]))
         h.add_request("b", prompt, 3)
         h.run()

@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, quiet, rank, tp_shared_rank
+from conformance.kvprobes import io_of, drain, HASHES, KEY_BYTES, ProbeStore, quiet, rank, tp_shared_rank
 from conformance.probes_sched import BS, Req, _run, sched
 from kvledger_connector.metadata import SaveSpec
 from kvledger_connector.scheduler.side import ask_store
@@ -43,9 +43,9 @@ def test_a_stored_job_counts_one_run_job_only():
     w = rank(st)
     st.mem.update({1: 1, 2: 2})
     w.receive("r", 1, 0)
-    assert moved(w.stats, lambda: w.run_save("r", 1, 2, [1, 2], HASHES[:2])) == {"run_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])) == {"run_jobs": 1}
     w.receive("r", 2, 0)  # nothing new to put (the offset is at the end): still a job that ran
-    assert moved(w.stats, lambda: w.run_save("r", 2, 2, [1, 2], HASHES[:2])) == {"run_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 2, 2, [1, 2], HASHES[:2])) == {"run_jobs": 1}
 
 
 @pytest.mark.parametrize("code", [-800, 1])
@@ -56,7 +56,7 @@ def test_a_failed_put_counts_one_failed_job_whatever_its_failed_keys(code):
     for k in w.block_shape().builders[0].keys(HASHES[1:3]):
         st.put_codes[k] = code  # two failed keys, one job
     w.receive("r", 1, 0)
-    assert moved(w.stats, lambda: w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3])) == {"run_jobs": 1, "failed_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 1, 3, [1, 2, 3], HASHES[:3])) == {"run_jobs": 1, "failed_jobs": 1}
 
 
 def test_a_stale_job_counts_stale_not_failed_nor_run():
@@ -65,7 +65,7 @@ def test_a_stale_job_counts_stale_not_failed_nor_run():
     st.mem.update({1: 1})
     w.receive("r", 1, 0)
     w.receive("r", 2, 1)  # generation 1 supersedes job 1's generation 0
-    assert moved(w.stats, lambda: w.run_save("r", 1, 1, [1], HASHES[:1])) == {"stale_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 1, 1, [1], HASHES[:1])) == {"stale_jobs": 1}
     assert w.take_reports() == {1: 1}
 
 
@@ -75,9 +75,9 @@ def test_a_pressure_skipped_job_counts_skipped_not_failed_nor_run():
     st.mem.update({1: 1, 2: 2})
     st.put_codes[w.block_shape().builders[0].key(HASHES[0])] = -200  # NO_AVAILABLE_HANDLE: pressure
     w.receive("r", 1, 0)
-    assert moved(w.stats, lambda: w.run_save("r", 1, 1, [1], HASHES[:1])) == {"run_jobs": 1, "failed_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 1, 1, [1], HASHES[:1])) == {"run_jobs": 1, "failed_jobs": 1}
     w.receive("r", 2, 0)
-    assert moved(w.stats, lambda: w.run_save("r", 2, 2, [1, 2], HASHES[:2])) == {"skipped_jobs": 1}
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 2, 2, [1, 2], HASHES[:2])) == {"skipped_jobs": 1}
 
 
 def test_a_rejected_job_counts_rejected_only():
@@ -94,12 +94,12 @@ def test_a_handler_or_store_exception_counts_one_failed_job():
     st = ProbeStore()
     w = rank(st)
     w.receive("r", 1, 0)  # an empty hash: the key builder raises after DmaRead
-    assert moved(w.stats, lambda: w.run_save("r", 1, 2, [1, 2], [HASHES[0], b""])) == {"run_jobs": 1,
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 1, 2, [1, 2], [HASHES[0], b""])) == {"run_jobs": 1,
                                                                                        "failed_jobs": 1}
     st.raises.add("batch_put")
     st.mem.update({1: 1, 2: 2})
     w.receive("r", 2, 0)
-    assert moved(w.stats, lambda: w.run_save("r", 2, 2, [1, 2], HASHES[:2])) == {
+    assert moved(w.stats, lambda: w.run_save(io_of(w), "r", 2, 2, [1, 2], HASHES[:2])) == {
         "run_jobs": 1, "failed_jobs": 1, "store_exceptions": 1}
 
 
@@ -107,7 +107,7 @@ def test_an_abandoned_job_counts_one_failed_job():
     st = ProbeStore()
     w = rank(st)
     w.receive("r", 1, 0)
-    gen = w.save_steps("r", 1, 1, [1], HASHES[:1])
+    gen = w.save_steps(io_of(w), "r", 1, 1, [1], HASHES[:1])
     assert moved(w.stats, lambda: next(gen)) == {"run_jobs": 1}  # DmaRead
     assert moved(w.stats, gen.close) == {"failed_jobs": 1}
     assert w.take_reports() == {1: 1}
@@ -118,7 +118,7 @@ def test_a_whole_load_counts_one_load_and_no_error():
     st = ProbeStore()
     w = rank(st)
     st.data.update(dict.fromkeys(w.block_shape().builders[0].keys(HASHES[:3]), 1))
-    assert moved(w.stats, lambda: w.run_load("r", [4, 5, 6], HASHES[:3])) == {"loads": 1}
+    assert moved(w.stats, lambda: w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])) == {"loads": 1}
 
 
 def test_load_errors_count_the_blocks_not_loaded():
@@ -128,10 +128,10 @@ def test_load_errors_count_the_blocks_not_loaded():
     st.data.update(dict.fromkeys(keys, 1))
     del st.data[keys[1]]  # missing
     st.get_codes[keys[3]] = KEY_BYTES // 2  # a short read
-    assert moved(w.stats, lambda: w.run_load("r", [4, 5, 6, 7], HASHES[:4])) == {"loads": 1,
+    assert moved(w.stats, lambda: w.run_load(io_of(w), "r", [4, 5, 6, 7], HASHES[:4])) == {"loads": 1,
                                                                                  "load_errors_reported": 2}
     st.raises.add("batch_get")  # each sub-batch's call raises: every block fails, one exception per call
-    assert moved(w.stats, lambda: w.run_load("r", [4, 5, 6], HASHES[:3])) == {
+    assert moved(w.stats, lambda: w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])) == {
         "loads": 1, "load_errors_reported": 3, "store_exceptions": 2}
 
 
@@ -141,7 +141,7 @@ def test_a_block_of_several_keys_is_one_load_error():
     keys = [w.block_shape().builders[j].keys(HASHES[:2]) for j in range(2)]
     st.data.update(dict.fromkeys(keys[0][:1], 1))  # block 4: only its first head shard's key is stored
     st.data.update(dict.fromkeys(keys[0][1:] + keys[1][1:], 1))  # block 5: whole
-    assert moved(w.stats, lambda: w.run_load("r", [4, 5], HASHES[:2])) == {"loads": 1, "load_errors_reported": 1}
+    assert moved(w.stats, lambda: w.run_load(io_of(w), "r", [4, 5], HASHES[:2])) == {"loads": 1, "load_errors_reported": 1}
 
 
 def test_a_rejected_load_counts_its_blocks_as_errors():
@@ -156,19 +156,19 @@ def test_an_integrity_mismatch_counts_once_and_only_for_the_mismatched_block():
     from conformance.probes_parts import integrity_case
 
     w, _seal, _kv = integrity_case()  # block 2 changed after its tag; block 1 did not
-    st: ProbeStore = w.store
+    st: ProbeStore = io_of(w).store
     st.data.update({"k1": 1, "k2": 2})
     st.get_codes.update({"k1": w.key_bytes, "k2": w.key_bytes})
 
     def load() -> None:
         lid = w.begin_load("r", [1, 2])
-        w.load_batch(lid, ["k1", "k2"], [1, 2])
+        drain(w, w.load_batch(lid, ["k1", "k2"], [1, 2]))
         w.finish_load(lid, "done")
     assert moved(w.stats, load) == {"loads": 1, "integrity_mismatches": 1, "load_errors_reported": 1}
 
     def good() -> None:
         lid = w.begin_load("r", [1])
-        w.load_batch(lid, ["k1"], [1])
+        drain(w, w.load_batch(lid, ["k1"], [1]))
         w.finish_load(lid, "done")
     assert moved(w.stats, good) == {"loads": 1}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import kvprobes
-from conformance.kvprobes import HASHES, KEY_BYTES, ProbeStore, rank
+from conformance.kvprobes import io_of, HASHES, KEY_BYTES, ProbeStore, rank
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
@@ -46,7 +46,7 @@ def test_a_save_with_everything_present_puts_nothing_and_is_stored():
     w = rank(st)
     st.data.update({k: 7 for k in w.block_shape().builders[0].keys(HASHES[:2])})
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 2, [1, 2], HASHES[:2])
+    w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])
     assert [c[0] for c in st.calls] == ["batch_is_exist"]
     assert w.ledger.request("r").saved_offset == 2 * kvprobes.BLOCK_SIZE
 
@@ -59,12 +59,12 @@ def test_a_partial_tail_is_put_but_the_saved_offset_stops_before_it():
     w = rank(st)
     st.mem.update({1: 1, 2: 2, 3: 3})
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 3, [1, 2, 3], HASHES[:3], None, 2)
+    w.run_save(io_of(w), "r", 1, 3, [1, 2, 3], HASHES[:3], None, 2)
     assert w.take_reports() == {1: 1}
     assert [c[0] for c in st.calls] == ["batch_is_exist", "batch_put"] and len(st.calls[1][1]) == 3
     assert w.ledger.request("r").saved_offset == 2 * kvprobes.BLOCK_SIZE
     w.receive("r", 2, 0)  # the next job (block 2 now full) starts at block 2 again
-    w.run_save("r", 2, 3, [1, 2, 3], HASHES[:3])
+    w.run_save(io_of(w), "r", 2, 3, [1, 2, 3], HASHES[:3])
     assert w.ledger.request("r").saved_offset == 3 * kvprobes.BLOCK_SIZE
 
 
@@ -73,9 +73,9 @@ def test_two_finished_loads_of_one_req_id_are_reported_in_two_steps():
     them is reported once per step, so the scheduler releases both load pins (one per report)."""
     st = ProbeStore()
     w = rank(st)
-    w.run_load("r", [4], HASHES[:1])
-    w.run_load("r", [5], HASHES[1:2])
-    w.run_load("q", [6], HASHES[2:3])
+    w.run_load(io_of(w), "r", [4], HASHES[:1])
+    w.run_load(io_of(w), "r", [5], HASHES[1:2])
+    w.run_load(io_of(w), "q", [6], HASHES[2:3])
     assert w.take_finished_loads() == {"r", "q"}
     assert w.take_finished_loads() == {"r"}
     assert w.take_finished_loads() == set()
@@ -86,14 +86,14 @@ def test_every_sub_batch_is_tried_after_a_failed_one():
     w = rank(st, sub_batch=1)
     keys = w.block_shape().builders[0].keys(HASHES[:3])
     st.data.update({keys[0]: 1, keys[2]: 3})
-    res = w.run_load("r", [4, 5, 6], HASHES[:3])
+    res = w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])
     assert [c[0] for c in st.calls] == ["batch_get"] * 3
     assert res.loaded == {4, 6} and res.failed == {5}
 
 
 def test_an_empty_load_finishes():
     w = rank(ProbeStore())
-    res = w.run_load("r", [], [])
+    res = w.run_load(io_of(w), "r", [], [])
     assert res.loaded == res.failed == frozenset()
     assert w.take_finished_loads() == {"r"}
 
@@ -113,20 +113,17 @@ def test_load_pairs_keep_each_block_with_its_key(tp_rank):
 
 
 def test_bad_settings_and_inputs_name_the_field():
-    kw = dict(store=ProbeStore(), ledger=WorkerLedger(0, max_live_jobs=2),
+    kw = dict(ledger=WorkerLedger(0, max_live_jobs=2),
               loads=LoadLedger(0, max_inflight_loads=2), buffers=lambda ids: ([], []), tp_rank=0)
+    with pytest.raises(LedgerInputError) as e:  # the steps take the connector's config, checked whole
+        WorkerSteps({"block_size": 16}, **kw)  # type: ignore[arg-type]
+    assert e.value.field == "config"
+    w = kvprobes.with_edge(WorkerSteps(kvprobes.worker_config(16), key_bytes=KEY_BYTES, **kw), ProbeStore())
     with pytest.raises(LedgerInputError) as e:
-        WorkerSteps(block_size=0, **kw)
-    assert e.value.field == "block_size"
-    with pytest.raises(LedgerInputError) as e:
-        WorkerSteps(block_size=16, load_sub_batch_keys=0, **kw)
-    assert e.value.field == "load_sub_batch_keys"
-    w = WorkerSteps(block_size=16, key_bytes=KEY_BYTES, **kw)
-    with pytest.raises(LedgerInputError) as e:
-        w.put(["a", "b"], [1])
+        next(w.put(["a", "b"], [1]))  # checked before its first store call
     assert e.value.field == "ids"
     w.receive("r", 1, 0)
-    w.run_save("r", 1, 1, [1], [b"\x01"])  # no KeyBuilder: the job fails, and is reported all the same
+    w.run_save(io_of(w), "r", 1, 1, [1], [b"\x01"])  # no KeyBuilder: the job fails, and is reported all the same
     assert w.take_reports() == {1: 1}
     assert any("field keys" in e or "KeyBuilder" in e for e in w.errors), w.errors
 

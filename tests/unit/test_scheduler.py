@@ -28,11 +28,11 @@ def test_real_block_pool_satisfies_protocol_signatures():
     assert list(inspect.signature(BlockPool.free_blocks).parameters) == ["self", "ordered_blocks"]
 
 
-def test_open_job_pins_every_nonnull_block_dedup_in_order_with_cow_tail(pool):
+def test_open_job_pins_every_block_dedup_in_order_with_cow_tail(pool):
     table = alloc(pool, 4)
     cow = alloc(pool, 1)
     s = ledger(pool)
-    job = s.open_job("r", [0] + table + [table[1]], tail_block_ids=[cow[0], table[0], 0])
+    job = s.open_job("r", table + [table[1]], tail_block_ids=[cow[0], table[0]])
     assert job == 0
     assert s.pinned_block_ids(job) == table + cow
     assert refs(pool, table + cow) == [2] * 5
@@ -165,7 +165,7 @@ def test_job_larger_than_cap_is_a_clear_error(pool):
     assert refs(pool, t) == [1, 1, 1]
 
 
-@pytest.mark.parametrize("bad", [[-1], [64], [10**9], ["3"]])
+@pytest.mark.parametrize("bad", [[0], [-1], [64], [10**9], ["3"]])
 def test_block_ids_outside_pool_rejected_nothing_pinned(pool, bad):
     t = alloc(pool, 2)
     s = ledger(pool)
@@ -175,9 +175,18 @@ def test_block_ids_outside_pool_rejected_nothing_pinned(pool, bad):
     assert refs(pool, t) == [1, 1] and s.num_inflight_jobs == 0 and s.next_job_id == 0
 
 
-def test_empty_or_all_null_job_is_tracked_until_reported(pool):
+def test_the_null_block_is_refused_in_the_tail_too_nothing_pinned(pool):
+    t = alloc(pool, 2)
+    s = ledger(pool)
+    with pytest.raises(LedgerInputError, match="null block") as e:
+        s.open_job("r", t, tail_block_ids=[0])
+    assert e.value.field == "block_ids" and e.value.value == [0]
+    assert refs(pool, t) == [1, 1] and s.num_inflight_jobs == 0 and s.next_job_id == 0
+
+
+def test_empty_job_is_tracked_until_reported(pool):
     s = ledger(pool, world_size=2)
-    j = s.open_job("r", [0, 0])
+    j = s.open_job("r", [])
     assert j == 0 and s.pinned_block_ids(j) == [] and s.has_pending_work()
     s.collect({j: 2})
     assert not s.has_pending_work() and s.counts.total("unknown_reports") == 0
@@ -227,7 +236,7 @@ def test_emit_store_event_lists_the_tail_pinned_last(pool):
     tr = ListTrace(check=True)
     s = ledger(pool, trace=tr)
     t, tail = alloc(pool, 2), alloc(pool, 1)
-    s.open_job("r", t, tail_block_ids=[0, t[0]] + tail)  # null and a table block are not the tail
+    s.open_job("r", t, tail_block_ids=[t[0]] + tail)  # a table block is not the tail
     s.open_job("q", t)
     e0, e1 = tr.events
     assert e0["blocks"] == t + tail and e0["tail"] == tail

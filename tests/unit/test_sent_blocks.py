@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.kvprobes import HASHES, ProbeStore, rank
+from conformance.kvprobes import io_of, HASHES, ProbeStore, rank
 from kvledger.errors import LedgerInputError
 from kvledger_connector.worker.steps import SentBlocks
 from kvledger_connector.metadata import SaveSpec
@@ -108,5 +108,5 @@ def test_received_jobs_keep_their_blocks_after_the_table_is_dropped():
     w.drop_generation("r", finished=True, generation=0)
     assert len(w.sent) == 0 and j1 is not None and j2 is not None
     assert j2.block_ids == (1, 2) and j2.block_hashes == tuple(HASHES[:2])
-    w.run_save(j2.req_id, j2.job_id, j2.end_block, j2.block_ids, j2.block_hashes, None, j2.full_end_block)
+    w.run_save(io_of(w), j2.req_id, j2.job_id, j2.end_block, j2.block_ids, j2.block_hashes, None, j2.full_end_block)
     assert w.take_reports() == {2: 1}

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conformance import probes_specs
-from conformance.kvprobes import HASHES, ProbeStore, quiet, rank
+from conformance.kvprobes import io_of, HASHES, ProbeStore, quiet, rank
 from conformance.probes_specs import NUM_BLOCKS, worker_side
 from kvledger.errors import LedgerInputError
 from kvledger_connector.worker import steps as jobs
@@ -211,7 +211,7 @@ def test_a_save_with_a_negative_generation_is_reported_never_run(ws, mem):
 def test_a_duplicate_job_id_is_dropped_without_a_second_report(ws, mem):
     """Before: register raised 'already registered' out of end_step. The live job keeps its one report."""
     gate = threading.Event()
-    inner = ws.steps.store
+    inner = ws.io.store
 
     class _Held:  # THIS IS A TEST DOUBLE: holds the store thread until the gate opens
         def __getattr__(self, name: str) -> Any:
@@ -221,7 +221,7 @@ def test_a_duplicate_job_id_is_dropped_without_a_second_report(ws, mem):
                 gate.wait(5)
                 return fn(*a, **k)
             return call
-    ws.steps.store = _Held()
+    ws.io.store = _Held()
     _end(ws, saves=[SaveSpec("r", 1, 0, 0, 1, (1,), (H[0],)), SaveSpec("q", 1, 0, 0, 1, (3,), (H[2],))])
     assert "another job" in ws.steps.errors[-1]
     gate.set()
@@ -301,8 +301,10 @@ def test_pending_removals_are_bounded_and_each_key_queued_once():
     w.queue_removal("k0")  # already waiting: not a second entry, not dropped
     assert len(w.removals) == jobs.MAX_PENDING_REMOVALS
     assert w.stats.total("integrity_removals_dropped") == 5
-    assert w.remove_mismatched() == jobs.MAX_PENDING_REMOVALS and not w.removals
-    assert w.store.calls[0] == ("remove", ["k0"])
+    keys = w.take_removals()
+    assert len(keys) == jobs.MAX_PENDING_REMOVALS and not w.removals
+    assert io_of(w).remove(keys) == []  # each removed, none raised
+    assert io_of(w).store.calls[0] == ("remove", ["k0"])
 
 
 def test_receive_save_probe_rank_without_a_cache_size_still_checks_ranges():

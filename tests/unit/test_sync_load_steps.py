@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from conformance.kvprobes import HASHES, ProbeStore, rank
-from conformance.probes_sched import BS, Req, sched
+from conformance.kvprobes import io_of, HASHES, ProbeStore, rank
+from conformance.probes_sched import BS, Req, sched, sched_config
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
@@ -66,8 +66,8 @@ def test_the_save_waits_for_the_sync_load_report_then_starts_after_the_kept_bloc
 
 def test_two_ranks_release_a_sync_load_only_together():
     s, req, n = _loaded(sync_max=1 << 10)
-    steps = SchedulerSteps(block_size=BS, world_size=2, key_builders=s.steps.key_builders,
-                           max_pinned_blocks=32, sync_load_max_tokens=1 << 10)
+    steps = SchedulerSteps(sched_config(world_size=2, max_pinned_blocks=32, sync_load_max_tokens=1 << 10),
+                           key_builders=s.steps.key_builders)
     from kvledger.scheduler import SchedulerLedger
     steps.bind_ledger(SchedulerLedger(s.pool, world_size=2, max_inflight_jobs=4, max_pinned_blocks=32))
     steps.on_new_request(req)
@@ -81,19 +81,16 @@ def test_two_ranks_release_a_sync_load_only_together():
 
 
 def test_sync_load_max_tokens_must_be_an_int_ge_0():
-    s = sched()
-    for bad in (-1, 1.5, True):
+    for bad in (-1, 1.5, True):  # checked once, by the config the steps take whole
         with pytest.raises(LedgerInputError, match="sync_load_max_tokens"):
-            SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders,
-                           max_pinned_blocks=8, sync_load_max_tokens=bad)
+            sched_config(max_pinned_blocks=8, sync_load_max_tokens=bad)
 
 
 def test_kv_load_failure_policy_is_vllms_and_recompute_keeps_loads_async():
     """vLLM keeps a failed sync load's blocks in its prefix cache under "recompute": no load is sync there."""
     s = sched()
-    with pytest.raises(LedgerInputError, match="kv_load_failure_policy.*'retry'"):
-        SchedulerSteps(block_size=BS, world_size=1, key_builders=s.steps.key_builders,
-                       max_pinned_blocks=8, kv_load_failure_policy="retry")
+    with pytest.raises(LedgerInputError, match="config"):  # the steps take the checked config, nothing else
+        SchedulerSteps({"kv_load_failure_policy": "retry"}, key_builders=s.steps.key_builders)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv_load_failure_policy.*'retry'"):
         ConnectorConfig(store=StoreConfig(), block_size=BS, kv_load_failure_policy="retry")
     assert ConnectorConfig(store=StoreConfig(), block_size=BS).kv_load_failure_policy == "fail"  # vLLM's default
@@ -123,9 +120,9 @@ def test_a_sync_load_is_reported_in_worker_metadata_not_finished_recving():
     w = rank(st)
     keys = w.block_shape().builders[0].keys(HASHES[:2])
     st.data.update({keys[0]: 1})
-    res = w.run_load("r", [4, 5], HASHES[:2], sync=True)
-    w.run_load("r", [6], HASHES[2:3], sync=True)  # a reused id's second load: reported a step later
-    w.run_load("q", [7], HASHES[3:4])  # an async one
+    res = w.run_load(io_of(w), "r", [4, 5], HASHES[:2], sync=True)
+    w.run_load(io_of(w), "r", [6], HASHES[2:3], sync=True)  # a reused id's second load: reported a step later
+    w.run_load(io_of(w), "q", [7], HASHES[3:4])  # an async one
     assert res.failed == {5} and w.take_load_errors() == {5, 6, 7}  # S8 all the same (6, 7 not stored)
     assert w.take_finished_sync_loads() == {"r": 1}
     assert w.take_finished_sync_loads() == {"r": 1}

@@ -1,0 +1,116 @@
+"""The worker's store calls at the edge (etcd-raft's Ready/Advance): the step functions
+(kvledger_connector/worker/steps.py) never call the store. A job's generator yields a `StoreCall`, a value
+that says which batch call to make on which keys and buffers; whoever drives the generator makes it through
+`StoreIO`, the one wrapper (an exception becomes CLIENT_EXCEPTION per key, each call timed and counted), and
+sends the codes back in. `Stepped` is that driver: it answers every `StoreCall` and hands its caller only
+the model's steps, so a store thread drains a job by iterating over it and the conformance
+replay advances one model action per ``next()``.
+
+The store behind `StoreIO` is the Mooncake client with its breaker (`store/client.py`: an open breaker
+answers at once, without the round trip), or a test double put in its place (``io.store = ...``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from kvledger.counts import Counter, Counts
+from kvledger_connector.store.client import StoreCode
+
+StoreOp = Literal["batch_is_exist", "batch_put", "batch_get", "wait"]
+# the counters of the calls that move bytes: (calls, keys, seconds)
+_COUNTED: dict[str, tuple[str, str, str]] = {"batch_put": ("puts", "put_keys", "put_s"),
+                                             "batch_get": ("gets", "get_keys", "get_s")}
+
+
+@dataclass(frozen=True)
+class StoreCall:
+    """One batch call a step asks for: ``op`` on ``keys``; a put or a get also names each key's buffers
+    (``ptrs[i]``, ``sizes[i]``: the segments of key i's object, in order). Answered by one code per key.
+    ``wait``: no call, a pause of ``wait_s`` before the step goes on (a put's retry into a full segment);
+    answered by no codes."""
+    op: StoreOp
+    keys: tuple[str, ...]
+    ptrs: tuple[list[int], ...] = ()
+    sizes: tuple[list[int], ...] = ()
+    wait_s: float = 0.0
+
+
+class StoreIO:
+    """Makes a `StoreCall` on ``store``: the codes as the store gives them (the steps check their count),
+    or CLIENT_EXCEPTION for every key if the call raised (the Mooncake wrapper never does; a wrapped or test
+    store may). Counts into ``counts`` (the connector's one sink): puts / gets, their keys and seconds (the
+    store call alone), store_exceptions."""
+
+    def __init__(self, store: Any, counts: Counter | None = None) -> None:
+        self.store = store  # tests put a double in its place
+        self.counts: Counter = counts if counts is not None else Counts()
+        self._stopping = threading.Event()  # set at shutdown: a wait ends at once
+
+    def stop(self) -> None:
+        """Shutdown begun: every wait, now or later, ends at once (a retrying put gives up sooner)."""
+        self._stopping.set()
+
+    def __call__(self, call: StoreCall) -> list[int]:
+        if call.op == "wait":
+            self._stopping.wait(max(0.0, call.wait_s))
+            return []
+        t0 = time.perf_counter()
+        try:
+            fn = getattr(self.store, call.op)
+            res = list(fn(list(call.keys)) if call.op == "batch_is_exist"
+                       else fn(list(call.keys), list(call.ptrs), list(call.sizes)))
+        except Exception:
+            self.counts.add("store_exceptions")
+            res = [int(StoreCode.CLIENT_EXCEPTION)] * len(call.keys)
+        counted = _COUNTED.get(call.op)
+        if counted is not None:
+            calls, keys, seconds = counted
+            self.counts.add(seconds, time.perf_counter() - t0)
+            self.counts.add(calls)
+            self.counts.add(keys, len(call.keys))
+        return res
+
+    def remove(self, keys: Sequence[str]) -> list[str]:
+        """Removes each key's object by force (a reader's lease must not keep it). Best effort: returns one
+        message per key whose removal raised."""
+        errors: list[str] = []
+        for k in keys:
+            try:
+                self.store.remove(k, True)
+            except Exception as e:
+                errors.append(f"remove {k}: {type(e).__name__}: {e}")
+        return errors
+
+
+_S = TypeVar("_S")
+
+
+class Stepped(Generic[_S]):
+    """A job's generator (yielding its model steps and `StoreCall`s) with every store call made by ``io``:
+    an iterator of the model steps alone. ``throw`` and ``close`` go to the job's generator, as they would
+    on it (a job fails, or is abandoned, where it stands; `WorkerSteps.save_steps`)."""
+
+    def __init__(self, gen: Generator[_S | StoreCall, list[int] | None, None], io: StoreIO) -> None:
+        self.gen = gen
+        self.io = io
+
+    def __iter__(self) -> Stepped[_S]:
+        return self
+
+    def __next__(self) -> _S:
+        return self._answer(self.gen.send(None))
+
+    def throw(self, exc: BaseException) -> _S:
+        return self._answer(self.gen.throw(exc))
+
+    def close(self) -> None:
+        self.gen.close()
+
+    def _answer(self, item: _S | StoreCall) -> _S:
+        while isinstance(item, StoreCall):
+            item = self.gen.send(self.io(item))
+        return item
