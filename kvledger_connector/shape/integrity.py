@@ -470,14 +470,20 @@ class BlockSeal:
             if here is not None:
                 work += [(i, bind(keys[i], nonces[i]), here[block_ids[i]]) for i in at]
                 continue
-            stage = self._stage[slot]
-            for s in range(0, len(at), self._rows):  # each chunk hashed before the stage is refilled
-                chunk = at[s:s + self._rows]
-                gather_rows(self._views[g], self._offsets[g], [int(block_ids[i]) for i in chunk], stage)
-                got = _host(stage[:len(chunk)])
-                self._b3_all(out, [(i, bind(keys[i], nonces[i]), got[r]) for r, i in enumerate(chunk)])
+            self._b3_staged(out, slot, g, [(i, bind(keys[i], nonces[i]), int(block_ids[i])) for i in at])
         self._b3_all(out, work)
         return out
+
+    def _b3_staged(self, out: list[bytes], slot: int, part: int, work: Sequence[tuple[int, bytes, int]]) -> None:
+        """``out[i]`` = the b3 tag of each (i, bound, block id) of ``work``, a block of several runs: copied
+        a chunk at a time into the slot's staging rows (one TorchScript call) and hashed from there, side by
+        side (`_b3_all`), before the rows are refilled."""
+        stage = self._stage[slot]
+        for s in range(0, len(work), self._rows):
+            chunk = work[s:s + self._rows]
+            gather_rows(self._views[part], self._offsets[part], [b for _, _, b in chunk], stage)
+            got = _host(stage[:len(chunk)])
+            self._b3_all(out, [(i, bound, got[r]) for r, (i, bound, _) in enumerate(chunk)])
 
     # ------------------------------------------------------------------ trailer slots
     @contextmanager
