@@ -9,7 +9,8 @@
 #   Not covered here (needs Mooncake and vLLM on the CUDA machine): puts and gets between device and host
 #   buffers through Mooncake, the tag inside a running engine.
 #   scripts/gpu-check.sh pack   here (needs .venv with vLLM): writes $GPU_CHECK_DIR (default .gpu-check/):
-#                               kvledger_connector/shape/kvlayout.py and shape/tagkernel.py, the test, geometry.json
+#                               kvledger_connector/shape/kvlayout.py and shape/tagkernel.py, kvledger/errors.py,
+#                               the test, geometry.json
 #                               recorded from vLLM
 #   scripts/gpu-check.sh run    on the CUDA machine (torch + CUDA, pytest; no vLLM, no Mooncake, no network),
 #                               from the repository root; one verdict line at the end
@@ -21,6 +22,8 @@ case "${1:-}" in
   pack)
     rm -rf "$DIR"; mkdir -p "$DIR"
     cp kvledger_connector/shape/kvlayout.py kvledger_connector/shape/tagkernel.py scripts/gpu_check/test_gpu_kv.py "$DIR"/
+    # kvlayout's errors are kvledger's input errors: errors.py alone, as a namespace package (no __init__)
+    mkdir -p "$DIR/kvledger" && cp kvledger/errors.py "$DIR/kvledger/"
     .venv/bin/python -m scripts.gpu_check.record_geometry > "$DIR/geometry.json" 2>"$DIR/record.log"
     bytes=$(du -sb "$DIR" | cut -f1)
     echo "gpu-check: packed $DIR ($bytes bytes, $(grep -o '"layout"' "$DIR/geometry.json" | wc -l) cases)"

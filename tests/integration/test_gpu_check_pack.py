@@ -16,7 +16,8 @@ def test_gpu_check_packs_and_passes_on_cpu(tmp_path: Path) -> None:
            "PYTHON": sys.executable}
     subprocess.run(["scripts/gpu-check.sh", "pack"], cwd=ROOT, env=env, check=True, timeout=300)
     shipped = sorted(p.name for p in (tmp_path / "pack").iterdir())
-    assert set(shipped) == {"kvlayout.py", "tagkernel.py", "test_gpu_kv.py", "geometry.json", "record.log"}
+    assert set(shipped) == {"kvlayout.py", "tagkernel.py", "test_gpu_kv.py", "geometry.json", "record.log", "kvledger"}
+    assert sorted(p.name for p in (tmp_path / "pack" / "kvledger").iterdir()) == ["errors.py"]
     # the pack must not reach back into the project: run it from a copy's own folder with no PYTHONPATH
     env.pop("PYTHONPATH", None)
     res = subprocess.run(["scripts/gpu-check.sh", "run"], cwd=ROOT, env=env, capture_output=True, text=True,
