@@ -104,8 +104,10 @@ CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption 
 
 
 #: b3: the threads that hash one call's blocks side by side (the calling thread is one of them): `blake3`
-#: releases the GIL while it hashes, so a batch's tags take about 1/HASH_THREADS of one core's time
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: releases the GIL while it hashes, so a batch's tags take about 1/HASH_THREADS of one core's time. Half
+#: the cores, at most 4: the hashing never takes every core from the engine's own threads (with every core
+#: hashing, tests beside a busy CPU lost pass-2 hits: the scheduler's lookups, most likely, past their deadline)
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _pool_lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool): a forked child makes its own
 
