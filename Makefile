@@ -33,12 +33,14 @@ SUMMARIZED = scripts/summarized.sh
 # vLLM 0.32's integration and unit suites; 0.32's model and conformance suites, the pure core again under
 # python -O (safety checks must raise, never assert) and 0.33's suites but the engine's. Then the engine
 # suites of 0.32 and 0.33 alone: an engine's busy-polling processes beside another suite starve its
-# Mooncake master for seconds. Each pytest run names its slowest tests.
+# Mooncake master for seconds. Each pytest run names its slowest tests. The disk tier's suites run on the
+# second track, the shorter one.
 PYTEST = -m pytest -q -rfE -p no:cacheprovider --durations=12
+TIER = tests/integration/test_disk_tier.py tests/integration/test_disk_tier_connector.py
 test: setup
-	scripts/tracks.sh "$(PY) $(PYTEST) tests/integration tests/unit" -- \
-		"$(PY) $(PYTEST) tests/model tests/conformance" "$(PY) -O $(PYTEST) tests/unit" "$(TEST033) $(SUITES033)" \
-		== "$(PY) $(PYTEST) tests/engine" "$(TEST033) tests/engine"
+	scripts/tracks.sh "$(PY) $(PYTEST) tests/integration tests/unit $(TIER:%=--ignore=%)" -- \
+		"$(PY) $(PYTEST) tests/model tests/conformance" "$(PY) -O $(PYTEST) tests/unit" "$(PY) $(PYTEST) $(TIER)" \
+		"$(TEST033) $(SUITES033)" == "$(PY) $(PYTEST) tests/engine" "$(TEST033) tests/engine"
 
 # vLLM 0.33.0 (.venv033, layered on .venv by setup): the suites of vLLM's connector API, Scheduler/BlockPool,
 # KV cache planning and allocation, the harness and the real engine. The fault/bounds/replay suites run on 0.32 only.
