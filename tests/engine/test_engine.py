@@ -266,6 +266,10 @@ def test_tp2_mp_engine_loads_prefixes_from_the_store(
     trace = tmp_path / "trace.ndjson"
     conn = _connector(mooncake, trace)
     conn["extra"]["save_partial_tail"] = True  # every prompt is 3 full blocks + 4 tokens: its tail is saved too
+    # the burner beside the engine (and, in CI, another suite) can starve the master past 2 s, and a load
+    # that times out is recomputed (_check_workers allows it); this test's subject is that every load
+    # lands, tails included, so its client waits longer for the master
+    conn["extra"]["rpc_timeout_ms"] = 10_000
     # vLLM's client gives EngineCore 5 s to exit; its workers need about 4 s here (interpreter teardown,
     # with or without a connector), after which EngineCore still has to shut the scheduler-side connector
     # down: a longer bound lets it (else vLLM force-kills EngineCore mid-teardown). Run beside a busy CPU:
