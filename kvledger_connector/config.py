@@ -393,9 +393,12 @@ KEYS: tuple[Key, ...] = (
         tests="test_disk_tier.py::test_the_disk_bound_evicts_files_and_leaves_misses_never_wrong_bytes"),
     Key("disk_offload_staging_size", "size", 64 << 20, "store",
         "the segment owner's buffer for reads from its files (Mooncake's default 1.25 GiB per client): one "
-        "`batch_get`'s disk-resident objects must fit in it, else each of them fails (-10), so keep "
-        "`load_sub_batch_keys` × a key's bytes within it", lo=16 << 20, hi=16 << 30,
-        tests="test_disk_tier.py::test_bad_tier_settings_are_refused_by_name"),
+        "`batch_get`'s disk-resident objects must fit in it, else each of them fails (-10). With the tier a "
+        "worker's batch gets take at most as many keys as it holds for each of the engine's ranks at once "
+        "(fewer than `load_sub_batch_keys` where needed); a size that holds not one key per rank is refused",
+        lo=16 << 20, hi=16 << 30,
+        tests="test_disk_tier.py::test_bad_tier_settings_are_refused_by_name, "
+              "test_job_steps.py::test_a_load_batch_fits_the_tiers_staging_buffer"),
     Key("disk_offload_heartbeat_s", "int", 1, "store",
         "how often the client writes new objects to disk (Mooncake's default 10): an object's memory stays "
         "taken until it is written, so a put into a full segment fails meanwhile", lo=1, hi=60,

@@ -175,7 +175,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 cfg, store=self.store, shape=facts.block_shape(max_key_bytes=sc.max_key_bytes, namespace=sc.namespace),
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
-                rekey=lambda v: facts.block_shape(v, max_key_bytes=sc.max_key_bytes, namespace=sc.namespace).builders)
+                rekey=lambda v: facts.block_shape(v, max_key_bytes=sc.max_key_bytes, namespace=sc.namespace).builders,
+                readers=facts.world_size)
 
     @property
     def store_config(self) -> StoreConfig:

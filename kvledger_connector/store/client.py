@@ -247,6 +247,23 @@ def offloads(config: StoreConfig) -> bool:
     return config.disk_offload and config.global_segment_size > 0
 
 
+def load_batch_keys(config: StoreConfig, key_bytes: int, readers: int) -> int:
+    """Keys per `batch_get` for objects of `key_bytes`: `load_sub_batch_keys`, and with the disk tier no more
+    than one owner's staging buffer (`disk_offload_staging_size`) holds for `readers` ranks reading its files at
+    once: past it every disk-resident key of the batch fails (-10; docs/disk-tier.md). `ConfigError` when not
+    even one key per reader fits."""
+    if key_bytes < 1 or readers < 1:
+        raise ConfigError("key_bytes" if key_bytes < 1 else "readers", min(key_bytes, readers), "must be >= 1")
+    if not config.disk_offload:
+        return config.load_sub_batch_keys
+    fits = config.disk_offload_staging_size // (key_bytes * readers)
+    if fits < 1:
+        raise ConfigError("disk_offload_staging_size", config.disk_offload_staging_size,
+                          f"holds no key of {key_bytes} bytes for each of {readers} ranks reading the tier at "
+                          f"once: raise it to at least {key_bytes * readers}")
+    return min(config.load_sub_batch_keys, fits)
+
+
 def _refuse_dir(path: str, reason: str) -> ConfigError:
     return ConfigError("disk_offload_dir", path, reason)
 

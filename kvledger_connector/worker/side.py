@@ -52,7 +52,7 @@ from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import KVStore
+from kvledger_connector.store.client import KVStore, load_batch_keys
 from kvledger_connector.store.io import StoreIO
 from kvledger.errors import LedgerInputError
 from kvledger.load import LoadLedger
@@ -69,15 +69,19 @@ class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, shape: BlockShape, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None) -> None:
+                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None, readers: int = 1) -> None:
         """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
         in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
         are tagged (kvledger_connector/shape/integrity.py); None: no trailer. ``weights_version``: the one
         ``shape``'s builders build under; ``rekey``: the parts' key builders under another version, for when
-        a step's metadata names one (a reset_cache switched it, see kvledger_connector/scheduler/reset.py)."""
+        a step's metadata names one (a reset_cache switched it, see kvledger_connector/scheduler/reset.py).
+        ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
+        if not isinstance(readers, int) or readers < 1:
+            raise LedgerInputError("readers", readers, "must be an int >= 1")
+        self._readers = readers
         num_load_threads = connector_config.load_threads
         self.tp_rank = tp_rank
         self.connector_config = connector_config
@@ -149,6 +153,13 @@ class WorkerSide:
         self._plans = plans
         self.steps.buffers = PartBuffers(plans)
         self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
+        store_config = self.connector_config.store
+        self.steps.sub_batch = load_batch_keys(store_config, self.steps.key_bytes, self._readers)
+        if self.steps.sub_batch < store_config.load_sub_batch_keys:
+            logger.info("kvledger: %d keys per batch get (load_sub_batch_keys %d): %d ranks' reads of %d-byte "
+                        "keys from the disk tier must fit disk_offload_staging_size %d", self.steps.sub_batch,
+                        store_config.load_sub_batch_keys, self._readers, self.steps.key_bytes,
+                        store_config.disk_offload_staging_size)
         self._num_blocks = self.steps.num_blocks = plan.num_blocks
         self._cuda = plan.is_cuda
         self._start_threads()

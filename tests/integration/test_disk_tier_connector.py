@@ -5,8 +5,8 @@ connector's embedded default (it starts the master with ``--enable_offload=true`
 The stand-in model is sized so that one block of one rank is one 1 MiB object (4 layers x 8 KV heads x 256 x K|V
 x 16 tokens x fp32, plus the integrity trailer): 8 prompts of 8 full blocks store 64 MiB, four times the
 segment. A put that finds the segment full is retried (`full_put_retries`, `full_put_retry_ms`) while the tier
-writes objects out; a load reads 16 keys per `batch_get` (`load_sub_batch_keys`), so one batch's disk reads
-(16 MiB) fit the owner's 64 MiB staging buffer (`disk_offload_staging_size`).
+writes objects out; a load reads at most 63 keys per `batch_get`, as many as the owner's 64 MiB staging buffer
+(`disk_offload_staging_size`) holds, so one batch's disk reads fit it (`load_batch_keys`).
 
 - pass 2 after a prefix-cache reset loads blocks that memory no longer holds, read back from disk (the master's
   `file_cache_hit_nums_`), no KV read wrong (S7), outputs the model's; the same workload without the tier
@@ -32,8 +32,9 @@ SEGMENT = 16 << 20
 BLOCKS_PER_PROMPT = 8
 MODEL = dict(num_layers=4, num_kv_heads=8, head_size=256, num_blocks=40)  # one block: a 1 MiB object per rank
 KEY_BYTES = 1 << 20
-#: the full-segment retries at their defaults (20 x 250 ms); one sub-batch's disk reads within the staging buffer
-TIER_EXTRA = {"load_sub_batch_keys": 16}
+#: the defaults: full-segment retries 20 x 250 ms; 64 keys per batch get, which the connector shrinks to what
+#: the 64 MiB staging buffer holds of this model's keys (`load_batch_keys`: 63 of 1 MiB + the trailer)
+TIER_EXTRA: dict[str, Any] = {}
 MAX_TOKENS = 4
 
 
@@ -113,6 +114,7 @@ def _two_passes(tmp_path: Path, tier: bool, prompts: Sequence[list[int]]) -> dic
         w = h.workers[0].worker_side.steps
         ss = h.scheduler_connector.scheduler_side.steps
         assert w.key_bytes >= KEY_BYTES
+        assert w.sub_batch == (63 if tier else 16)  # one batch's disk reads fit the owner's staging buffer
         t0 = time.monotonic()
         h.run_pass(list(prompts), MAX_TOKENS, tag="p1")
         pass1_s = time.monotonic() - t0
