@@ -383,10 +383,12 @@ KEYS: tuple[Key, ...] = (
         tests="test_disk_tier.py::test_a_working_set_four_times_the_segment_is_read_back_from_disk_byte_exact"),
     Key("disk_offload_dir", "path", None, "store",
         "directory under which each client owning a segment makes its own private directory (mode 0700, removed "
-        "when the client closes) for the tier's files; created 0700 when absent; refused unless this user's "
-        "directory, not a link, that no one else may write. Required with `disk_offload` and a segment",
+        "when the client closes; one left by a killed client is removed by the next client) for the tier's files; "
+        "created 0700 when absent; refused unless this user's directory, not a link, that no one else may write. "
+        "Required with `disk_offload` and a segment",
         shown_default="none",
-        tests="test_disk_tier.py::test_a_directory_others_may_write_is_refused_by_name"),
+        tests="test_disk_tier.py::test_a_directory_others_may_write_is_refused_by_name, "
+              "::test_directories_of_clients_killed_without_closing_are_swept_by_the_next_client"),
     Key("disk_offload_size", "size", 16 << 30, "store",
         "bound on each client's files on disk; past it the least recently used objects' files are removed "
         "(they are then misses)", lo=16 << 20, hi=1 << 50,

@@ -49,6 +49,7 @@ them and prints the firewall recipe.
 from __future__ import annotations
 
 import enum
+import fcntl
 import logging
 import math
 import os
@@ -281,11 +282,85 @@ def _check_dir(path: str, st: os.stat_result, *, private: bool) -> None:
                           f"tier's files; chmod go-w or name another directory")
 
 
+#: the tier's directories of our clients under `disk_offload_dir`; each holds OWNER_LOCK, locked (flock) by
+#: the process of the client that writes it for as long as that process lives
+TIER_DIR_PREFIX = "kvledger-tier-"
+OWNER_LOCK = "owner.lock"
+#: a directory of ours with no OWNER_LOCK yet is being made (`make_offload_dir`) for this long at most
+UNLOCKED_GRACE_S = 60.0
+_owner_locks: dict[str, int] = {}  # this process's tier directories -> the fd holding OWNER_LOCK's lock
+_owner_locks_guard = threading.Lock()
+
+
+def _lock_owned(path: str) -> int:
+    """Create `path`'s OWNER_LOCK and lock it for this process (released when the process exits)."""
+    fd = os.open(os.path.join(path, OWNER_LOCK), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _owner_locks_guard:
+        _owner_locks[path] = fd
+    return fd
+
+
+def remove_offload_dir(path: str) -> None:
+    """Remove a tier directory `make_offload_dir` made in this process, and release its owner lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    with _owner_locks_guard:
+        fd = _owner_locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_offload_dirs(parent: str, *, now: float | None = None) -> list[str]:
+    """Remove the tier directories under `parent` whose client's process is gone (killed before its close
+    removed them: nothing reads them again, since every client makes a new one) and return them. Only our
+    own: named TIER_DIR_PREFIX, this user's, not links; a directory whose OWNER_LOCK some process holds is
+    live; one with no OWNER_LOCK is left for UNLOCKED_GRACE_S (a client may be between making it and locking)."""
+    now = time.time() if now is None else now
+    gone: list[str] = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(parent, name)
+        with _owner_locks_guard:
+            if not name.startswith(TIER_DIR_PREFIX) or path in _owner_locks:
+                continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if now - st.st_mtime >= UNLOCKED_GRACE_S:
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(path)
+            continue
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its client's process lives
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+        finally:
+            os.close(fd)
+    return gone
+
+
 def make_offload_dir(config: StoreConfig) -> str:
     """A fresh private directory (0700) for one client's disk tier, under `config.disk_offload_dir` (created
     0700 when absent). The named directory must be this user's, not a link, and writable by no one else
     (else `ConfigError` naming it): Mooncake allows one live client per directory and reads back whatever
-    files are there, so no other user may put files in either."""
+    files are there, so no other user may put files in either. The directory's OWNER_LOCK is locked for this
+    process until `remove_offload_dir`; first, directories whose clients' processes are gone are swept
+    (`sweep_offload_dirs`)."""
     parent = config.disk_offload_dir
     if parent is None:
         raise ConfigError("disk_offload_dir", None, "required with disk_offload and a memory segment")
@@ -295,16 +370,23 @@ def make_offload_dir(config: StoreConfig) -> str:
     except OSError as e:
         raise _refuse_dir(parent, f"cannot be created or read: {e.strerror or e}") from None
     _check_dir(parent, st, private=False)
+    swept = sweep_offload_dirs(parent)
+    if swept:
+        logger.info("kvledger: removed %d disk tier directories of clients gone without closing under %s",
+                    len(swept), parent)
     try:
-        mine = tempfile.mkdtemp(prefix="kvledger-tier-", dir=parent)
+        mine = tempfile.mkdtemp(prefix=TIER_DIR_PREFIX, dir=parent)
         st = os.lstat(mine)
     except OSError as e:
         raise _refuse_dir(parent, f"cannot hold a directory of ours: {e.strerror or e}") from None
     try:
         _check_dir(mine, st, private=True)
-    except ConfigError:
-        shutil.rmtree(mine, ignore_errors=True)
-        raise
+        _lock_owned(mine)
+    except (ConfigError, OSError) as e:
+        remove_offload_dir(mine)
+        if isinstance(e, ConfigError):
+            raise
+        raise _refuse_dir(parent, f"cannot lock a directory of ours: {e.strerror or e}") from None
     return mine
 
 
@@ -416,7 +498,7 @@ class MooncakeStore:
             raw, config = open_client(config, embedded=embedded, offload_dir=tier_dir)
         except BaseException:
             if tier_dir is not None:
-                shutil.rmtree(tier_dir, ignore_errors=True)
+                remove_offload_dir(tier_dir)
             raise
         store = cls(raw, config, embedded, clock=clock)
         store.offload_dir = tier_dir
@@ -525,7 +607,7 @@ class MooncakeStore:
             return False
         self._close_result = True
         if self.offload_dir is not None:  # the client that wrote it is gone: its files are read by no one
-            shutil.rmtree(self.offload_dir, ignore_errors=True)
+            remove_offload_dir(self.offload_dir)
         return True
 
     # -- health ------------------------------------------------------------------------------------

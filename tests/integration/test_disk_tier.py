@@ -22,8 +22,9 @@ import torch
 
 from kvledger.counts import Counts
 from kvledger_connector.config import ConfigError, StoreConfig
-from kvledger_connector.store.client import (MooncakeStore, StoreCode, StoreUnavailableError, make_offload_dir,
-                                              offload_environment)
+from kvledger_connector.store.client import (OWNER_LOCK, MooncakeStore, StoreCode, StoreUnavailableError,
+                                             make_offload_dir, remove_offload_dir, sweep_offload_dirs,
+                                             offload_environment)
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.procs import wait_until
 
@@ -245,6 +246,51 @@ def test_a_link_or_another_users_directory_is_refused(tmp_path: Path) -> None:
     if os.geteuid() != 0 and os.path.isdir("/"):
         with pytest.raises(ConfigError, match="owned by uid"):
             MooncakeStore.connect(tier_config("/").with_addresses("127.0.0.1:1", "http://127.0.0.1:1/metadata"))
+
+
+def test_directories_of_clients_killed_without_closing_are_swept_by_the_next_client(tmp_path: Path) -> None:
+    """A client killed before its close leaves its tier directory, whose files no one reads again: the next
+    client's `make_offload_dir` removes it. A live client's directory (its process holds OWNER_LOCK), an
+    unlocked one younger than the grace (a client between making and locking it), other names, links and
+    files stay."""
+    import signal
+    import subprocess
+    import sys
+    parent = tmp_path / "tier"
+    cfg = tier_config(str(parent))
+    code = ("import sys, time\nfrom kvledger_connector.config import StoreConfig\n"
+            "from kvledger_connector.store.client import make_offload_dir\n"
+            f"print(make_offload_dir(StoreConfig(disk_offload=True, disk_offload_dir={str(parent)!r})), flush=True)\n"
+            "time.sleep(600)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        killed_dir, live_dir = (p.stdout.readline().strip() for p in procs)  # type: ignore[union-attr]
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(30)
+        (Path(killed_dir) / "1.bucket").write_bytes(b"x" * 4096)  # a file the dead client wrote
+        young = parent / "kvledger-tier-young"
+        young.mkdir(mode=0o700)  # no OWNER_LOCK yet, just made
+        old = parent / "kvledger-tier-old"
+        old.mkdir(mode=0o700)
+        os.utime(old, (time.time() - 3600, time.time() - 3600))  # no OWNER_LOCK for an hour
+        other = parent / "someone-else"
+        other.mkdir(mode=0o700)
+        (parent / "kvledger-tier-link").symlink_to(other)
+        mine = make_offload_dir(cfg)
+        try:
+            left = sorted(os.listdir(parent))
+            assert os.path.basename(killed_dir) not in left and "kvledger-tier-old" not in left
+            assert {os.path.basename(live_dir), os.path.basename(mine), "kvledger-tier-young", "someone-else",
+                    "kvledger-tier-link"} == set(left), left
+            assert os.listdir(mine) == [OWNER_LOCK]
+        finally:
+            remove_offload_dir(mine)
+        assert not os.path.exists(mine)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+    assert sweep_offload_dirs(str(parent)) == [live_dir]  # its process is gone now
 
 
 def test_a_master_without_the_tier_refuses_a_tier_client_by_code(tier_dir: str) -> None:
