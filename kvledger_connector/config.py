@@ -391,8 +391,10 @@ KEYS: tuple[Key, ...] = (
               "::test_directories_of_clients_killed_without_closing_are_swept_by_the_next_client"),
     Key("disk_offload_size", "size", 16 << 30, "store",
         "bound on each client's files on disk; past it the least recently used objects' files are removed "
-        "(they are then misses)", lo=16 << 20, hi=1 << 50,
-        tests="test_disk_tier.py::test_the_disk_bound_evicts_files_and_leaves_misses_never_wrong_bytes"),
+        "(they are then misses). Mooncake also keeps 256 MiB of their file system free, removing files likewise",
+        lo=16 << 20, hi=1 << 50,
+        tests="test_disk_tier.py::test_the_disk_bound_evicts_files_and_leaves_misses_never_wrong_bytes, "
+              "::test_a_file_system_that_fills_up_below_the_bound_keeps_what_fits_and_never_reads_wrong_bytes"),
     Key("disk_offload_staging_size", "size", 64 << 20, "store",
         "the segment owner's buffer for reads from its files (Mooncake's default 1.25 GiB per client): one "
         "`batch_get`'s disk-resident objects must fit in it, else each of them fails (-10). With the tier a "

@@ -154,6 +154,59 @@ def test_the_disk_bound_evicts_files_and_leaves_misses_never_wrong_bytes(
         store.close()
 
 
+#: free space Mooncake's bucket backend keeps on the tier's file system (0.3.13, measured: it logs "Actual disk
+#: space too low ... deficit" and evicts its own older buckets to keep it)
+FS_RESERVE = 256 << 20
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of FS_RESERVE + 24 MiB, private: the tier's file system fills up long before `disk_offload_size`.
+    Skipped where this process may not mount (it needs root)."""
+    import subprocess
+    where = tmp_path / "small-fs"
+    where.mkdir(mode=0o700)
+    size = (FS_RESERVE >> 20) + 24
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}m,mode=0700", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_file_system_that_fills_up_below_the_bound_keeps_what_fits_and_never_reads_wrong_bytes(
+        tier_master: EmbeddedMooncake, small_fs: Path) -> None:
+    """The tier's file system fills up far below `disk_offload_size`: Mooncake keeps FS_RESERVE free, evicting
+    its own older files, and an object it cannot write stays in memory alone. Puts go on (no segment pinned by
+    unwritten objects), and pass 2 reads more than memory holds, each read whole and exact or a miss."""
+    store = MooncakeStore.connect(tier_config(str(small_fs / "tier")), embedded=tier_master)
+    mine = store.offload_dir
+    try:
+        assert mine is not None
+        src, dst = payload(5), torch.zeros(N, OBJECT, dtype=torch.uint8)
+        store.register_buffer(src.data_ptr(), src.nbytes)
+        store.register_buffer(dst.data_ptr(), dst.nbytes)
+        keys = [f"fills-{i}" for i in range(N)]
+        put_all(store, keys, src)  # every put stored, within PUT_BOUND_S
+        _, on_disk = files_under(mine)
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        assert on_disk <= 24 << 20 and free >= FS_RESERVE - 2 * OBJECT, (on_disk, free)
+        got: list[int] = []
+        for a in range(0, N, 8):
+            got += get_all(store, keys[a:a + 8], dst[a:a + 8])
+        assert set(got) <= {OBJECT, int(StoreCode.OBJECT_NOT_FOUND)}, sorted(set(got))
+        hits = [i for i, g in enumerate(got) if g == OBJECT]
+        assert all(torch.equal(dst[i], src[i]) for i in hits)  # 0 wrong bytes
+        assert len(hits) > SEGMENT // OBJECT, got  # the disk kept some: more than memory alone holds
+        print(f"\n[disk tier] a full file system: {on_disk >> 20} MiB written, {len(hits)}/{N} read back exact")
+    finally:
+        closed = store.close()
+    assert closed and not os.path.exists(mine)
+
+
 def test_objects_on_disk_outlive_a_master_restart_and_the_restart_is_counted(
         tier_master: EmbeddedMooncake, tier_dir: str) -> None:
     """A restarted master knows nothing; the client re-mounts its segment and re-announces the objects in
