@@ -5,7 +5,7 @@ import sys
 
 SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath", "bench.engine",
           "bench.scheduler", "bench.outage", "bench.replicas", "bench.hybrid",
-          "bench.tpshared")
+          "bench.tpshared", "bench.tier", "bench.tier_harness", "bench.tier_promotion")
 
 
 def main() -> int:

@@ -14,7 +14,10 @@ call: one call's disk-resident objects must fit the owner's staging buffer (`dis
 same number of bytes from a file in the same directory, its pages dropped from the page cache first
 (`posix_fadvise(DONTNEED)` after `fsync`).
 
-    python -m bench.tier [--mult 4 8] [--segment-mib 16] [--object-mib 1] [--read-batch 32] [--dir DIR]
+    python -m bench.tier [--quick] [--mult 4 8] [--segment-mib 16] [--object-mib 1] [--read-batch 32] [--dir DIR]
+
+`--harness`: the tier through vLLM's real Scheduler instead, 2 ranks, ours and upstream side by side
+(bench/tier_harness.py; its options follow, `--quick` among them).
 """
 from __future__ import annotations
 
@@ -117,7 +120,13 @@ def floor_read_s(nbytes: int, base: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--harness" in argv:
+        from bench import tier_harness
+        return tier_harness.main([a for a in argv if a != "--harness"])
     ap = argparse.ArgumentParser(prog="python -m bench.tier", description=__doc__.splitlines()[0])
+    ap.add_argument("--harness", action="store_true", help="through vLLM's Scheduler (bench/tier_harness.py)")
+    ap.add_argument("--quick", action="store_true", help="the 4x working set only")
     ap.add_argument("--mult", type=int, nargs="+", default=[4, 8], help="working set in segments")
     ap.add_argument("--segment-mib", type=int, default=16)
     ap.add_argument("--object-mib", type=int, default=1)
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-batch", type=int, default=32, help="keys per pass-2 batch_get (staging: 64 MiB)")
     ap.add_argument("--dir", default=None, help="where the tier's directories go (default: a temporary one)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mult = [4]
     segment, obj = args.segment_mib << 20, args.object_mib << 20
     with tempfile.TemporaryDirectory(prefix="bench-tier-", dir=args.dir) as base:
         os.chmod(base, 0o700)
