@@ -16,7 +16,8 @@ block; ``--blocks`` sets another count), one key per block.
             with the tag construction for host KV (keyed BLAKE3, computed off the GIL): each put computes
             its blocks' tags and sends the trailers, each get checks them (kvledger_connector/shape/integrity.py).
             The header line says what the connector resolved.
-  ours-ck   the same worker with an integrity "checksum" seal (the default beside a configured master).
+  ours-ck   the same worker with an integrity "checksum" seal (the default beside a configured master: on host
+            KV XXH3-128, no key); "ck/off" is its ratio to ours-off, as "ours/off" is the default's.
   ours-mm8  the same worker with ours's mode in the construction GPU KV gets (an int8 matmul in torch;
             what host KV got before BLAKE3): what the change bought, in the same run.
   ours-off  the same worker with no seal (integrity "off"): no tag, the objects of earlier versions. Its
@@ -547,6 +548,7 @@ def _layout_run(mc: Any, layout: str, iters: int, workdir: str, blocks: int) -> 
         for way in COSTS:  # integrity's cost, paired per iteration
             r[f"{way} cost"] = statistics.median(a / b - 1 for a, b in zip(ts[way], ts["ours-off"]))
         r["ours/off"] = statistics.median(b / a for a, b in zip(ts["ours"], ts["ours-off"]))
+        r["ck/off"] = statistics.median(b / a for a, b in zip(ts["ours-ck"], ts["ours-off"]))
         r["floor"] = statistics.median(b / (b + f) for b, f in zip(ts["ours-off"], floor_ts))
         out[op] = r
     return out
@@ -580,7 +582,7 @@ def datapath_suite(args: argparse.Namespace) -> int:
         if r["note"]:
             print(r["note"])
         print(f"{'op':<4} {'ours GB/s':>10} {'ck GB/s':>8} {'mm8 GB/s':>9} {'off GB/s':>9} {'raw GB/s':>9} "
-              f"{'upstream GB/s':>14} {'ours/off':>9} {'floor':>6} {'off/raw':>8} {'off/upstream':>13} "
+              f"{'upstream GB/s':>14} {'ours/off':>9} {'ck/off':>7} {'floor':>6} {'off/raw':>8} {'off/upstream':>13} "
               f"{'ck cost':>8} {'mm8 cost':>9}")
         for op in ("put", "get"):
             x = r[op]
@@ -589,11 +591,11 @@ def datapath_suite(args: argparse.Namespace) -> int:
             below += [f"{r['layout']} {op} {k}" for k, f in flags.items() if f == "*"]
             print(f"{op:<4} {_cell(x['ours'], 10)} {_cell(x['ours-ck'], 8)} {_cell(x['ours-mm8'], 9)} "
                   f"{_cell(x['ours-off'], 9)} {_cell(x['raw'], 9)} {_cell(x['upstream'], 14)} "
-                  f"{_cell(x['ours/off'], 9, flags['ours/off'])} {_cell(x['floor'], 6)} "
+                  f"{_cell(x['ours/off'], 9, flags['ours/off'])} {_cell(x['ck/off'], 7)} {_cell(x['floor'], 6)} "
                   f"{_cell(x['off/raw'], 8, flags['off/raw'])} "
                   f"{_cell(x['off/upstream'], 13, flags['off/upstream'])} "
                   f"{x['ours-ck cost']:>+8.0%} {x['ours-mm8 cost']:>+9.0%}")
-    print("\nours: the connector's default integrity (as resolved, above); ck: integrity \"checksum\"; mm8: ours's "
+    print("\nours: the connector's default integrity (as resolved, above); ck: integrity \"checksum\" (XXH3-128 on host KV); mm8: ours's "
           "mode in the construction GPU KV gets; off: integrity \"off\" (like raw and upstream, no tag). Ratios: "
           "median of per-iteration throughput ratios; floor: time(off) / (time(off) + one keyed BLAKE3 pass over "
           "the batch), the best ours/off a tag computed after the transfer can reach; cost: median of "

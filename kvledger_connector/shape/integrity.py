@@ -11,9 +11,9 @@ its own key, and the nonce, random per put, makes each put's tag input its own (
 bit-different KV since GPU kernels need not be bitwise deterministic, share nothing a forger could combine).
 A whole object replayed under its own key still loads: it is what an engine holding the key stored there.
 
-Two constructions; `construction_for` picks one by where the KV cache lives, and `key_tag` puts it in every
-key's layout digest, so engines using different ones never share a key (neither fails every load on the
-other's objects):
+Three constructions; `construction_for` picks one by where the KV cache lives and the mode, and `key_tag` puts
+it in every key's layout digest, so engines using different ones never share a key (neither fails every load
+on the other's objects):
 
 * ``b3``, KV in host memory: ``tag = BLAKE3-keyed_hash(K, bind(key, nonce) || block bytes)``, 64 bytes of
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
@@ -26,6 +26,12 @@ other's objects):
   MiB inputs, one core, other jobs running): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2 GB/s,
   keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3. Its cost is one more read of the bytes at the hash's rate
   over HASH_THREADS cores, plus the staging copy for a block of several runs (`bench.datapath` measures it).
+* ``x3``, KV in host memory under ``checksum`` (which has no secret, so needs no MAC): ``tag =
+  XXH3-128(bind(key, nonce) || block bytes)`` (PyPI `xxhash`), its 16 bytes then 48 zero bytes (the trailer
+  keeps one size). A fast non-cryptographic hash, enough for what ``checksum`` promises (bytes changed by
+  accident, a block under another key) and no more; computed as ``b3`` is (where the block lies, or from the
+  staging rows; `xxhash` releases the GIL on inputs over 64 KiB), at several times BLAKE3's rate
+  (`bench.datapath`).
 * ``mm8``, KV on a GPU (written for tensor cores; the bytes never cross to the host), the definition
   `reference_digest` gives in numpy and `BlockSeal` computes with torch on the KV cache's device:
 
@@ -44,7 +50,8 @@ other's objects):
 Modes (the same for both constructions):
 
 * ``checksum`` (the default only with a configured master and no secret file, said once at start-up):
-  the secret is empty, so anyone can compute a tag (under ``b3`` K is a fixed public constant). It catches
+  the secret is empty, so anyone can compute a tag (under ``x3`` no key at all, under ``b3`` K is a fixed
+  public constant). It catches
   bytes changed in the store, a torn transfer, a block stored under another block's key, and a client that
   overwrites a value with bytes of its own, unless it recomputes the tag on purpose.
 * ``mac`` (the default where the connector starts the store; `IntegrityKey.resolve`): a secret from
@@ -74,6 +81,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from blake3 import blake3
 
 from kvledger.errors import LedgerError, LedgerInputError
@@ -84,10 +92,13 @@ from kvledger_connector.shape.tagkernel import CHUNK, LANES, gather_rows, mm8_di
 
 MODES = ("checksum", "mac", "off")
 #: the tag constructions, by the version they write into the key tag (`IntegrityKey.key_tag`)
-CONSTRUCTIONS = {"b3": "b3", "mm8": "1"}
+CONSTRUCTIONS = {"b3": "b3", "mm8": "1", "x3": "x3"}
+#: the constructions computed by the host's cores, block by block (the others: `BlockSeal.digests`, in torch)
+HOST_HASHED = ("b3", "x3")
 MAGIC = b"KVLTAG01"
 NONCE_BYTES = 8
 TAG_BYTES = 64
+X3_DIGEST_BYTES = 16  # x3: XXH3-128's digest, then zero bytes to TAG_BYTES
 TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
 FEW_BLOCKS = 16  # mm8: up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
@@ -125,10 +136,13 @@ class IntegrityError(LedgerError):
     """A trailer slot was asked for with none free (more concurrent store calls than the seal was sized for)."""
 
 
-def construction_for(device_type: str) -> str:
-    """The tag construction for a KV cache on ``device_type`` (vLLM's ``device_config.device_type``): ``b3``
-    in host memory, where the cores compute it; ``mm8`` on an accelerator, where it runs on the device."""
-    return "b3" if device_type == "cpu" else "mm8"
+def construction_for(device_type: str, mode: str = "mac") -> str:
+    """The tag construction for a KV cache on ``device_type`` (vLLM's ``device_config.device_type``) under
+    ``mode``: in host memory, where the cores compute it, ``x3`` for 'checksum' (no secret to key a hash
+    with) and ``b3`` for 'mac'; ``mm8`` on an accelerator, where it runs on the device."""
+    if device_type != "cpu":
+        return "mm8"
+    return "x3" if mode == "checksum" else "b3"
 
 
 def read_secret(path: str) -> bytes:
@@ -144,21 +158,25 @@ def read_secret(path: str) -> bytes:
 @dataclass(frozen=True)
 class IntegrityKey:
     """The mode, the secret and the construction: what a tag is computed with (the same on every rank and
-    engine that shares keys). ``construction`` defaults to host memory's; the connector takes it from the
-    engine's device (`resolve`)."""
+    engine that shares keys). ``construction`` defaults to host memory's for the mode (`construction_for`);
+    the connector takes it from the engine's device (`resolve`)."""
 
     mode: str = "checksum"
     secret: bytes = field(default=b"", repr=False)
-    construction: str = "b3"
+    construction: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise LedgerInputError("integrity", self.mode, f"must be one of {MODES}")
+        if not self.construction:
+            object.__setattr__(self, "construction", construction_for("cpu", self.mode))
         if (self.mode == "mac") != bool(self.secret):
             raise LedgerInputError("integrity_secret_file", "<set>" if self.secret else None,
                                    f"a secret is needed by integrity 'mac' and only by it (integrity={self.mode!r})")
         if self.construction not in CONSTRUCTIONS:
             raise LedgerInputError("construction", self.construction, f"must be one of {sorted(CONSTRUCTIONS)}")
+        if self.construction == "x3" and self.mode == "mac":
+            raise LedgerInputError("construction", self.construction, "takes no key: integrity 'mac' needs b3 or mm8")
 
     @classmethod
     def of(cls, mode: str | None, secret_file: str | None) -> IntegrityKey:
@@ -177,7 +195,7 @@ class IntegrityKey:
         engine's generated secret (``generated()``, asked only then), else no secret; the construction for
         a KV cache on ``device`` (`construction_for`)."""
         mode = integrity_mode(mode, secret_file, embedded=embedded)
-        how = construction_for(device)
+        how = construction_for(device, mode)
         if mode != "mac":
             return cls(mode, construction=how)
         return cls(mode, read_secret(secret_file) if secret_file is not None else generated(), how)
@@ -189,7 +207,7 @@ class IntegrityKey:
     @property
     def key_tag(self) -> str:
         """What goes into every key's layout digest: '' (off: the old object format), 'ck' or 'mac' with the
-        construction's version ('ck1', 'ckb3'), and under 'mac' '-' and 16 hex chars of an HMAC of the secret
+        construction's version ('ck1', 'ckb3', 'ckx3'), and under 'mac' '-' and 16 hex chars of an HMAC of the secret
         (not the secret: the digest is public)."""
         if self.mode == "off":
             return ""
@@ -244,6 +262,8 @@ def reference_tag(obj: bytes, ikey: IntegrityKey, key: str, nonce: bytes) -> byt
     whole object at once (what `BlockSeal.tags` is tested against on every layout)."""
     if ikey.construction == "b3":
         return blake3(ikey.bind(key, nonce) + obj, key=ikey.b3_key).digest(TAG_BYTES)
+    if ikey.construction == "x3":
+        return xxhash.xxh3_128_digest(ikey.bind(key, nonce) + obj).ljust(TAG_BYTES, b"\0")
     return _mm8_tag(ikey, key, reference_digest(obj, ikey), nonce)
 
 
@@ -314,8 +334,8 @@ class BlockSeal:
         for i in range(slots):
             self._free.put_nowait(i)
         self.trailer_bytes = TRAILER_BYTES
-        if ikey.construction == "b3":
-            self._b3_key = ikey.b3_key
+        if ikey.construction in HOST_HASHED:
+            self._b3_key = ikey.b3_key if ikey.construction == "b3" else b""
             # a block that is one run of host memory is hashed where it lies: [blocks, bytes] numpy views
             self._in_place = [segs[0].view[:, 0].numpy() if device.type == "cpu" and len(p.segments) == 1
                               else None for segs, p in zip(self._segs, plans)]
@@ -413,25 +433,30 @@ class BlockSeal:
             return _host(t).view(np.uint64)
         return self._digests(self._gather(block_ids, part))
 
-    def _b3(self, bound: bytes, data: Any) -> bytes:
-        """One block's b3 tag: its bytes in one `update`, inside which `blake3` releases the GIL."""
+    def _hash(self, bound: bytes, data: Any) -> bytes:
+        """One block's host-hashed tag (b3 or x3): its bytes in one `update`, inside which `blake3` (and
+        `xxhash`, past 64 KiB) releases the GIL."""
+        if self.ikey.construction == "x3":
+            x = xxhash.xxh3_128(bound)
+            x.update(data)
+            return x.digest().ljust(TAG_BYTES, b"\0")
         h = blake3(bound, key=self._b3_key)
         h.update(data)
         return h.digest(TAG_BYTES)
 
-    def _b3_all(self, out: list[bytes], work: Sequence[tuple[int, bytes, Any]]) -> None:
-        """``out[i]`` = the b3 tag of each (i, bound, bytes) of ``work``, hashed by up to HASH_THREADS threads
+    def _hash_all(self, out: list[bytes], work: Sequence[tuple[int, bytes, Any]]) -> None:
+        """``out[i]`` = the tag of each (i, bound, bytes) of ``work``, hashed by up to HASH_THREADS threads
         side by side (this one included), each over a contiguous share; returns when every tag is in."""
         k = min(HASH_THREADS, len(work))
         if k <= 1:
             for i, bound, data in work:
-                out[i] = self._b3(bound, data)
+                out[i] = self._hash(bound, data)
             return
         shares = [work[j * len(work) // k:(j + 1) * len(work) // k] for j in range(k)]
 
         def run(share: Sequence[tuple[int, bytes, Any]]) -> None:
             for i, bound, data in share:
-                out[i] = self._b3(bound, data)
+                out[i] = self._hash(bound, data)
 
         helpers = [_hash_pool().submit(run, share) for share in shares[1:]]
         try:
@@ -472,20 +497,20 @@ class BlockSeal:
             if here is not None:
                 work += [(i, bind(keys[i], nonces[i]), here[block_ids[i]]) for i in at]
                 continue
-            self._b3_staged(out, slot, g, [(i, bind(keys[i], nonces[i]), int(block_ids[i])) for i in at])
-        self._b3_all(out, work)
+            self._hash_staged(out, slot, g, [(i, bind(keys[i], nonces[i]), int(block_ids[i])) for i in at])
+        self._hash_all(out, work)
         return out
 
-    def _b3_staged(self, out: list[bytes], slot: int, part: int, work: Sequence[tuple[int, bytes, int]]) -> None:
-        """``out[i]`` = the b3 tag of each (i, bound, block id) of ``work``, a block of several runs: copied
+    def _hash_staged(self, out: list[bytes], slot: int, part: int, work: Sequence[tuple[int, bytes, int]]) -> None:
+        """``out[i]`` = the tag of each (i, bound, block id) of ``work``, a block of several runs: copied
         a chunk at a time into the slot's staging rows (one TorchScript call) and hashed from there, side by
-        side (`_b3_all`), before the rows are refilled."""
+        side (`_hash_all`), before the rows are refilled."""
         stage = self._stage[slot]
         for s in range(0, len(work), self._rows):
             chunk = work[s:s + self._rows]
             gather_rows(self._views[part], self._offsets[part], [b for _, _, b in chunk], stage)
             got = _host(stage[:len(chunk)])
-            self._b3_all(out, [(i, bound, got[r]) for r, (i, bound, _) in enumerate(chunk)])
+            self._hash_all(out, [(i, bound, got[r]) for r, (i, bound, _) in enumerate(chunk)])
 
     # ------------------------------------------------------------------ trailer slots
     @contextmanager

@@ -34,10 +34,10 @@ def _object(plan, block: int) -> bytes:
     return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
 
 
-#: every construction in both modes that tag: b3 is what host KV gets (`construction_for("cpu")`), mm8 is the
-#: CUDA kernel, run here on host memory
-KEYS = [IntegrityKey(construction=c) for c in ("b3", "mm8")] + [IntegrityKey("mac", os.urandom(32), c)
-                                                                 for c in ("b3", "mm8")]
+#: every construction in the modes that tag: host KV gets x3 under checksum and b3 under mac
+#: (`construction_for("cpu", mode)`), mm8 is the CUDA kernel, run here on host memory
+KEYS = [IntegrityKey(construction=c) for c in ("x3", "b3", "mm8")] + [IntegrityKey("mac", os.urandom(32), c)
+                                                                       for c in ("b3", "mm8")]
 
 
 def _random_kv(store_config: StoreConfig, tmp_path: Path, layout: str, num_blocks: int) -> tuple[Harness, dict]:
@@ -94,6 +94,19 @@ def test_the_tag_is_the_modules_definition_on_every_layout(layout: str, tmp_path
             got = seal.tags(s, keys, nonces, ids, groups)
         assert got == [reference_tag(_object(parts[g], b), ikey, k, nc)
                        for b, g, k, nc in zip(ids, groups, keys, nonces)], ikey
+
+
+def test_the_x3_tag_is_xxh3_128():
+    """x3's tag is XXH3-128 (seed 0) of the bound key and nonce then the bytes, in 16 bytes then zeros: the
+    `xxhash` package the module hashes with gives the specification's digests of the empty input (XXH3-128
+    and XXH3-64), and the module's definition is that digest of the whole object."""
+    import xxhash
+    assert xxhash.xxh3_128_hexdigest(b"") == "99aa06d3014798d86001c324468d497f"
+    assert xxhash.xxh3_64_hexdigest(b"") == "2d06800538d394c2"
+    ck = IntegrityKey("checksum")
+    body, nonce = bytes(i % 251 for i in range(70_000)), bytes(range(NONCE_BYTES))  # past xxhash's GIL threshold
+    want = xxhash.xxh3_128(ck.bind("k", nonce) + body).digest()
+    assert reference_tag(body, ck, "k", nonce) == want + bytes(TAG_BYTES - len(want))
 
 
 def test_the_b3_tag_is_blake3_keyed_hash():
@@ -230,11 +243,13 @@ def test_the_embedded_default_refuses_a_recomputed_checksum_tag(tmp_path: Path,
 def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_path: Path):
     tags = {IntegrityKey("off").key_tag, IntegrityKey().key_tag, IntegrityKey("mac", b"a" * 16).key_tag,
             IntegrityKey("mac", b"b" * 16).key_tag, IntegrityKey(construction="mm8").key_tag,
-            IntegrityKey("mac", b"a" * 16, "mm8").key_tag}
-    assert len(tags) == 6 and {"", "ckb3", "ck1"} <= tags  # mode, construction and secret: no two share a key
+            IntegrityKey("mac", b"a" * 16, "mm8").key_tag, IntegrityKey(construction="b3").key_tag}
+    assert len(tags) == 7 and {"", "ckx3", "ckb3", "ck1"} <= tags  # mode, construction, secret: no two share a key
     assert b"a" * 16 not in b"".join(t.encode() for t in tags)
     with pytest.raises(LedgerInputError, match="construction='sha1'"):
         IntegrityKey(construction="sha1")
+    with pytest.raises(LedgerInputError, match="construction='x3'.*takes no key"):
+        IntegrityKey("mac", b"a" * 16, "x3")
     with pytest.raises(LedgerInputError, match="integrity_secret_file"):
         IntegrityKey.of("mac", None)
     with pytest.raises(LedgerInputError, match="integrity_secret_file"):
@@ -259,8 +274,11 @@ def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_pa
     assert IntegrityKey.resolve(None, None, embedded=False, **host) == IntegrityKey("checksum")
     assert IntegrityKey.resolve("off", None, embedded=True, **host) == IntegrityKey("off")
     assert asked == [1]  # generated only for the mac it serves
-    # the construction follows the KV cache's device: BLAKE3 on host memory, the int8 kernel on a GPU
-    assert construction_for("cpu") == "b3" and construction_for("cuda") == "mm8"
+    # the construction follows the KV cache's device and the mode: on host memory XXH3 for checksum and keyed
+    # BLAKE3 for mac, the int8 kernel on a GPU
+    assert construction_for("cpu", "checksum") == "x3" and construction_for("cpu", "mac") == "b3"
+    assert construction_for("cuda", "checksum") == construction_for("cuda", "mac") == "mm8"
+    assert IntegrityKey("checksum").construction == "x3" and IntegrityKey("mac", b"a" * 16).construction == "b3"
     assert IntegrityKey.resolve(None, None, embedded=False, generated=gen, device="cuda") == IntegrityKey(
         "checksum", construction="mm8")
     # two engines with different secrets: one's tags never verify under the other's key
@@ -271,6 +289,9 @@ def test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key(tmp_pa
         assert reference_tag(body, a, "k", nonce) != reference_tag(body, b, "k", nonce)
         assert reference_tag(body, a, "k", nonce) != reference_tag(body, a, "k2", nonce)  # nor under another key
         assert reference_tag(body, a, "k", nonce) != reference_tag(body, a, "k", bytes(NONCE_BYTES))  # nor nonce
+    ck = IntegrityKey("checksum")  # x3: no secret, still bound to its key and nonce
+    assert reference_tag(body, ck, "k", nonce) != reference_tag(body, ck, "k2", nonce)
+    assert reference_tag(body, ck, "k", nonce) != reference_tag(body, ck, "k", bytes(NONCE_BYTES))
 
 
 def test_the_secret_file_is_refused_unless_private(tmp_path: Path):
