@@ -16,8 +16,7 @@ same number of bytes from a file in the same directory, its pages dropped from t
 
     python -m bench.tier [--quick] [--mult 4 8] [--segment-mib 16] [--object-mib 1] [--read-batch 32] [--dir DIR]
 
-`--harness`: the tier through vLLM's real Scheduler instead, 2 ranks, ours and upstream side by side
-(bench/tier_harness.py; its options follow, `--quick` among them).
+The tier through vLLM's real Scheduler, 2 ranks, ours and upstream side by side: bench/tier_harness.py.
 """
 from __future__ import annotations
 
@@ -120,12 +119,7 @@ def floor_read_s(nbytes: int, base: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--harness" in argv:
-        from bench import tier_harness
-        return tier_harness.main([a for a in argv if a != "--harness"])
     ap = argparse.ArgumentParser(prog="python -m bench.tier", description=__doc__.splitlines()[0])
-    ap.add_argument("--harness", action="store_true", help="through vLLM's Scheduler (bench/tier_harness.py)")
     ap.add_argument("--quick", action="store_true", help="the 4x working set only")
     ap.add_argument("--mult", type=int, nargs="+", default=[4, 8], help="working set in segments")
     ap.add_argument("--segment-mib", type=int, default=16)

@@ -35,7 +35,7 @@ get calls, their rate against the floor: a plain sequential read of as many byte
 directory, its pages dropped first (bench.tier.floor_read_s). The master does not say which rank's reads
 came from disk, so the rate is of all of a rank's loads; the row's from-disk share is beside it.
 
-    python -m bench.tier --harness [--quick] [--prompts N] [--rows ROW ...] [--no-ss] [--forward-ms MS] [--dir DIR]
+    python -m bench.tier_harness [--quick] [--prompts N] [--rows ROW ...] [--no-ss] [--forward-ms MS] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -333,7 +333,7 @@ def print_table(rows: list[Row], base: str, n_prompts: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.tier --harness", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.tier_harness", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 prompts (4x the segment) instead of 16 (8x)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per pass (overrides --quick)")
@@ -365,14 +365,14 @@ def main(argv: list[str] | None = None) -> int:
                     rc |= int(not name.startswith("upstream"))
                 rows.append(row)
                 rc |= int(row.wrong_kv + row.wrong_out > 0)
-                print(f"[bench.tier --harness] {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
+                print(f"[bench.tier_harness] {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
             print_table(rows, base, n)
         finally:
             if old_runtime is None:
                 os.environ.pop("KVLEDGER_RUNTIME_DIR", None)
             else:
                 os.environ["KVLEDGER_RUNTIME_DIR"] = old_runtime
-    print(f"[bench.tier --harness] {time.monotonic() - t_all:.0f} s in all", flush=True)
+    print(f"[bench.tier_harness] {time.monotonic() - t_all:.0f} s in all", flush=True)
     return rc
 
 
