@@ -469,38 +469,6 @@ def probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed() ->
     check(w.take_reports() == {1: 1, 2: 1}, "the jobs were not reported once each")
 
 
-def probe_a_mismatched_object_is_removed_and_only_it() -> None:
-    """Integrity on: a get that read a whole object whose tag does not match (block 2's bytes changed after
-    it was tagged) is a load error of that block, and that key, only that one, is removed from the store,
-    by force (a reader's lease must not keep it: while it exists no save replaces it), by the store's own
-    thread (`take_removals`, removed through the edge), never inline by the load (a sync load runs on the model runner's thread).
-    The good block loads, its key and the others stay."""
-    from conformance.probes_parts import integrity_case
-
-    w, _seal, _kv = integrity_case()
-    st: ProbeStore = io_of(w).store
-    st.data.update({"k1": 1, "k2": 2, "k3": 3})  # k3: a key of no load here
-    st.get_codes.update({"k1": w.key_bytes, "k2": w.key_bytes})  # both read whole
-    st.leased.add("k2")
-    lid = w.begin_load("r", [1, 2])
-    drain(w, w.load_batch(lid, ["k1", "k2"], [1, 2]))
-    res = w.finish_load(lid, "done")
-    check(res.loaded == {1} and res.failed == {2},
-          f"block 2 failed its tag: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}")
-    errs = w.take_load_errors()
-    check(errs == {2}, f"load errors reported {sorted(errs)}, expected [2]")
-    inline = [keys[0] for fn, keys in st.calls if fn == "remove"]
-    check(inline == [], f"the load itself removed {inline} (on the loading thread: the model runner's for a "
-                        f"sync load), not the store thread")
-    io_of(w).remove(w.take_removals())  # what the store thread runs
-    removed = [keys[0] for fn, keys in st.calls if fn == "remove"]
-    check(removed == ["k2"], f"after k2's integrity mismatch the worker removed {removed}, expected ['k2']")
-    check("k2" not in st.data, "the mismatched object is still in the store (a reader's lease kept it)")
-    check("k1" in st.data and "k3" in st.data, f"a good object was removed: the store holds {sorted(st.data)}")
-    n = w.stats.total("integrity_mismatches")
-    check(n == 1, f"integrity_mismatches={n}, expected 1")
-
-
 Probe = Callable[[], None]
 PROBES: list[Probe] = [
     probe_partial_put_fails_the_job, probe_an_answer_of_the_wrong_length_fails_the_job,
@@ -511,7 +479,6 @@ PROBES: list[Probe] = [
     probe_reports_of_two_ranks_merge, probe_aborted_load_keeps_its_blocks,
     probe_a_block_of_several_keys_loads_only_when_every_key_did,
     probe_a_rank_resuming_from_an_old_offset_never_reads_a_block_vllm_freed,
-    probe_a_mismatched_object_is_removed_and_only_it,
 ]
 
 

@@ -23,7 +23,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from conformance.kvprobes import Probe, ProbeFailed, check
+from conformance.kvprobes import Probe, ProbeFailed, ProbeStore, check, drain, io_of
 # keys.partial_tail_hash, reset.engine_key_regex, jobs.put_positions and engine_facts.kv_replicas are called
 # through their modules, as the connector calls them: a patched function (a mutant) is the one probed
 from kvledger_connector.shape import engine_facts
@@ -317,10 +317,40 @@ def probe_a_block_loads_only_under_its_own_tag() -> None:
                                         f"[{missed}, {w.key_bytes}]: checked against another key's trailer row")
 
 
+def probe_a_mismatched_object_is_removed_and_only_it() -> None:
+    """Integrity on: a get that read a whole object whose tag does not match (block 2's bytes changed after
+    it was tagged) is a load error of that block, and that key, only that one, is removed from the store,
+    by force (a reader's lease must not keep it: while it exists no save replaces it), by the store's own
+    thread (`take_removals`, removed through the edge), never inline by the load (a sync load runs on the model runner's thread).
+    The good block loads, its key and the others stay."""
+    w, _seal, _kv = integrity_case()
+    st: ProbeStore = io_of(w).store
+    st.data.update({"k1": 1, "k2": 2, "k3": 3})  # k3: a key of no load here
+    st.get_codes.update({"k1": w.key_bytes, "k2": w.key_bytes})  # both read whole
+    st.leased.add("k2")
+    lid = w.begin_load("r", [1, 2])
+    drain(w, w.load_batch(lid, ["k1", "k2"], [1, 2]))
+    res = w.finish_load(lid, "done")
+    check(res.loaded == {1} and res.failed == {2},
+          f"block 2 failed its tag: loaded {sorted(res.loaded)}, failed {sorted(res.failed)}")
+    errs = w.take_load_errors()
+    check(errs == {2}, f"load errors reported {sorted(errs)}, expected [2]")
+    inline = [keys[0] for fn, keys in st.calls if fn == "remove"]
+    check(inline == [], f"the load itself removed {inline} (on the loading thread: the model runner's for a "
+                        f"sync load), not the store thread")
+    io_of(w).remove(w.take_removals())  # what the store thread runs
+    removed = [keys[0] for fn, keys in st.calls if fn == "remove"]
+    check(removed == ["k2"], f"after k2's integrity mismatch the worker removed {removed}, expected ['k2']")
+    check("k2" not in st.data, "the mismatched object is still in the store (a reader's lease kept it)")
+    check("k1" in st.data and "k3" in st.data, f"a good object was removed: the store holds {sorted(st.data)}")
+    n = w.stats.total("integrity_mismatches")
+    check(n == 1, f"integrity_mismatches={n}, expected 1")
+
+
 PROBES: list[Probe] = [
     probe_every_layout_reads_each_block_exactly, probe_keys_separate_shards_stages_and_layouts,
     probe_replicas_put_each_key_once, probe_only_identical_kv_shares_a_key,
     probe_partial_tail_keys_name_the_tail_tokens, probe_reset_pattern_matches_exactly_the_engines_keys,
     probe_runtime_dir_refuses_what_is_not_private, probe_sweep_keeps_live_owners,
-    probe_a_block_loads_only_under_its_own_tag,
+    probe_a_block_loads_only_under_its_own_tag, probe_a_mismatched_object_is_removed_and_only_it,
 ]
