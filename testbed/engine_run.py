@@ -26,7 +26,18 @@ The spec (all keys but `workdir` and `prompts` optional):
     mamba          a Jamba-like Mamba hybrid (`emu_model.write_jamba_dir`, Mamba in vLLM's "align" mode): the worker
                    aligns the block size and reports MambaSpec / FullAttentionSpec (two KV cache groups)
     worker_cls     default testbed.emu_worker.EmuWorker (a subclass may inject faults)
+    real_model     a real architecture instead of the stand-in: the name of a shipped config
+                   (testbed/real_models/<name>/config.json) or a directory holding a config.json. The config is
+                   copied into `workdir` (the model path is part of every key: tests never share keys), vLLM's
+                   own CPU worker and model runner run the model with random weights (`load_format="dummy"`,
+                   bf16 unless `dtype`), and `testbed.real_worker.ConnectorProbe` is mixed into the worker so
+                   `workers` reports each rank's connector counters. Needs vLLM's CPU build. `kv_cache_bytes`
+                   (default 64 MiB) sizes its KV cache unless `num_blocks` is given; `block_size` default 32
+                   (CPU attention takes multiples of 32). The stand-in keys (`kv_kind`, `num_layers`, ...) are
+                   ignored
     reset_between_passes   reset_prefix_cache() (retried while the connector holds pins) before passes > 0
+    reset_connector        passes whose reset is reset_prefix_cache(reset_connector=True) (the connector's reset
+                           hook: a new weights version from `weights_version_file` moves the keys)
     settle_timeout_s       bound on each reset_prefix_cache retry loop (default 60)
     shutdown_timeout_s     passed to the engine client's shutdown (default: vLLM's)
     request_ids    "fixed": every pass adds its requests itself (`llm_engine.add_request`) as "req-<i>" and
@@ -48,7 +59,8 @@ The spec (all keys but `workdir` and `prompts` optional):
                    spawned processes do not get it
     barrier        {"dir": D, "passes": [n, ...]}: before pass n (after its reset) write D/before-pass-<n>
                    and wait (at most "timeout_s", default 120) for D/go-pass-<n>: the test acts meanwhile
-                   (e.g. restarts the Mooncake master)
+                   (e.g. restarts the Mooncake master); "before_reset": true puts the wait before that
+                   pass's reset (e.g. the test writes a new weights version the reset must pick up)
 
 Result (last stdout line, prefixed `ENGINE_RUN_RESULT `): outputs, finish reasons and num_cached_tokens per
 pass (and vLLM's counters after it), every rank's `emu_stats` (with the KV cache groups vLLM planned),
@@ -73,6 +85,8 @@ from typing import Any
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 RESULT_PREFIX = "ENGINE_RUN_RESULT "
 WORKER_CLS = "testbed.emu_worker.EmuWorker"
+PROBE_CLS = "testbed.real_worker.ConnectorProbe"
+REAL_MODELS = Path(__file__).resolve().parent / "real_models"
 
 _ENV = {
     "VLLM_TARGET_DEVICE": "cpu",  # else UnspecifiedPlatform on a machine without a GPU
@@ -94,7 +108,20 @@ def _setup_env(mp: int) -> None:
         sys.path.insert(0, PROJECT_ROOT)
 
 
-def _reset_prefix_cache(llm: Any, mp: int, timeout_s: float) -> dict[str, Any]:
+def copy_real_model(name: str, workdir: str) -> str:
+    """A shipped real-model config (by name) or a directory with a config.json, copied into `workdir`: the
+    copy's path is the engine's model path, so two runs never share keys."""
+    src = REAL_MODELS / name if (REAL_MODELS / name / "config.json").is_file() else Path(name)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"engine spec real_model={name!r}: no shipped config of that name "
+                         f"({sorted(p.name for p in REAL_MODELS.iterdir())}) and no config.json in that directory")
+    dst = Path(workdir, src.name)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    return str(dst)
+
+
+def _reset_prefix_cache(llm: Any, mp: int, timeout_s: float, reset_connector: bool = False) -> dict[str, Any]:
     """reset_prefix_cache() fails while any block is held (store jobs pin blocks until every rank has
     reported them). mp=1: EngineCore's loop keeps stepping while the connector has pending push work;
     mp=0: nothing steps unless we do."""
@@ -102,7 +129,7 @@ def _reset_prefix_cache(llm: Any, mp: int, timeout_s: float) -> dict[str, Any]:
     tries = 0
     while True:
         tries += 1
-        if llm.reset_prefix_cache():
+        if llm.reset_prefix_cache(reset_connector=True) if reset_connector else llm.reset_prefix_cache():
             return {"done": True, "tries": tries, "seconds": round(time.monotonic() - t0, 3)}
         if time.monotonic() - t0 > timeout_s:
             return {"done": False, "tries": tries, "seconds": round(time.monotonic() - t0, 3)}
@@ -240,11 +267,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from testbed.procs import mooncake_servers_started_by_session, session_processes
 
     tp = int(spec.get("tp", 1))
+    real = spec.get("real_model")
     kind = spec.get("kv_kind", "per_rank")
     if kind not in ("per_rank", "replicated", "mla"):
         raise ValueError(f"engine spec kv_kind={kind!r}: must be 'per_rank', 'replicated' or 'mla'")
     window = spec.get("sliding_window")
-    if spec.get("mamba"):  # a Jamba-like Mamba hybrid (Mamba in vLLM's "align" mode with prefix caching)
+    if real:
+        model_dir = copy_real_model(str(real), spec["workdir"])
+    elif spec.get("mamba"):  # a Jamba-like Mamba hybrid (Mamba in vLLM's "align" mode with prefix caching)
         model_dir = write_jamba_dir(os.path.join(spec["workdir"], "tiny-jamba"),
                                     num_layers=int(spec.get("num_layers", 4)),
                                     num_kv_heads=int(spec.get("num_kv_heads", 2)),
@@ -265,14 +295,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                kv_role=conn.get("role", "kv_both"),
                                kv_load_failure_policy=conn.get("policy", "recompute"),
                                kv_connector_extra_config=dict(conn.get("extra", {})))
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0,
-              worker_cls=spec.get("worker_cls", WORKER_CLS), enforce_eager=True, tensor_parallel_size=tp,
+    if real:  # vLLM's own CPU worker runs the model; the probe only adds a named RPC
+        model_kw: dict[str, Any] = {
+            "load_format": "dummy", "dtype": spec.get("dtype", "bfloat16"), "worker_extension_cls": PROBE_CLS,
+            "kv_cache_memory_bytes": int(spec.get("kv_cache_bytes", 64 << 20))}
+        if spec.get("num_blocks"):
+            model_kw["num_gpu_blocks_override"] = int(spec["num_blocks"])
+    else:
+        model_kw = {"dtype": "float32", "worker_cls": spec.get("worker_cls", WORKER_CLS),
+                    "num_gpu_blocks_override": int(spec.get("num_blocks", 64))}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, seed=0, enforce_eager=True, tensor_parallel_size=tp,
               distributed_executor_backend=spec.get("backend") or ("uni" if tp == 1 else "mp"),
-              block_size=int(spec.get("block_size", 16)), enable_prefix_caching=True,
-              prefix_caching_hash_algo="sha256", num_gpu_blocks_override=int(spec.get("num_blocks", 64)),
+              block_size=int(spec.get("block_size", 32 if real else 16)), enable_prefix_caching=True,
+              prefix_caching_hash_algo="sha256",
               max_model_len=int(spec.get("max_model_len", 256)), max_num_seqs=int(spec.get("max_num_seqs", 8)),
               max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 128)),
-              kv_transfer_config=kvt, disable_log_stats=False)
+              kv_transfer_config=kvt, disable_log_stats=False, **model_kw)
     result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "passes": [], "driver_pid": os.getpid(),
                               "preloaded": preloaded,
                               "engine_mooncake": {"startup": mooncake_servers_started_by_session(os.getsid(0))},
@@ -288,9 +326,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     settle_s = float(spec.get("settle_timeout_s", 60))
     for n in range(int(spec.get("passes", 2))):
         entry: dict[str, Any] = {}
+        early = bool((spec.get("barrier") or {}).get("before_reset"))
+        if early and (waited := _barrier(spec, n)) is not None:
+            entry["barrier"] = waited
         if n > 0 and spec.get("reset_between_passes", True):
-            entry["reset"] = _reset_prefix_cache(llm, mp, settle_s)
-        if (waited := _barrier(spec, n)) is not None:
+            entry["reset"] = _reset_prefix_cache(llm, mp, settle_s, n in (spec.get("reset_connector") or ()))
+        if not early and (waited := _barrier(spec, n)) is not None:
             entry["barrier"] = waited
         t1 = time.monotonic()
         if fixed_ids:
@@ -314,7 +355,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         entry["metrics"] = _metrics(llm)
         result["passes"].append(entry)
     result["at_rest"] = _reset_prefix_cache(llm, mp, settle_s)  # vLLM's "no block held" test
-    result["workers"] = llm.collective_rpc("emu_stats")
+    result["workers"] = llm.collective_rpc("connector_probe" if real else "emu_stats")
     result["metrics"] = _metrics(llm)
     result["engine"] = _inproc_state(llm)
     result["engine_mooncake"]["end"] = mooncake_servers_started_by_session(os.getsid(0))

@@ -567,3 +567,37 @@ def run_pass_with_a_tampered_store(h: Any, prompts: list[list[int]], max_tokens:
     finally:
         del h.scheduler.schedule
     return log
+
+
+def forge_stored_values(mc: EmbeddedMooncake, key_part: str, *, seed: int = 0, every: int = 1) -> list[str]:
+    """FAULT INJECTION from outside the engine: another client of the same master replaces every `every`-th
+    stored object whose key contains `key_part` (the engine's model directory, say) with random bytes of the
+    same size (remove, then put: the store is first-writer-wins). The keys are the master's own list (its
+    HTTP `/get_all_keys`); a real engine's next loads of them read forged bytes. Returns the keys forged."""
+    import urllib.request
+
+    import torch
+    with urllib.request.urlopen(f"http://127.0.0.1:{mc.metrics_port}/get_all_keys", timeout=10) as resp:
+        listed = resp.read().decode()
+    keys = sorted(k for k in listed.split() if key_part in k)[::every]
+    store = MooncakeStore.connect(StoreConfig(master_server_address=mc.master_address,
+                                              metadata_server=mc.metadata_server, global_segment_size=0))
+    gen = torch.Generator().manual_seed(seed)
+    forged: list[str] = []
+    bufs: dict[int, torch.Tensor] = {}  # one registered buffer per object size, alive until the puts are done
+    try:
+        for k in keys:
+            size = int(store.raw.get_size(k))
+            if size <= 0:
+                continue
+            if size not in bufs:
+                bufs[size] = torch.empty(size, dtype=torch.uint8)
+                store.register_buffer(bufs[size].data_ptr(), size)
+            buf = bufs[size]
+            buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+            store.remove(k, True)
+            if store.batch_put([k], [[buf.data_ptr()]], [[size]]) == [0]:
+                forged.append(k)
+    finally:
+        store.close()
+    return forged

