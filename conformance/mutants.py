@@ -43,7 +43,8 @@ import kvledger_connector.shape.keys
 import kvledger_connector.shape.kvlayout
 import kvledger_connector.scheduler.reset
 import kvledger_connector.scheduler.steps
-from conformance import kvprobes, probes_edge, probes_identity, probes_parts, probes_sched, probes_specs
+from conformance import (kvprobes, probes_edge, probes_identity, probes_parts, probes_rules, probes_sched,
+                         probes_specs)
 from conformance.engine import export as ex
 from conformance.engine import replay as rp
 from conformance.engine.tlc import PARALLEL_RUNS
@@ -72,7 +73,8 @@ NONOTICE_CFG = KV_CFGS / "MC_replay_nonotice.cfg"
 TWORANKS_CFG = KV_CFGS / "MC_replay_2ranks.cfg"
 DEFAULT_CFGS = (DEFAULT_CFG, NONOTICE_CFG, TWORANKS_CFG)
 PROBES: list[kvprobes.Probe] = (kvprobes.PROBES + probes_parts.PROBES + probes_sched.PROBES
-                                 + probes_edge.PROBES + probes_specs.PROBES + probes_identity.PROBES)
+                                 + probes_edge.PROBES + probes_specs.PROBES + probes_identity.PROBES
+                                 + probes_rules.PROBES)
 # what a replay counts as a named check besides a field diff and Refused
 REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
@@ -551,6 +553,9 @@ MUTANTS.update(probes_edge.MUTANTS)
 MUTANTS.update(probes_specs.MUTANTS)
 # the embedded master's identity (conformance/probes_identity.py): its listener's inode, not its port
 MUTANTS.update(probes_identity.MUTANTS)
+# rules only integration tests held (conformance/probes_rules.py): the integrity mode's choice and the secret's
+# source, every part of a key's identity, the tier sweep's own directories, tail-first release at shutdown
+MUTANTS.update(probes_rules.MUTANTS)
 
 
 @contextlib.contextmanager

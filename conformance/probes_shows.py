@@ -17,7 +17,7 @@ import kvledger.codes as codes
 import kvledger_connector.worker.steps as jobs
 import kvledger_connector.shape.keys as keys
 import kvledger_connector.scheduler.steps as scheduler_steps
-from conformance import probes_edge, probes_identity, probes_sched, probes_specs
+from conformance import probes_edge, probes_identity, probes_rules, probes_sched, probes_specs
 from conformance.kvprobes import (io_of, HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
                                   tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
@@ -417,3 +417,5 @@ SHOWS.update(probes_edge.SHOWS)
 SHOWS.update(probes_specs.SHOWS)
 # and the embedded master's identity (conformance/probes_identity.py)
 SHOWS.update(probes_identity.SHOWS)
+# and the rules of conformance/probes_rules.py
+SHOWS.update(probes_rules.SHOWS)
