@@ -144,3 +144,10 @@ def test_partial_tails_are_refused_for_a_mamba_hybrid_by_name(store_config: Stor
     with pytest.raises(ConfigError) as e:
         _mamba(store_config, extra={"save_partial_tail": True})
     assert e.value.field == "save_partial_tail" and "Mamba group" in str(e.value)
+
+
+def test_the_tp_shared_layout_is_refused_for_a_mamba_hybrid_by_name(store_config: StoreConfig):
+    """A Mamba state is a rank's shard of the mixer, with no KV heads a key could name."""
+    with pytest.raises(ConfigError) as e:
+        _mamba(store_config, extra={"kv_heads_per_key": 1})
+    assert e.value.field == "kv_heads_per_key" and "Mamba" in str(e.value)
