@@ -125,12 +125,14 @@ def _check_connectors(res: dict[str, Any], *, tp: int, load_faults: bool = False
     return ranks
 
 
-def _check_rest(res: dict[str, Any], trace: Path | None) -> None:
+def _check_rest(res: dict[str, Any], trace: Path | None, *, failed: int = 0) -> None:
+    """Nothing held, the trace accepted, nothing left; no save given up but those of the `failed` requests
+    (vLLM ended them at their failed load: there is nothing of theirs to save)."""
     check_at_rest(res)
     if trace is not None:
         check_trace(trace)
     check_nothing_left(res)
-    assert res["metrics"].get("kvledger_saves_dropped", 0) == 0, res["metrics"]
+    assert res["metrics"].get("kvledger_saves_dropped", 0) <= failed, res["metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +243,7 @@ def test_partial_tails_let_a_repeated_prompt_load_all_but_its_last_token(
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_store_tampered_with_by_another_client_never_reaches_the_model(
         policy: str, run_engine: Callable[..., dict[str, Any]], reference: Callable[..., list[list[int]]],
-        mooncake: EmbeddedMooncake, tmp_path: Path) -> None:
+        tmp_path: Path) -> None:
     """Between the passes another client of the same master replaces every second stored object of this
     engine with random bytes of the same size. The integrity tag turns each into a failed load: under
     `recompute` vLLM recomputes those blocks and every output is exact; under `fail` the requests whose loads
@@ -250,15 +252,15 @@ def test_a_store_tampered_with_by_another_client_never_reaches_the_model(
     bdir = tmp_path / "barrier"
     bdir.mkdir()
     forged: list[str] = []
+    with EmbeddedMooncake(rpc_timeout_ms=5000) as mc:  # a master of its own: every object in it is this engine's
+        def forge(n: int) -> str:
+            forged.extend(forge_stored_values(mc, "", seed=n, every=2))
+            return f"{len(forged)} objects forged"
 
-    def forge(n: int) -> str:
-        forged.extend(forge_stored_values(mooncake, tmp_path.name, seed=n, every=2))
-        return f"{len(forged)} objects forged"
-
-    trace = tmp_path / "trace.ndjson"
-    res = run_engine(_spec(tmp_path, "llama-gqa", connector=_connector(mooncake, trace, policy),
-                           barrier={"dir": str(bdir), "passes": [1], "timeout_s": 60}),
-                     timeout_s=300, name=f"tamper-{policy}", on_barrier=forge)
+        trace = tmp_path / "trace.ndjson"
+        res = run_engine(_spec(tmp_path, "llama-gqa", connector=_connector(mc, trace, policy),
+                               barrier={"dir": str(bdir), "passes": [1], "timeout_s": 60}),
+                         timeout_s=300, name=f"tamper-{policy}", on_barrier=forge)
     assert forged, "no stored object of this engine was found to forge"
     ranks = _check_connectors(res, tp=1, load_faults=True)
     assert sum(c["num_load_blocks_failed"] for c in ranks) > 0, f"no forged object was reported: {ranks}"
@@ -270,7 +272,7 @@ def test_a_store_tampered_with_by_another_client_never_reaches_the_model(
         failed = frozenset(i for i, r in enumerate(reasons) if r != "length")
         assert failed and all(reasons[i] == "error" for i in failed), reasons
         _check_outputs(res, want, skip=failed)
-    _check_rest(res, trace)
+    _check_rest(res, trace, failed=len(reasons) - reasons.count("length"))
 
 
 # ---------------------------------------------------------------------------------------- the master dies
@@ -337,17 +339,21 @@ def test_a_weights_version_reset_never_loads_the_old_versions_kv(
 
 # ---------------------------------------------------------------------------------- producer and consumer
 def test_a_consumer_engine_loads_what_a_producer_engine_saved(
-        run_engine: Callable[..., dict[str, Any]], mooncake: EmbeddedMooncake, tmp_path: Path) -> None:
+        run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """Two engines of the same model on one store: a `kv_producer` runs the prompts and saves, then a
     `kv_consumer` runs them and loads: its outputs equal the producer's, every prompt served from the store."""
     outs = {}
-    for role in ("kv_producer", "kv_consumer"):
-        trace = tmp_path / f"trace-{role}.ndjson"
-        conn = {**_connector(mooncake, trace), "role": role}
-        res = run_engine(_spec(tmp_path, "llama-gqa", connector=conn, passes=1), timeout_s=300, name=role)
-        outs[role] = res
-        check_nothing_left(res)
-        assert res["at_rest"]["done"], res["at_rest"]
+    with EmbeddedMooncake(rpc_timeout_ms=5000) as mc:
+        # the objects live in a segment of a process of their own: the producer's engine exits before the
+        # consumer's starts, and an engine's own segment goes with it
+        mc.start_holder(64 << 20)
+        for role in ("kv_producer", "kv_consumer"):
+            trace = tmp_path / f"trace-{role}.ndjson"
+            conn = {**_connector(mc, trace, global_segment_size=0), "role": role}
+            res = run_engine(_spec(tmp_path, "llama-gqa", connector=conn, passes=1), timeout_s=300, name=role)
+            outs[role] = res
+            check_nothing_left(res)
+            assert res["at_rest"]["done"], res["at_rest"]
     prod, cons = outs["kv_producer"]["passes"][0], outs["kv_consumer"]["passes"][0]
     assert cons["outputs"] == prod["outputs"]
     assert all(c >= PREFIX_LEN for c in cons["num_cached_tokens"]), cons["num_cached_tokens"]
