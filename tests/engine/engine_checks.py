@@ -11,7 +11,8 @@ from conformance import runlog
 from conformance.engine import tracecheck
 from kvledger.trace import validate_events
 from kvledger_connector.store.embedded import EmbeddedMooncake
-from testbed.procs import alive
+from kvledger_connector.store.embedded import port_accepts
+from testbed.procs import alive, processes_matching
 
 PIN_CAP = 16  # max_inflight_jobs: the trace check's BoundedPins bound
 
@@ -79,3 +80,48 @@ def wait_remounted(mc: EmbeddedMooncake, timeout_s: float = 30.0) -> str:
     note = f"segments remounted on the new master after {time.monotonic() - t0:.1f}s ({cap} bytes)"
     time.sleep(3.0)  # rpc_timeout_ms 2 s + unhealthy_backoff_ms 1 s
     return note
+
+
+def check_one_embedded_master(res: dict[str, Any], runtime_dir: Path) -> None:
+    """The embedded default across an engine's processes (TP 2, EngineCore in its own process): one master
+    for all of them, started by one rank's connector, the others attached through the rendezvous file in
+    `runtime_dir`; after shutdown no server, no engine process and no rendezvous file is left."""
+    rt = runtime_dir
+    # every rank's store joined one master; one rank started it, the other attached
+    stores = [w["connector"]["store"] for w in res["workers"]]
+    assert len({(s["master_server_address"], s["metadata_server"]) for s in stores}) == 1, stores
+    master, metadata = stores[0]["master_server_address"], stores[0]["metadata_server"]
+    owners = [s for s in stores if s["embedded"] == "owner"]
+    assert len(owners) == 1 and all(s["embedded"] == "attached" for s in stores if s not in owners), stores
+    owner = int(owners[0]["owner_pid"])
+    assert all(int(s["owner_pid"]) == owner for s in stores), stores
+    # the rendezvous file the engine published names that master and that owner
+    for when in ("startup", "end"):
+        files = res["rendezvous"][when]
+        assert [(f["pid"], f["master_address"], f["metadata_server"]) for f in files] == [(owner, master, metadata)], \
+            f"{when}: rendezvous files {files}"
+    # the engine's processes started exactly one master and one metadata server, both children of the owner
+    port, md_port = int(master.rsplit(":", 1)[1]), int(metadata.rsplit(":", 1)[1].split("/")[0])
+    for when in ("startup", "end"):
+        servers = res["engine_mooncake"][when]
+        kinds = sorted("master" if "mooncake_master" in s["cmdline"] else "metadata" for s in servers)
+        assert kinds == ["master", "metadata"] and {s["ppid"] for s in servers} == {owner}, f"{when}: {servers}"
+        assert any(f"--rpc_port={port}" in s["cmdline"] for s in servers), servers
+    # EngineCore (the workers' parent) holds a connection to that master: its scheduler-side connector is a
+    # client of it. (Its lookups also found the keys only the workers wrote: pass 2's store hits above.)
+    procs = {p["pid"]: p for p in res["session"]}
+    worker_pids = {w["pid"] for w in res["workers"]}
+    core = {procs[p]["ppid"] for p in worker_pids}
+    assert len(core) == 1 and (core_pid := core.pop()) != res["driver_pid"], f"EngineCore not found: {procs}"
+    assert port in procs[core_pid]["peer_ports"], f"EngineCore {core_pid} is not connected to {master}: {procs[core_pid]}"
+    for p in worker_pids:
+        assert port in procs[p]["peer_ports"], f"worker {p} is not connected to {master}: {procs[p]}"
+
+    # after shutdown: nothing of it left
+    check_nothing_left(res)
+    assert not port_accepts(port) and not port_accepts(md_port), "the embedded servers still listen"
+    left = (processes_matching("mooncake_master", f"--rpc_port={port}")
+            + processes_matching("http_metadata_server", f"--port {md_port}"))
+    assert not left, f"embedded servers left after shutdown: {left}"
+    assert sorted(p.name for p in rt.iterdir() if p.name.startswith("embedded-")) == [], \
+        f"rendezvous file left in {rt}: {list(rt.iterdir())}"

