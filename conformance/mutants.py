@@ -357,9 +357,9 @@ def _reset_pattern_first_shard(orig):  # the reset pattern of the first shard on
 
 
 def _runtime_dir_any_directory(orig):  # a refused runtime dir accepted whenever it is a directory at all
-    def runtime_dir():
+    def runtime_dir(*args):
         try:
-            return orig()
+            return orig(*args)
         except rendezvous.RendezvousError:
             d = os.environ.get(rendezvous.RUNTIME_DIR_ENV, "")
             if os.path.isdir(d):

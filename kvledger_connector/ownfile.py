@@ -2,7 +2,9 @@
 settings; the trace it writes): used only when they are this user's regular file, opened without following a
 link, that no one else may write (or, for a secret, read), read up to a size bound. Anyone else on the host
 who could write such a file could choose our keys, forge our tags, or point us at their master with
-integrity off; a link planted at the trace's path would have us append to the file it names."""
+integrity off; a link planted at the trace's path would have us append to the file it names. A directory of
+ours is only as safe as the directories above it: whoever may rename entries in one of them can swap ours for
+theirs (`unsafe_ancestor`)."""
 from __future__ import annotations
 
 import os
@@ -63,3 +65,26 @@ def append_own_file(field_: str, path: str) -> TextIO:
     file others may read: a link planted there would otherwise have us write where it points."""
     return os.fdopen(_own_fd(field_, path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, private=False), "a",
                      encoding="utf-8")
+
+
+def unsafe_ancestor(path: str) -> str | None:
+    """Why a directory above `path` lets another user replace it, or None: each directory from `path`'s real
+    parent up to / must be owned by root or this user and, when others may write to it, be sticky (as /tmp
+    is: there only an entry's owner may rename or remove it)."""
+    me = os.geteuid()
+    d = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            st = os.stat(d)
+        except OSError as e:
+            return f"its ancestor {d!r} cannot be read: {e.strerror or e}"
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (0, me):
+            return f"its ancestor {d!r} is owned by uid {st.st_uid}, who may replace what is in it"
+        if mode & 0o002 and not mode & stat.S_ISVTX:
+            return (f"its ancestor {d!r} has mode {mode:04o}: others may write to it without the sticky bit, "
+                    f"so another user may replace what is in it")
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent

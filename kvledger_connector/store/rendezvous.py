@@ -27,8 +27,16 @@ An owner is alive when its pid runs with the start time the file records (a reus
 process); an owner in another PID namespace sharing the directory (its pid means nothing here) is alive
 while its master's listener, the recorded inode, is on the master port, since its servers die with it.
 
-The runtime dir is `$KVLEDGER_RUNTIME_DIR`, else `<tmp>/kvledger-<uid>`, created 0700 and refused when
-another user owns it or others may write to it. Nothing in it is trusted: files are opened without
+The runtime dir (`runtime_dir`) is, in order: `$KVLEDGER_RUNTIME_DIR`; `$XDG_RUNTIME_DIR/kvledger` when
+`$XDG_RUNTIME_DIR` is this user's private directory (0700, not a link); else a directory of the engine's own,
+`<tmp>/kvledger-<uid>-<tag>`, whose tag another user cannot know in advance, so cannot take the name before
+the engine does. The tag hashes what every process of the engine has and no other user sees: the engine id
+(vLLM makes it a random UUID in the first process and pickles the config to the EngineCore and every worker,
+never on a command line) and `$KVLEDGER_RUNTIME_TOKEN`, random, which the connector's vLLM plugin puts into
+the environment of the first vLLM process before it spawns any other (so an engine id the operator chose is
+still behind a secret; /proc/<pid>/environ is readable by its user and root only). Whichever it is, it is
+created 0700 and refused, by name, when it is not a directory, another user owns it, others may write to it,
+or a directory above it lets another user replace it (`unsafe_ancestor`). Nothing in it is trusted: files are opened without
 following symlinks, a file not owned by this user, writable by others, larger than `MAX_FILE_BYTES` or not
 naming servers on 127.0.0.1 by decimal ports and the master's listener inode is not joined (it is swept like
 a dead owner's), and files are written with O_EXCL, mode 0600. The engine's integrity secret
@@ -49,6 +57,7 @@ Within one process the connectors of an engine share one handle, reference count
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -64,9 +73,11 @@ from typing import Any
 from kvledger.counts import Counter
 from kvledger.errors import LedgerInputError
 from kvledger_connector.store.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
-from kvledger_connector.ownfile import read_own_file
+from kvledger_connector.ownfile import read_own_file, unsafe_ancestor
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
+RUNTIME_TOKEN_ENV = "KVLEDGER_RUNTIME_TOKEN"  # set by kvledger_connector/plugin.py in the first vLLM process
+XDG_ENV = "XDG_RUNTIME_DIR"
 MAX_FILE_BYTES = 4096  # a rendezvous file is ~120 bytes
 SECRET_BYTES = 32  # a generated integrity secret: the key size of HMAC-SHA256 and BLAKE3
 LOCK_TIMEOUT_S = 300.0  # the holder may be starting the servers (each waits up to 30 s to accept, with retries)
@@ -117,19 +128,64 @@ class AttachedMooncake:
         return
 
 
-def runtime_dir() -> str:
-    d = os.environ.get(RUNTIME_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"kvledger-{os.getuid()}")
+def runtime_tag(engine_id: str) -> str:
+    """The private part of an engine's directory name under <tmp> (module doc): the same in every process of
+    the engine, unknown to other users while the engine id or the token is."""
+    token = os.environ.get(RUNTIME_TOKEN_ENV, "")
+    return hashlib.sha256(f"kvledger-runtime\0{token}\0{engine_id}".encode()).hexdigest()[:32]
+
+
+_xdg_warned = False
+
+
+def _xdg_dir() -> str | None:
+    """$XDG_RUNTIME_DIR when it is this user's private directory, else None (under su or sudo it often still
+    names the invoking user's)."""
+    global _xdg_warned
+    d = os.environ.get(XDG_ENV, "")
+    if not d:
+        return None
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    except FileExistsError:  # a file there: refused below
+        st = os.lstat(d)
+        ok = (os.path.isabs(d) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+              and not st.st_mode & 0o077)
+    except OSError:
+        ok = False
+    if not ok and not _xdg_warned:
+        _xdg_warned = True
+        logger.warning("%s=%r is not this user's private directory (0700, not a link); the embedded store's "
+                       "runtime directory is a private one under %s instead", XDG_ENV, d, tempfile.gettempdir())
+    return d if ok else None
+
+
+def runtime_dir(engine_id: str = "") -> str:
+    """The directory of `engine_id`'s rendezvous files and secret (module doc), created 0700 and checked;
+    `RendezvousError` naming the setting and the path when another user could read, plant or swap in it."""
+    explicit, xdg = os.environ.get(RUNTIME_DIR_ENV), None
+    if explicit:
+        d, named = explicit, f"{RUNTIME_DIR_ENV}={explicit!r}"
+    elif (xdg := _xdg_dir()) is not None:
+        d = os.path.join(xdg, "kvledger")
+        named = f"{XDG_ENV}'s {d!r}"
+    else:
+        d = os.path.join(tempfile.gettempdir(), f"kvledger-{os.geteuid()}-{runtime_tag(engine_id)}")
+        named = f"the runtime directory {d!r}"
+    fix = f"set {RUNTIME_DIR_ENV} to a private directory"
+    try:
+        os.makedirs(d, 0o700, exist_ok=True)
+    except FileExistsError:  # a file or a link there: refused below
         pass
+    except OSError as e:
+        raise RendezvousError(f"{named}: cannot be created ({e.strerror or e}); {fix}") from None
     st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise RendezvousError(f"{RUNTIME_DIR_ENV}={d!r}: not a directory owned by uid {os.getuid()}; "
-                              f"set {RUNTIME_DIR_ENV} to a private directory")
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise RendezvousError(f"{named}: not a directory owned by uid {os.geteuid()}; {fix}")
     if st.st_mode & 0o022:  # another user could plant an engine's file or remove a live one
-        raise RendezvousError(f"{RUNTIME_DIR_ENV}={d!r}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
-                              f"write to it; chmod it 0700 or set {RUNTIME_DIR_ENV} to a private directory")
+        raise RendezvousError(f"{named}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write to it; "
+                              f"chmod it 0700 or {fix}")
+    why = unsafe_ancestor(d)
+    if why is not None:
+        raise RendezvousError(f"{named}: {why}; {fix}")
     return d
 
 
@@ -256,11 +312,11 @@ def _safe(engine_id: str) -> str:
 
 
 def rendezvous_path(engine_id: str) -> str:
-    return os.path.join(runtime_dir(), f"embedded-{_safe(engine_id)}.json")
+    return os.path.join(runtime_dir(engine_id), f"embedded-{_safe(engine_id)}.json")
 
 
 def secret_path(engine_id: str) -> str:
-    return os.path.join(runtime_dir(), f"secret-{_safe(engine_id)}.key")
+    return os.path.join(runtime_dir(engine_id), f"secret-{_safe(engine_id)}.key")
 
 
 def _open_lock(d: str) -> tuple[int, str]:
