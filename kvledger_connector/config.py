@@ -479,7 +479,8 @@ KEYS: tuple[Key, ...] = (
               "::test_mac_needs_the_secret_and_engines_with_other_secrets_share_no_key, "
               "::test_the_embedded_default_refuses_a_recomputed_checksum_tag"),
     Key("integrity_secret_file", "path", None, "connector",
-        "the deployment secret for integrity \"mac\" (16-4096 bytes, a regular file of this user, mode 0600; "
+        "the deployment secret for integrity \"mac\" (32-4096 random bytes, refused when "
+        "patterned or of under 8 distinct byte values; a regular file of this user, mode 0600; "
         "opened without following links); the same file on every engine that shares the store. Unset with "
         "the embedded store: a secret generated for the engine",
         shown_default="none", tests="test_integrity.py::test_the_secret_file_is_refused_unless_private, "

@@ -18,6 +18,7 @@ tensor-parallel shard, so the same hash names a different key on each rank).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,15 @@ class LoadSpec:
 # A spec is checked whole before a rank acts on any of it (`WorkerSteps.admit_load`, `receive_save`,
 # `receive_drop`): a bad one fails as one unit, never half-run. Each check raises a LedgerInputError naming
 # the field and its value.
+#: the most block ids one spec may name: 2^20 is a 1M-token request in blocks of 16 tokens, in 16 KV cache
+#: groups; a spec past it is refused by its length before any id of it is looked at
+MAX_SPEC_BLOCK_IDS = 1 << 20
+#: the longest block hash a spec may carry (vLLM's are 32 bytes: SHA-256 or CBOR-SHA-256)
+MAX_BLOCK_HASH_BYTES = 1024
+#: duplicate ids named in a refusal (the count says how many there were)
+_SHOWN_DUPLICATES = 8
+
+
 def _int(v: Any) -> bool:
     return v.__class__ is int  # bool and int subclasses are not ids
 
@@ -121,15 +131,19 @@ def block_ids_error(where: str, block_ids: Any, num_blocks: int | None, *, null_
     written into one block leave it holding only one of them)."""
     if not isinstance(block_ids, (tuple, list)):
         return LedgerInputError(f"{where} block_ids", block_ids, "must be a tuple of block ids")
+    if len(block_ids) > MAX_SPEC_BLOCK_IDS:
+        return LedgerInputError(f"{where} block_ids", f"{len(block_ids)} ids",
+                                f"more than one spec may name ({MAX_SPEC_BLOCK_IDS})")
     low = 0 if null_ok else 1
     top = "" if num_blocks is None else f"..{num_blocks - 1}"
     for b in block_ids:
         if not _int(b) or b < low or (num_blocks is not None and b >= num_blocks):
             return LedgerInputError(f"{where} block_ids", b, f"not a block id of this rank's KV cache ({low}{top})")
     real = [b for b in block_ids if b != 0]
-    if len(set(real)) != len(real):
-        return LedgerInputError(f"{where} block_ids", sorted({b for b in real if real.count(b) > 1}),
-                                "named twice in one spec")
+    if len(set(real)) != len(real):  # counted once, linear: the spec is checked on the model runner's thread
+        twice = sorted(b for b, n in Counter(real).items() if n > 1)
+        more = f" ({len(twice)} ids in all)" if len(twice) > _SHOWN_DUPLICATES else ""
+        return LedgerInputError(f"{where} block_ids", twice[:_SHOWN_DUPLICATES], f"named twice in one spec{more}")
     return None
 
 
@@ -140,6 +154,9 @@ def _check_hashes(where: str, hashes: Any, n: int) -> None:
     for h in hashes:
         if not isinstance(h, bytes) or not h:
             raise LedgerInputError(f"{where} block_hashes", h, "a block hash is non-empty bytes")
+        if len(h) > MAX_BLOCK_HASH_BYTES:
+            raise LedgerInputError(f"{where} block_hashes", f"{len(h)} bytes",
+                                   f"a block hash is at most {MAX_BLOCK_HASH_BYTES} bytes")
 
 
 def check_load_spec(spec: LoadSpec, *, num_blocks: int | None, num_groups: int) -> None:

@@ -62,7 +62,13 @@ Modes (the same for both constructions):
   ``mm8``, for a changed value under an existing nonce, guess per lane a first-level hash that is zero with
   probability at most 2**-8 or the second-level sum mod 2**64, for a new nonce the pad: about 2**-64 per
   attempt. Bytes are not encrypted: the store still shows them to whoever can read it.
-* ``off``: no trailer (the object format of earlier versions, under the same keys).
+* ``off``: no trailer (the object format of earlier versions, under the same keys); each process says so
+  once, as a warning naming the setting.
+
+An operator's secret file must be 32..4096 bytes with at least 8 distinct byte values and no repeating
+pattern (`weak_secret`): the key tag's fingerprint of the secret is public (it is in every key), so a short
+or patterned secret is found offline by trying candidates against it. The check cannot tell a chosen phrase
+from random bytes: make the file with ``head -c 32 /dev/urandom``.
 
 The mode, the construction and a fingerprint of the secret are in every key's layout digest (`key_tag`).
 """
@@ -70,6 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import queue
 import threading
@@ -90,6 +97,8 @@ from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.ownfile import read_own_file
 from kvledger_connector.shape.tagkernel import CHUNK, LANES, gather_rows, mm8_digests, mm8_digests_few
 
+logger = logging.getLogger(__name__)
+
 MODES = ("checksum", "mac", "off")
 #: the tag constructions, by the version they write into the key tag (`IntegrityKey.key_tag`)
 CONSTRUCTIONS = {"b3": "b3", "mm8": "1", "x3": "x3"}
@@ -100,7 +109,8 @@ NONCE_BYTES = 8
 TAG_BYTES = 64
 X3_DIGEST_BYTES = 16  # x3: XXH3-128's digest, then zero bytes to TAG_BYTES
 TRAILER_BYTES = len(MAGIC) + NONCE_BYTES + TAG_BYTES
-MIN_SECRET_BYTES, MAX_SECRET_BYTES = 16, 4096
+MIN_SECRET_BYTES, MAX_SECRET_BYTES = 32, 4096
+MIN_SECRET_DISTINCT = 8  # distinct byte values a secret file holds at least (`weak_secret`)
 FEW_BLOCKS = 16  # mm8: up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
 #: b3: a BLAKE3 derive_key context (hard-coded, globally unique, this use only)
 B3_CONTEXT = "kvledger 2025-06 integrity tag key v1"
@@ -111,7 +121,7 @@ _MASK = (1 << 64) - 1
 #: said once at start-up when an engine runs 'checksum' (`IntegrityKey.resolve` chose it or the operator did)
 CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption and a block under another key, "
                  "but not a forger: any client of this Mooncake master can recompute it. Set integrity_secret_file "
-                 "(16-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
+                 "(32-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
 
 
 #: b3: the threads that hash one call's blocks side by side (the calling thread is one of them): `blake3`
@@ -145,14 +155,44 @@ def construction_for(device_type: str, mode: str = "mac") -> str:
     return "x3" if mode == "checksum" else "b3"
 
 
+def weak_secret(blob: bytes) -> str | None:
+    """Why `blob` is too easy to guess from the public fingerprint of it in every key, or None: fewer than
+    MIN_SECRET_DISTINCT distinct byte values (one byte repeated, a digit string), or a shorter pattern
+    repeated. Random bytes pass with certainty; a chosen phrase may pass too (this is no entropy meter)."""
+    distinct = len(set(blob))
+    if distinct < MIN_SECRET_DISTINCT:
+        return f"uses {distinct} distinct byte values (at least {MIN_SECRET_DISTINCT})"
+    for period in range(1, len(blob) // 2 + 1):
+        if blob[period:] == blob[:-period]:
+            return f"repeats a {period}-byte pattern"
+    return None
+
+
 def read_secret(path: str) -> bytes:
     """The deployment secret: a regular file owned by this user, readable by no one else, of
-    MIN_SECRET_BYTES..MAX_SECRET_BYTES bytes; opened without following a link."""
+    MIN_SECRET_BYTES..MAX_SECRET_BYTES bytes that are not `weak_secret`; opened without following a link."""
     blob = read_own_file("integrity_secret_file", path, max_bytes=MAX_SECRET_BYTES, private=True)
+    make = "(e.g. `head -c 32 /dev/urandom`)"
     if not MIN_SECRET_BYTES <= len(blob) <= MAX_SECRET_BYTES:
         raise LedgerInputError("integrity_secret_file", path, f"holds {len(blob)} bytes; a secret is "
-                               f"{MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom`)")
+                               f"{MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes {make}")
+    weak = weak_secret(blob)
+    if weak is not None:
+        raise LedgerInputError("integrity_secret_file", path, f"{weak}: too weak against an offline guess from "
+                               f"the secret's fingerprint in every key; use random bytes {make}")
     return blob
+
+
+_off_warned = threading.Event()
+
+
+def _warn_off() -> None:
+    """Once per process: with no tags, a changed or misplaced object is loaded as it is."""
+    if not _off_warned.is_set():
+        _off_warned.set()
+        logger.warning("integrity 'off': stored blocks carry no tag, so bytes changed in the store, torn "
+                       "transfers and blocks under another block's key are loaded unchecked into the KV cache; "
+                       "unset integrity (or set 'mac') to check them")
 
 
 @dataclass(frozen=True)
@@ -196,6 +236,8 @@ class IntegrityKey:
         a KV cache on ``device`` (`construction_for`)."""
         mode = integrity_mode(mode, secret_file, embedded=embedded)
         how = construction_for(device, mode)
+        if mode == "off":
+            _warn_off()
         if mode != "mac":
             return cls(mode, construction=how)
         return cls(mode, read_secret(secret_file) if secret_file is not None else generated(), how)

@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.store import rendezvous
-from kvledger_connector.store.client import make_offload_dir, remove_offload_dir
+from kvledger_connector.store.client import OWNER_LOCK, make_offload_dir, remove_offload_dir, sweep_offload_dirs
 
 OTHER_UID = 65534
 
@@ -196,3 +197,45 @@ def test_the_plugin_seeds_a_token_every_later_process_of_the_engine_inherits(
     assert child.stdout.strip() == rendezvous.runtime_dir("e")
     monkeypatch.setenv(rendezvous.RUNTIME_TOKEN_ENV, uuid.uuid4().hex)
     assert rendezvous.runtime_dir("e") != child.stdout.strip()
+
+
+def test_a_fifo_owner_lock_does_not_hang_the_tier_sweep(tmp_path: Path) -> None:
+    """Before: the sweep opened OWNER_LOCK for reading and waited forever for a FIFO's writer."""
+    parent = tmp_path / "tier"
+    odd = parent / "kvledger-tier-fifo"
+    odd.mkdir(parents=True, mode=0o700)
+    os.mkfifo(odd / OWNER_LOCK, 0o600)
+    got: list[list[str]] = []
+    sweep = threading.Thread(target=lambda: got.append(sweep_offload_dirs(str(parent))), daemon=True)
+    sweep.start()
+    sweep.join(10)
+    hung = sweep.is_alive()
+    if hung:  # let the old code's open return, so the thread ends
+        os.close(os.open(odd / OWNER_LOCK, os.O_WRONLY | os.O_NONBLOCK))
+        sweep.join(10)
+    assert not hung, "the sweep hung on a FIFO owner lock"
+    assert got == [[]] and odd.is_dir()  # not a directory of a client of ours: left alone
+
+
+@needs_root
+def test_a_tier_directory_the_sweep_cannot_remove_is_reported_not_removed(open_parent: Path) -> None:
+    """As an unprivileged user (root removes anything): a dead client's directory holding a directory its
+    owner may not write cannot be removed; the sweep says so and does not return it as removed."""
+    parent = open_parent / "tier"
+
+    def act() -> None:
+        dead = parent / "kvledger-tier-dead"
+        (dead / "ro").mkdir(parents=True, mode=0o700)
+        (dead / OWNER_LOCK).write_text("")
+        (dead / "ro" / "1.bucket").write_bytes(b"x")
+        (dead / "ro").chmod(0o500)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("kvledger_connector.store.client").addHandler(handler)
+        gone = sweep_offload_dirs(str(parent))
+        if gone or not dead.is_dir():
+            raise SystemExit(f"reported removed: {gone}")
+        if not any("not removed" in r.getMessage() and str(dead) in r.getMessage() for r in records):
+            raise SystemExit("the failed removal was not logged")
+    as_other_user(act)
