@@ -68,7 +68,8 @@ def _spec(workdir: Path, prompts: list[list[int]], connector: dict[str, Any] | N
             "settle_timeout_s": 60}
 
 
-def _run(spec: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float = 240) -> dict[str, Any]:
+def run_engine(spec: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float = 240) -> dict[str, Any]:
+    """testbed/engine_run.py in a subprocess of its own session (killed whole past `timeout_s`): its result."""
     full_env = {**os.environ, **env, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                 "GLOG_minloglevel": "2"}
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.monotonic()
                 try:
                     spec = {**_spec(wd, prompts, conn), "preload": preload.get(way, [])}
-                    res = _run(spec, env, work / f"{way}-{r}.log")
+                    res = run_engine(spec, env, work / f"{way}-{r}.log")
                 except RuntimeError as e:
                     failed[way] = str(e)
                     print(f"[bench.engine] {way}: not run: {e}", flush=True)

