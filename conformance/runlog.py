@@ -275,6 +275,9 @@ class RunLogNormalizer:
 
 def normalize(events: list[dict[str, Any]], pin_cap: int | None = None) -> Normalized:
     norm = RunLogNormalizer()
+    # the number of ranks is the whole log's: a notice can come first (a request aborted before any save)
+    norm.world = next((ev["ranks_left"] for ev in events
+                       if ev.get("action") in ("EmitStore", "EmitLoad") and "ranks_left" in ev), None)
     out = [norm(ev) for ev in events]  # one record per event: record k is line k of the log
     if norm.world is None:
         raise tc.TraceCheckError("the log has no EmitStore: nothing to check")
