@@ -6,7 +6,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONDONTWRITEBYTECODE := 1
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup verify verify-deep witness test test-vllm033 test-fast gen diagram bench demo fuzz clean
+.PHONY: setup verify verify-deep witness test test-vllm033 test-fast gen diagram bench demo demo-standin fuzz clean
 
 setup:
 	@scripts/setup.sh
@@ -61,9 +61,14 @@ diagram: setup
 bench: setup
 	$(PY) -m bench
 
-# The main workload through vLLM's real engine (TP=2, EngineCore in its own process, embedded Mooncake);
-# the in-process harness demo over vLLM's Scheduler that `make verify` checks: python -m testbed.demo
+# A real model (random weights, vLLM's CPU build) with and without the connector: tokens from the store,
+# outputs equal (testbed/real_demo.py). The stand-in workload through vLLM's real engine at TP=2 with faults
+# and a trace check: make demo-standin; the in-process harness demo over vLLM's Scheduler that `make verify`
+# checks: python -m testbed.demo
 demo: setup
+	$(PY) -m testbed.real_demo
+
+demo-standin: setup
 	$(PY) -m testbed.engine_demo
 
 fuzz: setup
