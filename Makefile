@@ -33,7 +33,8 @@ SUMMARIZED = scripts/summarized.sh
 # vLLM 0.32's integration and unit suites; 0.32's model and conformance suites, the pure core again under
 # python -O (safety checks must raise, never assert) and 0.33's suites but the engine's. Then the engine
 # suites of 0.32 and 0.33 alone: an engine's busy-polling processes beside another suite starve its
-# Mooncake master for seconds. Each pytest run names its slowest tests. The disk tier's suites run on the
+# Mooncake master for seconds. 0.32's (vLLM's CPU build) runs real models (tests/engine/test_real_*.py) and
+# the stand-in worker only where a real model cannot; 0.33's (the CUDA wheel: no real model) the stand-in. Each pytest run names its slowest tests. The disk tier's suites run on the
 # second track, the shorter one.
 PYTEST = -m pytest -q -rfE -p no:cacheprovider --durations=12
 TIER = tests/integration/test_disk_tier.py tests/integration/test_disk_tier_connector.py

@@ -1,6 +1,8 @@
 """The connector inside vLLM 0.32's REAL engine: `LLM` → `EngineCore` → executor → workers.
 
-The model is the only stand-in (`testbed.emu_worker.EmuWorker`, passed as `worker_cls`): everything else —
+The model is the only stand-in (`testbed.emu_worker.EmuWorker`, passed as `worker_cls`). Under vLLM's CPU build
+(.venv) the runs a real model does (test_real_model.py) are skipped (`REAL_MODEL_COVERS`); under vLLM 0.33 (the
+CUDA wheel, .venv033: no real model runs) they are the engine's only check. Everything else —
 the scheduler, block pool, prefix cache, executor processes and queues, the connector factory, vLLM's
 connector call sequence and output aggregation, the KV allocator — is vLLM's. Each engine runs in a
 subprocess with a timeout (tests/engine/conftest.py).
