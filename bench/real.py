@@ -12,6 +12,7 @@ engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-p
              torch cannot create the torch.cuda.Event its worker records)
   ours       KVLedgerConnector (the plugin's name) on the same master (integrity: its default there, checksum)
   embedded   KVLedgerConnector with no store settings: the embedded default (its own master, integrity mac)
+  ours-off   (only when named in --ways) ours on the same master with `integrity: off`: what the tag costs
 
 Two workloads: `prefill`, where computing a prompt costs (8 layers, hidden 1024: pass 2 is the load path's
 wall), and `light`, a model that costs nothing (2 layers, hidden 128, 48 prompts: the walls are per-step
@@ -39,6 +40,7 @@ from typing import Any
 from bench.engine import run_engine
 
 WAYS = ("none", "upstream", "ours", "embedded")
+EXTRA_WAYS = ("ours-off",)
 SEGMENT, BUFFER = "256MB", "64MB"
 
 
@@ -79,6 +81,7 @@ def _connectors(master: str, metadata: str, config_path: Path) -> dict[str, tupl
                       "extra": extra_config(None)}, {"MOONCAKE_CONFIG_PATH": str(config_path)}),
         "ours": ({"module_path": None, "policy": "recompute", "extra": ours}, {}),
         "embedded": ({"module_path": None, "policy": "recompute", "extra": {}}, {}),
+        "ours-off": ({"module_path": None, "policy": "recompute", "extra": {**ours, "integrity": "off"}}, {}),
     }
 
 
@@ -133,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="engine runs per way and workload (default 2)")
     ap.add_argument("--passes", type=int, default=3, help="passes per run: 1 computes, the rest load (default 3)")
     ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)}")
-    ap.add_argument("--ways", default=",".join(WAYS), help=f"of {','.join(WAYS)} (none is always run)")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"of {','.join(WAYS + EXTRA_WAYS)} (none is always run)")
     args = ap.parse_args([] if argv is None else argv)
     workloads = [w for w in args.workloads.split(",") if w]
     ways = ["none"] + [w for w in args.ways.split(",") if w and w != "none"]
-    unknown = [w for w in workloads if w not in WORKLOADS] + [w for w in ways if w not in WAYS]
+    unknown = [w for w in workloads if w not in WORKLOADS] + [w for w in ways if w not in WAYS + EXTRA_WAYS]
     if unknown or args.rounds < 1 or args.passes < 2:
         ap.error(f"unknown {unknown}" if unknown else "--rounds >= 1 and --passes >= 2")
 
