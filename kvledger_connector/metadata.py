@@ -256,9 +256,6 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     drops: list[DropNotice] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    # vLLM schedules no token in this step (no forward): a rank may wait, bounded, for its threads' next
-    # result instead of handing vLLM an empty step it would spin on (`WorkerSide.take_finished_loads`)
-    idle: bool = False
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):

@@ -95,8 +95,6 @@ class SchedulerSide:
             if steps.requeue_after_failed_load(request):
                 return None, False  # vLLM skips it this step: out of its queue of KV-holding requests
             ext = ask_store(steps, self.store, request, num_computed_tokens)
-            if ext is None:
-                return None, False  # the store has not answered yet: vLLM asks again in a later step
             return (ext, steps.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
         except Exception as e:  # a cache miss
             self._hook_error("get_num_new_matched_tokens", e)
@@ -120,8 +118,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         steps = self.steps
         self._step += 1
-        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version,
-                                         idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version)
         meta.drops = steps.notices(sorted(scheduler_output.finished_req_ids),
                                    sorted(scheduler_output.preempted_req_ids or ())) + steps.releases()
         meta.loads = steps.take_loads()
@@ -179,25 +176,16 @@ class SchedulerSide:
         return False, None
 
 
-def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_tokens: int) -> int | None:
+def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_tokens: int) -> int:
     """Lookup (`SchedulerSteps.ask` / `answer`) with its one store call made here, at the edge: vLLM's
-    `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked.
-    None: not known yet (a store with a pending ``lookup``, `DeadlineStore`, has not answered in time; the
-    same question asked again takes its answer), nothing cached."""
+    `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked."""
     ask = steps.ask(request, num_computed_tokens)
     if isinstance(ask, int):
         return ask
     if store is None:
         return 0
-    codes: list[int] | None = None
     try:
-        lookup = getattr(store, "lookup", None)
-        if callable(lookup):
-            codes = lookup(list(ask.keys))
-            if codes is None:
-                return None
-        else:
-            codes = store.batch_is_exist(list(ask.keys))
+        codes = store.batch_is_exist(list(ask.keys))
     except Exception:  # the store wrapper returns codes; a raising test double is a miss
         codes = None
     return steps.answer(request, ask, codes)

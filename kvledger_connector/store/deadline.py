@@ -21,15 +21,6 @@ finish whenever it does and harm nothing; its late answer is dropped. While the 
 inside the client, new calls are not queued behind it: they answer UNHEALTHY_SKIPPED at once (counted in
 ``lookups_skipped_busy``), so at most one call is inside the store through here.
 
-A prefix lookup answers "not known yet" instead (`lookup`, None: vLLM skips the request for this step and
-asks again in the next): past the deadline the call stays inside and the step goes on; the request's next
-ask takes the late answer (kept per key list, for PENDING_DEADLINES deadlines), and only a call still
-unanswered after PENDING_DEADLINES deadlines is a miss that trips the breaker. On vLLM's CPU backend the
-engine's compute threads take every core, so a live master and this thread can answer well past one step's
-deadline: a miss and an open breaker there would cost every lookup its hit (a real model then recomputes
-prompts the store holds), where a request waiting a few steps for its answer costs it only those steps.
-Other requests' lookups while that call is inside answer "not yet" as well (one call inside at a time).
-
 Why a thread and not Mooncake's own RPC timeout: a call to a master that just died spends ~4-5 s in
 Mooncake's reconnect attempts (measured), well past `rpc_timeout_ms`, and `MC_RPC_TIMEOUT_MS` is
 process-wide (the workers' puts share it in a one-process driver).
@@ -58,35 +49,23 @@ class Gate(Protocol):
     def gated(self) -> bool: ...
 
 
-# a lookup's call may stay inside this many deadlines (answering "not yet") before it counts as a master that
-# does not answer; a late answer is kept as long for its request's next ask
-PENDING_DEADLINES = 10
-MAX_LATE_ANSWERS = 64  # late answers kept at once (oldest dropped: that request's next ask calls again)
-
-
 @dataclass
 class _Call:
     keys: list[str]
     done: threading.Event = field(default_factory=threading.Event)
     result: list[int] | None = None
-    started: float = field(default_factory=time.monotonic)
-    abandoned: bool = False  # its caller's deadline passed: a late answer is kept in `_kvl_late`
 
 
 class DeadlineStore:
     """``store`` as the scheduler calls it (see the module doc). ``gate``: an object whose ``gated`` is True
     while a reset's removal is owed (`StoreRemovals`), or None. ``stats``: the counter sink (the connector's
     `StatsRecorder`; its own `Counts` when None), read as ``counts``. Everything else, attribute reads and
-    writes included, is the wrapped store's own. ``pending_deadlines``: how many deadlines a lookup's call
-    may stay inside answering "not yet" (`lookup`)."""
+    writes included, is the wrapped store's own."""
 
     def __init__(self, store: Any, timeout_s: float, stats: Counter | None = None, *,
-                 gate: Gate | None = None, pending_deadlines: int = PENDING_DEADLINES) -> None:
+                 gate: Gate | None = None) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise LedgerInputError("timeout_s", timeout_s, "a store call's deadline must be > 0 seconds")
-        if pending_deadlines.__class__ is not int or pending_deadlines < 1:
-            raise LedgerInputError("pending_deadlines", pending_deadlines, "must be an int >= 1")
-        object.__setattr__(self, "_kvl_pending_deadlines", pending_deadlines)
         object.__setattr__(self, "_kvl_store", store)
         object.__setattr__(self, "_kvl_timeout_s", float(timeout_s))
         object.__setattr__(self, "_kvl_gate", gate)
@@ -95,10 +74,6 @@ class DeadlineStore:
         object.__setattr__(self, "_kvl_thread", None)
         object.__setattr__(self, "_kvl_stopped", False)
         object.__setattr__(self, "_kvl_stats", stats if stats is not None else Counts())
-        # guards an abandoned call's hand-over: the caller marking it abandoned, the thread filing its answer
-        object.__setattr__(self, "_kvl_mu", threading.Lock())
-        object.__setattr__(self, "_kvl_pending", None)  # the abandoned call still inside, if any
-        object.__setattr__(self, "_kvl_late", {})  # key tuple -> (answered at, codes), oldest first
 
     @property
     def counts(self) -> Counter:
@@ -122,72 +97,28 @@ class DeadlineStore:
         gate = self._kvl_gate
         return gate is not None and bool(gate.gated)
 
-    def lookup(self, keys: Sequence[str]) -> list[int] | None:
-        """A prefix lookup that may answer "not known yet" (None; module doc): the codes of ``keys``, from a
-        call made now within the deadline or from an earlier one that answered after it. Timed as
-        `batch_is_exist` is."""
-        t0 = time.perf_counter()
-        try:
-            return self._check(keys, pending=True)
-        finally:
-            self._kvl_stats.add("lookup_s", time.perf_counter() - t0)
-
     def check_exist(self, keys: Sequence[str]) -> list[int]:
         """The gated, breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
-        codes = self._check(keys, pending=False)
-        if codes is None:  # only a pending lookup answers None
-            raise LedgerInputError("pending", False, "an existence check always answers codes")
-        return codes
-
-    def _check(self, keys: Sequence[str], *, pending: bool) -> list[int] | None:
         n = len(keys)
         if self.gate_closed():
             return [0] * n
         store = self._kvl_store
         if self._kvl_stopped or getattr(store, "breaker_open", False):
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
-        limit_s = self._kvl_pending_deadlines * self._kvl_timeout_s
-        with self._kvl_mu:  # late answers are for lookups alone: other checks answer as they always did
-            late = self._kvl_late.pop(tuple(keys), None) if pending else None
-            inside: _Call | None = self._kvl_pending
-        if late is not None and time.monotonic() - late[0] <= limit_s:
-            self._kvl_stats.add("lookups_answered_late")
-            return late[1]
         if not self._kvl_busy.acquire(blocking=False):  # an abandoned call is still inside
-            if pending and inside is not None and time.monotonic() - inside.started < limit_s:
-                self._kvl_stats.add("lookups_pending")
-                return None
-            if pending and inside is not None:
-                return self._past_deadline(n, limit_s)
             self._kvl_stats.add("lookups_skipped_busy")
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
         call = _Call(list(keys))
         self._start()
         self._kvl_q.put(call)
         if call.done.wait(self._kvl_timeout_s):
-            return self._result(call)
-        with self._kvl_mu:
-            if call.done.is_set():  # answered just now
-                return self._result(call)
-            call.abandoned = True
-            object.__setattr__(self, "_kvl_pending", call)
-        if pending:
-            self._kvl_stats.add("lookups_pending")
-            return None
-        return self._past_deadline(n, self._kvl_timeout_s)
-
-    @staticmethod
-    def _result(call: _Call) -> list[int]:
-        return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * len(call.keys)
-
-    def _past_deadline(self, n: int, waited_s: float) -> list[int]:
-        """A call unanswered past its bound: a miss, and the store's breaker tripped."""
+            return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
         self._kvl_stats.add("lookups_past_deadline")
-        trip = getattr(self._kvl_store, "trip", None)
+        trip = getattr(store, "trip", None)
         if trip is not None:
             trip()
         logger.warning("store existence check of %d key(s) unanswered after %.0f ms: answered as a miss, "
-                       "store calls skipped until the master answers a probe", n, waited_s * 1e3)
+                       "store calls skipped until the master answers a probe", n, self._kvl_timeout_s * 1e3)
         return [int(StoreCode.RPC_TIMEOUT)] * n
 
     def _start(self) -> None:
@@ -201,30 +132,13 @@ class DeadlineStore:
             call = self._kvl_q.get()
             if call is None:
                 return
-            result: list[int] | None = None
             try:
-                result = self._kvl_store.batch_is_exist(call.keys)
+                call.result = self._kvl_store.batch_is_exist(call.keys)
             except Exception as e:  # the store wrapper returns codes; a raising double must not kill the thread
                 logger.warning("store existence check raised %s: %s", type(e).__name__, e)
             finally:
-                with self._kvl_mu:
-                    call.result = result
-                    if call.abandoned:
-                        self._file_late(call)
-                    call.done.set()
                 self._kvl_busy.release()
-
-    def _file_late(self, call: _Call) -> None:
-        """An abandoned call's answer, kept for its keys' next ask (under ``_kvl_mu``)."""
-        if self._kvl_pending is call:
-            object.__setattr__(self, "_kvl_pending", None)
-        if call.result is None or len(call.result) != len(call.keys):
-            return  # no answer: the next ask calls again
-        late = self._kvl_late
-        late.pop(tuple(call.keys), None)
-        late[tuple(call.keys)] = (time.monotonic(), call.result)
-        while len(late) > MAX_LATE_ANSWERS:
-            del late[next(iter(late))]
+                call.done.set()
 
     def stop(self) -> None:
         """End the helper thread (it ends after a call still inside returns); later calls go direct."""

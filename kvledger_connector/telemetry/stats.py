@@ -92,7 +92,7 @@ COUNTERS = (
     "jobs_released", "unknown_reports", "loads_pinned", "loads_released", "loads_finished",
     "kv_events_stored_blocks", "kv_events_removed_blocks", "reset_removals",
     "breaker_trips", "breaker_probes", "master_unauthentic", "store_close_leaked", "master_restarts",
-    "lookups_past_deadline", "lookups_skipped_busy", "lookups_pending", "lookups_answered_late",
+    "lookups_past_deadline", "lookups_skipped_busy",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
 #: ops with a latency histogram, by the duration counter whose every add is one call

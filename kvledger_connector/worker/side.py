@@ -61,11 +61,6 @@ from kvledger.worker import WorkerLedger
 
 logger = logging.getLogger(__name__)
 
-# longest wait of a step with no forward for this rank's next load or save result (`wait_for_result`): an
-# arriving request waits at most this long to be scheduled; the interpreter's switch interval, which a
-# spinning step makes each store thread's hand-back of the GIL wait out anyway
-IDLE_WAIT_S = 0.005
-
 _STOP = object()
 _REMOVE = object()  # wakes the store thread for `_remove_mismatched` alone
 
@@ -74,15 +69,13 @@ class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, shape: BlockShape, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None, readers: int = 1,
-                 idle_wait_s: float = IDLE_WAIT_S) -> None:
+                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None, readers: int = 1) -> None:
         """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
         in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
         are tagged (kvledger_connector/shape/integrity.py); None: no trailer. ``weights_version``: the one
         ``shape``'s builders build under; ``rekey``: the parts' key builders under another version, for when
         a step's metadata names one (a reset_cache switched it, see kvledger_connector/scheduler/reset.py).
-        ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`).
-        ``idle_wait_s``: how long a step with no forward waits for a load or save result (`take_finished_loads`)."""
+        ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
@@ -104,10 +97,6 @@ class WorkerSide:
         self._num_blocks = 0
         self._cuda = False
         self._last_meta_step = -1
-        if isinstance(idle_wait_s, bool) or not isinstance(idle_wait_s, (int, float)) or not idle_wait_s >= 0:
-            raise LedgerInputError("idle_wait_s", idle_wait_s, "must be a number of seconds >= 0")
-        self._idle_wait_s = float(idle_wait_s)
-        self._idle = False  # this step has no forward (`KVLedgerConnectorMetadata.idle`)
         # held requests released by this step's notices (model-runner thread only): finished_sending
         self._released: set[str] = set()
         self._closed = False  # shutdown begun (guarded by _shutdown_lock)
@@ -195,7 +184,6 @@ class WorkerSide:
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
-        self._idle = bool(meta.idle)
         if meta.weights_version != self.weights_version:
             self._switch_weights_version(meta.weights_version)
         for nt in meta.drops:  # each checked whole (`WorkerSteps.receive_drop`)
@@ -269,11 +257,6 @@ class WorkerSide:
         return None
 
     def take_finished_loads(self) -> set[str]:
-        """The async loads finished since the last call. In a step with no forward (vLLM has nothing to
-        compute until a load or a save comes back) first waits, at most ``idle_wait_s``, for the next result."""
-        if self._idle:
-            self._idle = False
-            self.steps.wait_for_result(self._idle_wait_s)
         return self.steps.take_finished_loads()
 
     def take_released(self) -> set[str]:

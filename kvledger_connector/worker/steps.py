@@ -265,10 +265,6 @@ class WorkerSteps:
         # request in vLLM's failed_recving, with the load's finished_recving)
         self.failed_loads: list[str] = []
         self.errors: list[str] = []  # handler errors (bounded); tests assert it stays empty
-        # signalled when a load finishes or a job is reported: an idle step waits on it (`wait_for_result`);
-        # never taken while holding ``lock``
-        self._results = threading.Condition()
-        self._reports_untaken = 0  # jobs reported since the last `take_reports`
 
     @property
     def dense_table(self) -> bool:
@@ -308,23 +304,6 @@ class WorkerSteps:
         """A job not yet reported or a load not yet finished (results waiting to be taken do not count)."""
         with self.lock:
             return self.ledger.num_live_jobs > 0 or self.loads.num_inflight_loads > 0
-
-    def wait_for_result(self, timeout_s: float) -> None:
-        """Blocks, the GIL released, until a load finishes or a job is reported, at most ``timeout_s``; returns
-        at once when a result is waiting to be taken or nothing is in flight. For a step with no forward:
-        handed back at once, vLLM steps again straight away, and a model runner thread spinning through empty
-        steps holds the GIL the store threads take back after every store call and hash."""
-        def ready() -> bool:
-            return bool(self.finished_loads) or self._reports_untaken > 0
-        with self._results:
-            if ready() or not self.busy():
-                return
-            self._results.wait_for(ready, timeout_s)
-
-    def _result(self, report: bool) -> None:
-        with self._results:
-            self._reports_untaken += report
-            self._results.notify_all()
 
     # ------------------------------------------------------------------ saves
     def receive(self, req_id: str, job_id: int, generation: int | None) -> None:
@@ -410,8 +389,6 @@ class WorkerSteps:
     def take_reports(self) -> dict[int, int]:
         """The jobs reported since the last call, ``{job: 1}``: this rank's part of the step's
         ``completed_saves`` (the engine sums the ranks' parts)."""
-        with self._results:
-            self._reports_untaken = 0
         with self.lock:
             return self.ledger.take_completed()
 
@@ -514,7 +491,6 @@ class WorkerSteps:
         """Report: exactly once per job, on every exit path."""
         with self.lock:
             self.ledger.finish(job_id)
-        self._result(report=True)
 
     def reject_save(self, job_id: int) -> None:
         """A received job that is never run (a full queue, or shut down): reported at once, its pins are
@@ -741,8 +717,6 @@ class WorkerSteps:
                 self.failed_loads.append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))
-        if not sync:
-            self._result(report=False)
         return result
 
     def reject_load(self, req_id: str, block_ids: Sequence[int], reason: str, sync: bool = False) -> LoadResult:
