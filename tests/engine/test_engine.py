@@ -20,14 +20,13 @@ in vLLM's own cache and loads prompt blocks from the Mooncake store. Checked per
   its processes started, and (EngineCore in the driver's process) no pinned block after shutdown.
 
 Runs: TP=1 in-process (vLLM's default layout, and LHBNC); TP=2 with worker processes and EngineCore in its
-own process, on a configured master (also with an MLA model: one copy in the store) and on the embedded default (no master address: the engine's first
-connector starts a private master, the other processes attach through a rendezvous file); TP=1 with a pool
+own process, on a configured master (also with an MLA model: one copy in the store); TP=1 with a pool
 small enough that vLLM preempts and the same request ids added again after they finished; TP=1 with load
 faults injected (`FaultyEmuWorker`: a FAULT-INJECTION TEST DOUBLE around the real store) under both
-`kv_load_failure_policy` values; TP=1 with the Mooncake master killed and restarted between passes; a
-gpt-oss-like hybrid model (sliding-window and full-attention KV cache groups, vLLM's hybrid KV cache manager
+`kv_load_failure_policy` values; a gpt-oss-like hybrid model (sliding-window and full-attention KV cache groups, vLLM's hybrid KV cache manager
 on) at TP=1 in-process (with preemptions and reused request ids) and at TP=2 with worker processes; a
 Mistral-like model whose every layer has one sliding window (one SlidingWindowSpec group) at TP=1 in-process.
+The embedded default across an engine's processes and the master killed mid-run are test_real_model.py's.
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,7 +47,7 @@ from testbed.emu_model import VOCAB, expected_output, shared_prefix_prompts
 from testbed.vllm_build import installed_vllm, runs_real_models
 
 from engine_checks import (  # tests/engine is on sys.path (rootdir mode)
-    PIN_CAP, RECOVERED_MARK, master_capacity, check_at_rest as _check_at_rest, check_one_embedded_master, check_nothing_left as _check_nothing_left,
+    PIN_CAP, RECOVERED_MARK, check_at_rest as _check_at_rest, check_nothing_left as _check_nothing_left,
     check_trace as _check_trace, master_timeouts as _master_timeouts)
 
 pytestmark = pytest.mark.slow
@@ -323,31 +321,6 @@ def test_tp1_engine_with_preemptions_and_reused_request_ids_keeps_kv_right(
     assert Counter(e["req_id"] for e in events if e["action"] == "Finish")["req-0"] == 2
 
 
-@ONE_VERSION  # our rendezvous across the engine's processes: the same process layout as the TP 2 test on both
-@REAL_MODEL_COVERS
-def test_tp2_embedded_default_one_master_for_the_whole_engine(
-        run_engine: Callable[..., dict[str, Any]], baseline: list[list[int]], tmp_path: Path) -> None:
-    """The kv-transfer-config a user pastes, nothing else: kv_connector, kv_connector_module_path, kv_role,
-    kv_load_failure_policy (no master address, no extra config, vLLM's own shutdown timeouts). TP=2 with
-    the mp executor and EngineCore in its own process: the engine's first connector (a worker: vLLM 0.32
-    builds the workers' connectors before the scheduler's) starts a private mooncake_master and metadata
-    server; the other worker and EngineCore's scheduler-side connector attach through the rendezvous file
-    in a private KVLEDGER_RUNTIME_DIR. One master for all three processes, pass 2 loads from it, and after
-    shutdown no server, no engine process and no rendezvous file is left."""
-    rt = tmp_path / "runtime"
-    rt.mkdir(mode=0o700)
-    spec = _spec(tmp_path, tp=2, mp=1, connector={"policy": "recompute", "role": "kv_both", "extra": {}})
-    res = run_engine(spec, timeout_s=300, name="tp2-embedded", env={"KVLEDGER_RUNTIME_DIR": str(rt)})
-    print(f"tp2 embedded: start-up {res['startup_s']}s, total {res['total_s']}s, shutdown {res['shutdown_s']}s, "
-          f"metrics {res['metrics']}")
-    _check_outputs(res, baseline)
-    _check_workers(res, tp=2)
-    _check_store_hits(res)
-    _check_at_rest(res)
-
-    check_one_embedded_master(res, rt)
-
-
 #: a FAULT-INJECTION TEST DOUBLE's plan (testbed.faults.FaultyStore around rank 0's real store, installed by
 #: testbed.emu_worker.FaultyEmuWorker): the first batch_get of rank 0 fails for every key (TRANSFER_FAIL),
 #: i.e. the first load of pass 2
@@ -408,59 +381,6 @@ def test_tp1_load_faults_fail_policy_fails_the_affected_requests(
     _check_at_rest(res)
     _check_trace(trace)
     _check_nothing_left(res)
-
-
-@ONE_VERSION  # the store's breaker and re-attach are ours: the same connector calls as the TP 1 test on both
-@REAL_MODEL_COVERS
-def test_tp1_master_killed_and_restarted_between_passes(
-        run_engine: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
-    """A configured (external) master, killed (SIGKILL) and started again on the same port by the test while
-    the engine waits before pass 2: every key is lost, and pass 2 runs at once, before the store clients
-    have noticed. Before pass 3 the test waits until the engine's worker has remounted its segment on the new
-    master (its metrics say so) and for the connector's unhealthy backoff to end. Four passes: the engine finishes, every output is the model's, no rank read
-    wrong KV, nothing leaks, the trace is accepted. What may differ: pass 2 finds nothing (its keys are gone)
-    and its saves may fail; pass 3 finds nothing of pass 2's; pass 4 must load what pass 3 saved on the
-    restarted master."""
-    bdir = tmp_path / "barrier"
-    bdir.mkdir()
-    notes: dict[int, str] = {}
-
-    with EmbeddedMooncake(rpc_timeout_ms=2000) as mc:
-        def act(n: int) -> str:
-            if n == 1:
-                old = mc.master_pid
-                mc.restart_master()
-                notes[n] = f"master {old} killed, {mc.master_pid} started"
-            else:
-                t0 = time.monotonic()
-                while (cap := master_capacity(mc)) == 0 and time.monotonic() - t0 < 30:
-                    time.sleep(0.2)
-                notes[n] = f"segments remounted on the new master after {time.monotonic() - t0:.1f}s ({cap} bytes)"
-                # a store call that failed just before the remount can still hold the client in its
-                # unhealthy backoff: let that pass (rpc_timeout_ms 2 s + unhealthy_backoff_ms 1 s)
-                time.sleep(3.0)
-            return notes[n]
-
-        trace = tmp_path / "trace.ndjson"
-        res = run_engine(_spec(tmp_path, tp=1, mp=0, connector=_connector(mc, trace), passes=4,
-                               barrier={"dir": str(bdir), "passes": [1, 2], "timeout_s": 60}),
-                         timeout_s=240, name="tp1-master-restart", on_barrier=act)
-    cached = [sum(ps["num_cached_tokens"]) for ps in res["passes"]]
-    c = res["workers"][0]["connector"]
-    print(f"tp1 master restart: total {res['total_s']}s, {notes}, cached tokens per pass {cached}, "
-          f"metrics {res['metrics']}, connector {c}")
-    assert set(notes) == {1, 2} and "started" in notes[1] and "remounted" in notes[2], notes
-    _check_outputs(res, None)
-    w = res["workers"][0]
-    assert w["wrong_kv"] == 0, w["messages"]
-    assert c["errors"] == [] and not c["pending_work"] and c["loads_finished"] == c["num_loads"], c
-    if c["num_load_blocks_failed"]:
-        assert "Recovered from KV load failure" in Path(res["log"]).read_text(errors="replace"), c
-    _check_at_rest(res)
-    _check_trace(trace)
-    _check_nothing_left(res)
-    assert cached[3] > cached[0] and c["num_loads"] > 0, \
-        f"pass 4 loaded nothing from the restarted master: cached tokens per pass {cached}"
 
 
 # ---------------------------------------------------------------------------------------------- hybrid model
@@ -591,7 +511,7 @@ def test_tp2_mp_hybrid_sliding_window_engine_loads_both_groups_from_the_store(
         assert tails >= len(HYBRID_PROMPTS) - _lost_saves(res), (cached, res["metrics"])
 
 
-@pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=[ONE_VERSION, REAL_MODEL_COVERS]), (2, 1)],
+@pytest.mark.parametrize(("tp", "mp"), [pytest.param(1, 0, marks=ONE_VERSION), (2, 1)],
                          ids=["tp1", "tp2-mp"])
 def test_gemma3_like_hybrid_engine_loads_every_group_from_the_store(
         mooncake: EmbeddedMooncake, run_engine: Callable[..., dict[str, Any]], tmp_path: Path, tp: int,
