@@ -29,10 +29,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.connector_stats import connector_stats
-from testbed.engine_run import _ENV, copy_real_model
+from testbed.engine_run import copy_real_model
 from testbed.faults import forge_stored_values
 from testbed.vllm_build import runs_real_models
 
+from conftest import ENGINE_ENV
 from engine_checks import PIN_CAP, check_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -72,7 +73,7 @@ class _Engine:
 
     def __init__(self, workdir: Path, mc: EmbeddedMooncake) -> None:
         from vllm import SamplingParams
-        for k, v in _ENV.items():
+        for k, v in ENGINE_ENV.items():
             os.environ.setdefault(k, v)
         os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
         self.mc = mc
