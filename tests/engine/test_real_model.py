@@ -336,9 +336,8 @@ def test_a_weights_version_reset_never_loads_the_old_versions_kv(
     firsts = res["passes"][1]["num_cached_tokens"][:2]  # the first prompt of each prefix: only the store had it
     assert firsts == [0, 0], f"pass 2 loaded version 1's KV after the reset to version 2: {firsts}"
     _check_served(res, PROMPTS, pass_no=2)
-    ranks = _check_connectors(res, tp=1)
+    _check_connectors(res, tp=1)
     _check_rest(res, trace)
-    assert ranks
 
 
 # ---------------------------------------------------------------------------------- producer and consumer
