@@ -35,10 +35,15 @@ class Check:
     expect_violation: str | None
     guards: str                # what the row demonstrates (upstream issue)
     deadlock: bool = True      # check for deadlock (fixed configs); legacy/mutant rows hunt one bug
+    spec: str = "KVLedger"     # tla/<spec>.tla
 
     @property
     def path(self) -> Path:
         return TLA / f"{self.cfg}.cfg"
+
+    @property
+    def spec_path(self) -> Path:
+        return TLA / f"{self.spec}.tla"
 
     @property
     def expected(self) -> str:
@@ -69,6 +74,13 @@ CI: list[Check] = [
           "partial tail not pinned (finish frees it under the read)", deadlock=False),
     Check("MC_mutant_FreeAtFinish", "mutant", 12, "DmaReadsPinned",
           "held request's table freed at finish (its deferred job reads reused blocks)", deadlock=False),
+    # tla/ResetEpoch.tla: reset_cache against another client of the shared store
+    Check("MC_reset_epoch", "fixed", 0, None, "S10: resets move the keys; replays, evictions, removals best-effort",
+          spec="ResetEpoch"),
+    Check("MC_reset_epoch_norefusal", "fixed", 0, None, "S10 with puts landing after the reset (no refusal)",
+          spec="ResetEpoch"),
+    Check("MC_legacy_reset_replay", "legacy", 12, "NoPreResetLoad",
+          "reset keeps the keys: a pre-reset object put back loads", deadlock=False, spec="ResetEpoch"),
 ]
 
 DEEP: list[Check] = [
@@ -183,7 +195,7 @@ class Row:
 def run_check(c: Check, *, xmx: str = "1g", timeout: float = 600.0) -> Row:
     extra = [] if c.deadlock else ["-deadlock"]
     try:
-        return Row(c, run_tlc(SPEC, c.path, xmx=xmx, extra_args=extra, timeout=timeout))
+        return Row(c, run_tlc(c.spec_path, c.path, xmx=xmx, extra_args=extra, timeout=timeout))
     except TLCSetupError as e:
         return Row(c, None, str(e))
 

@@ -41,7 +41,7 @@ from kvledger_connector.store import embedded
 from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.deadline import DeadlineStore
-from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.scheduler.steps import SchedulerSteps
 from kvledger_connector.store.client import MooncakeStore, StoreCode
 from kvledger_connector.scheduler.side import ask_store
@@ -539,26 +539,35 @@ def _reset_log_quiet() -> Any:
 
 
 def _reset_rig(store: _RemovingStore) -> tuple[SchedulerSteps, reset_mod.StoreRemovals, _Waits, DeadlineStore]:
-    """A scheduler side whose lookups go through the reset gate to `store`, as the connector wires them, and
-    its removals without a thread (the probe runs them)."""
+    """A scheduler side whose lookups go to `store` as the connector wires them, and its removals without a
+    thread (the probe runs them)."""
     waits = _Waits()
     removals = reset_mod.StoreRemovals(store, background=False, wait=waits)
     side = sched().steps
-    bounded = DeadlineStore(store, DEADLINE_S, gate=removals)
-    bounded.stop()  # calls go direct (no helper thread), the gate still first
+    bounded = DeadlineStore(store, DEADLINE_S)
+    bounded.stop()  # calls go direct (no helper thread)
     return side, removals, waits, bounded
+
+
+def _rekey(layouts: list[KeyLayout]) -> Callable[[str, str], list[KeyBuilder]]:
+    """The connector's `rekey` over `layouts`: the shipped key identity under a version and reset epoch."""
+    def rekey(version: str, epoch: str) -> list[KeyBuilder]:
+        h = engine_facts.key_identity("probe-model-config", "sha256", version, epoch)
+        return [KeyBuilder(dataclasses.replace(lay, model_hash=h)) for lay in layouts]
+    return rekey
 
 
 def probe_reset_switches_the_weights_version() -> None:
     """reset_cache with a new weights version (as the connector calls `reset_scheduler_side`), the store
     failing every removal: the reset returns True having switched the weights version and key builders
-    together before any removal was tried (nothing in flight reads the old keys, so their removal is
-    best-effort), every later lookup asks the new version's keys (a block stored under them hits, one under
-    the old version's misses), and the old keys' removal is then tried REMOVAL_ATTEMPTS times with waits
-    doubling to their cap, given up and counted, the version staying switched."""
-    old_layouts = [kb.layout for kb in sched().steps.key_builders]
-    new_kbs = [KeyBuilder(dataclasses.replace(lay, model="probe-weights-v2")) for lay in old_layouts]
-    old_kbs = [KeyBuilder(lay) for lay in old_layouts]
+    together (no reset epoch: engines switching to one version share its keys) before any removal was tried
+    (nothing in flight reads the old keys, so their removal is best-effort), every later lookup asks the new
+    version's keys (a block stored under them hits, one under the old version's misses), and the old keys'
+    removal is then tried REMOVAL_ATTEMPTS times with waits doubling to their cap, given up and counted, the
+    version staying switched."""
+    side0 = sched().steps
+    rekey = _rekey([kb.layout for kb in side0.key_builders])
+    new_kbs, old_kbs = rekey("v2", ""), [KeyBuilder(kb.layout) for kb in side0.key_builders]
     a, b = Req("a", 2 * BS + 1), Req("b", 2 * BS + 1)
     store = _RemovingStore({k for kb in new_kbs for k in kb.keys(a.block_hashes)}
                            | {k for kb in old_kbs for k in kb.keys(b.block_hashes)})
@@ -566,10 +575,11 @@ def probe_reset_switches_the_weights_version() -> None:
     side, removals, waits, bounded = _reset_rig(store)
     old_regex = reset_mod.engine_key_regex(side.key_builders)
     with _reset_log_quiet():
-        ok = connector_mod.reset_scheduler_side(side, removals, ("v2", new_kbs))
+        ok = connector_mod.reset_scheduler_side(side, removals, rekey, "v2")
     check(ok is True, f"a reset with a new weights version returned {ok} (the store fails every removal)")
-    check(side.weights_version == "v2", f"after the reset the weights version is {side.weights_version!r}, not "
-                                        f"'v2' (store calls so far: {store.removals})")
+    check((side.weights_version, side.reset_epoch) == ("v2", ""),
+          f"after the reset the keys are under ({side.weights_version!r}, {side.reset_epoch!r}), not ('v2', '') "
+          f"(store calls so far: {store.removals})")
     check([kb.prefix for kb in side.key_builders] == [kb.prefix for kb in new_kbs],
           f"after the switch to 'v2' keys are built under {[kb.prefix for kb in side.key_builders]}, not the "
           f"new version's {[kb.prefix for kb in new_kbs]}")
@@ -592,75 +602,95 @@ def probe_reset_switches_the_weights_version() -> None:
           f"{side.weights_version!r}")
 
 
-def probe_reset_keeping_the_version_misses_until_the_removal_is_done() -> None:
-    """A reset that keeps the weights version (the keys it reads stay where they are): until a removal begun
-    after it succeeds, every lookup misses, though the store still holds the prompt; a removal given up
-    keeps it so; the next reset whose removal succeeds lets lookups hit again."""
+def probe_a_reset_keeping_the_version_moves_the_keys_to_a_fresh_epoch() -> None:
+    """A reset that keeps the weights version moves the keys under a fresh reset epoch at once: the stored
+    prompt misses right after it though its old keys are still there (removal not run, then failing), and
+    still misses after another client puts the pre-reset objects back under their old keys (a replay: first
+    writer wins in the store); what is stored under the new epoch's keys hits; each reset draws a new epoch;
+    a later reset with a new version drops the epoch."""
     a = Req("a", 2 * BS + 1)
-    s = sched()
-    store = _RemovingStore({k for kb in s.steps.key_builders for k in kb.keys(a.block_hashes)})
+    side0 = sched().steps
+    rekey = _rekey([kb.layout for kb in side0.key_builders])
+    before = rekey("", "")
+    store = _RemovingStore({k for kb in before for k in kb.keys(a.block_hashes)})
     side, removals, _, bounded = _reset_rig(store)
+    side.switch_keys("", "", before)
     side.on_new_request(a)
     check(ask_store(side, bounded, a, 0) == 2 * BS, "before the reset the stored prompt does not hit")
     store.rc = int(StoreCode.RPC_FAIL)
-    with _reset_log_quiet():
-        ok = connector_mod.reset_scheduler_side(side, removals)
-    check(ok is True, f"a reset keeping the version returned {ok}")
-    hit = ask_store(side, bounded, a, 0)
-    check(hit == 0, f"after the reset, its removal not yet run, the stored prompt hits {hit} tokens")
+    epochs = []
+    for _ in range(2):
+        with _reset_log_quiet():
+            ok = connector_mod.reset_scheduler_side(side, removals, rekey)
+        check(ok is True, f"a reset keeping the version returned {ok}")
+        epochs.append(side.reset_epoch)
+        hit = ask_store(side, bounded, a, 0)
+        check(hit == 0, f"after a reset keeping the version (epoch {side.reset_epoch!r}), its removal not run, "
+                        f"the pre-reset prompt hits {hit} tokens")
     with _reset_log_quiet():
         removals.run_pending()
+    store.keys |= {k for kb in before for k in kb.keys(a.block_hashes)}  # the replay
+    side.forget_store_knowledge()  # each check below asks the store, not a cached answer
     hit = ask_store(side, bounded, a, 0)
-    given_up = removals.counts.total("reset_removals_given_up")
-    check(given_up == 1 and hit == 0, f"with the removal given up ({given_up}) the stored prompt hits {hit} tokens")
-    store.rc = 2
+    check(hit == 0, f"pre-reset objects put back under their keys after the removal hit {hit} tokens")
+    check(side.weights_version == "" and len(set(epochs)) == 2 and "" not in epochs,
+          f"two resets keeping the version drew reset epochs {epochs} (weights version {side.weights_version!r})")
+    store.keys |= {k for kb in side.key_builders for k in kb.keys(a.block_hashes)}
+    side.forget_store_knowledge()
+    hit = ask_store(side, bounded, a, 0)
+    check(hit == 2 * BS, f"a prompt stored under the new epoch's keys hits {hit} tokens, not {2 * BS}")
     with _reset_log_quiet():
-        check(connector_mod.reset_scheduler_side(side, removals) is True, "the second reset was refused")
-        removals.run_pending()
-    hit = ask_store(side, bounded, a, 0)
-    check(hit == 2 * BS, f"after a removal succeeded the prompt (the double removes nothing) hits {hit} tokens, "
-                         f"not {2 * BS}: lookups stay off")
+        connector_mod.reset_scheduler_side(side, removals, rekey, "v2")
+    check((side.weights_version, side.reset_epoch) == ("v2", ""),
+          f"a reset to version 'v2' left the keys under ({side.weights_version!r}, {side.reset_epoch!r})")
 
 
 def _switch_skipped_at_reset(orig):  # the reset removes the old keys but never moves to the new version
-    def reset_scheduler_side(side, removals, new_keys=None):
-        return orig(side, removals, None)
+    def reset_scheduler_side(side, removals, rekey, new_version=None):
+        return orig(side, removals, lambda v, e: list(side.key_builders), new_version)
     return reset_scheduler_side
 
 
 def _switch_after_removal(orig):  # the old order: remove on the engine thread, switch only once that succeeded
-    def reset_scheduler_side(side, removals, new_keys=None):
+    def reset_scheduler_side(side, removals, rekey, new_version=None):
         if reset_mod.refusal(side) is None:
             if int(removals.store.remove_by_regex(reset_mod.engine_key_regex(side.key_builders), True)) < 0:
                 return False
-        return orig(side, removals, new_keys)
+        return orig(side, removals, rekey, new_version)
     return reset_scheduler_side
 
 
-def _gate_always_open(orig):  # the reset's keys answer from the store while their removal is owed
-    def gate_closed(self):
-        return False
-    return gate_closed
+def _epoch_kept(orig):  # a reset keeping the version leaves the keys where they are (only removes them)
+    def keys_after_reset(weights_version, new_version):
+        version, _ = orig(weights_version, new_version)
+        return version, ""
+    return keys_after_reset
+
+
+def _epoch_not_hashed(orig):  # the reset epoch never reaches the key
+    def key_identity(config_hash, hash_algo, weights_version, reset_epoch=""):
+        return orig(config_hash, hash_algo, weights_version)
+    return key_identity
 
 
 def _removal_never_retried(orig):  # one failed try gives the removal up
-    def _remove(self, regex, seq):
+    def _remove(self, regex):
         wait, self.wait = self.wait, lambda s: True  # the first backoff wait ends it
         try:
-            return orig(self, regex, seq)
+            return orig(self, regex)
         finally:
             self.wait = wait
     return _remove
 
 
 def _switch_keeps_old_key_builders(orig):  # the version is recorded, the key builders stay the old ones
-    def switch_weights_version(self, weights_version, key_builders):
+    def switch_keys(self, weights_version, reset_epoch, key_builders):
         kbs = list(self.key_builders)
-        orig(self, weights_version, key_builders)
+        orig(self, weights_version, reset_epoch, key_builders)
         self.key_builders = kbs
         if self.events is not None:
             self.events.key_builders = list(kbs)
-    return switch_weights_version
+    return switch_keys
 
 
 PROBES: list[Callable[[], None]] = [
@@ -669,7 +699,7 @@ PROBES: list[Callable[[], None]] = [
     probe_a_seal_verifies_every_tag_it_is_asked_for,
     probe_breaker_backoff_doubles_to_its_cap, probe_lookup_deadline_behind_an_abandoned_call,
     probe_attached_process_uses_the_published_metadata_url, probe_supervisor_restarts_a_dead_master,
-    probe_reset_switches_the_weights_version, probe_reset_keeping_the_version_misses_until_the_removal_is_done,
+    probe_reset_switches_the_weights_version, probe_a_reset_keeping_the_version_moves_the_keys_to_a_fresh_epoch,
 ]
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
@@ -693,10 +723,12 @@ MUTANTS: dict[str, list[Patch]] = {
     "embedded_master_not_restarted": [(embedded.EmbeddedMooncake, "_supervise", _supervisor_only_reports)],
     # the connector calls reset_scheduler_side through its own binding (imported by name from reset)
     "reset_weights_switch_skipped": [(connector_mod, "reset_scheduler_side", _switch_skipped_at_reset)],
-    "weights_switch_keeps_old_keys": [(SchedulerSteps, "switch_weights_version", _switch_keeps_old_key_builders)],
-    # the reset's order (switch first, remove after, off the engine thread), its gate and its retries
+    "weights_switch_keeps_old_keys": [(SchedulerSteps, "switch_keys", _switch_keeps_old_key_builders)],
+    # the reset's order (switch first, remove after, off the engine thread), its epoch and its retries
     "reset_switch_after_removal": [(connector_mod, "reset_scheduler_side", _switch_after_removal)],
-    "reset_gate_always_open": [(DeadlineStore, "gate_closed", _gate_always_open)],
+    # reset.py looks keys_after_reset up in its own module; EngineFacts and the probe key_identity in engine_facts
+    "reset_epoch_kept": [(reset_mod, "keys_after_reset", _epoch_kept)],
+    "reset_epoch_not_in_key": [(engine_facts, "key_identity", _epoch_not_hashed)],
     "reset_removal_never_retried": [(reset_mod.StoreRemovals, "_remove", _removal_never_retried)],
 }
 
@@ -718,6 +750,7 @@ SHOWS: dict[str, Callable[[], None]] = {
     "reset_weights_switch_skipped": probe_reset_switches_the_weights_version,
     "weights_switch_keeps_old_keys": probe_reset_switches_the_weights_version,
     "reset_switch_after_removal": probe_reset_switches_the_weights_version,
-    "reset_gate_always_open": probe_reset_keeping_the_version_misses_until_the_removal_is_done,
+    "reset_epoch_kept": probe_a_reset_keeping_the_version_moves_the_keys_to_a_fresh_epoch,
+    "reset_epoch_not_in_key": probe_a_reset_keeping_the_version_moves_the_keys_to_a_fresh_epoch,
     "reset_removal_never_retried": probe_reset_switches_the_weights_version,
 }

@@ -44,6 +44,7 @@ class Witness:
     only: tuple[str, ...] = ()     # if set: the witness must be reached in one of these configs
     label: str = ""            # the table's invariant column (default: the S-id and name)
     gate: bool = True          # unreached fails the stage (False: informational, see INFO)
+    spec: str = "Witness"      # tla/<spec>.tla defining Witness_<name>, run with the configs of its model
 
     @property
     def operator(self) -> str:
@@ -89,6 +90,8 @@ WITNESSES: list[Witness] = [
     Witness("StripeHole", "NoGarbageCompute",
             "chunk 1's owner never put it, the other rank put chunk 2; a lookup is due",
             only=("MC_stripe",), label="S7 NoGarbageCompute++"),
+    Witness("S10", "NoPreResetLoad", "another client put a pre-reset object back after its keys' removal",
+            spec="ResetEpoch"),
 ]
 
 # Not gates, runnable with --only: branches the model never takes (measured; see tla/Witness.tla).
@@ -200,9 +203,10 @@ class WRow:
         return sum(a.result.seconds for a in self.attempts if a.result)
 
 
-def run_witness(w: Witness, configs: dict[str, Path], *, spec: Path = SPEC, xmx: str = "1g",
+def run_witness(w: Witness, configs: dict[str, Path], *, spec: Path | None = None, xmx: str = "1g",
                 timeout: float = 600.0, cfg_dir: Path = CFG_DIR) -> WRow:
-    """Try the witness in each of its configs until TLC reaches it."""
+    """Try the witness in each of its configs until TLC reaches it (in `spec`, default its own module)."""
+    spec = TLA / f"{w.spec}.tla" if spec is None else spec
     cfg_dir.mkdir(parents=True, exist_ok=True)
     attempts: list[Attempt] = []
     for name in order(w, configs):
@@ -273,10 +277,10 @@ def report(rows: list[WRow], missing: list[str], configs: dict[str, Path], total
 
 
 def main(argv: list[str] | None = None, *, witnesses: Iterable[Witness] | None = None,
-         configs: dict[str, Path] | None = None, spec: Path = SPEC, cfg_dir: Path = CFG_DIR) -> int:
+         configs: dict[str, Path] | None = None, spec: Path | None = None, cfg_dir: Path = CFG_DIR) -> int:
     ap = argparse.ArgumentParser(prog="python -m conformance.witness", description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only these witnesses (S1..S9, Tail, Held, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
+                    help="run only these witnesses (S1..S10, Tail, Held, Lifecycle, TwoPins, SharedPin, StaleDmaRead; "
                          "RegisterOther: a branch no config takes, searched in full)")
     ap.add_argument("--stories", action="store_true", help="print each witness's behaviour")
     ap.add_argument("--xmx", default="1g", help="TLC heap (default 1g)")

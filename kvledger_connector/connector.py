@@ -142,10 +142,11 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                               f"choose one", "kv_connector_extra_config")
         return read_weights_version(path) if path is not None and is_scheduler else fixed
 
-    def _key_builders(self, weights_version: str | None = None) -> list[KeyBuilder]:
+    def _key_builders(self, weights_version: str | None = None, reset_epoch: str = "") -> list[KeyBuilder]:
         """The scheduler's key builders: one per shard (a hit needs every one)."""
         sc = self.config.store
-        return [KeyBuilder(lay, sc.max_key_bytes, sc.namespace) for lay in self.engine.shard_layouts(weights_version)]
+        return [KeyBuilder(lay, sc.max_key_bytes, sc.namespace)
+                for lay in self.engine.shard_layouts(weights_version, reset_epoch)]
 
     def _start(self, store: KVStore | None) -> None:
         cfg, facts, sc = self.config, self.engine, self.config.store
@@ -157,11 +158,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             # lookups only: this client contributes no memory
             self.store = store if store is not None else self._connect(sc.replace(global_segment_size=0))
             builders = self._key_builders()
-            # the resets' removals run on their own thread; until one is done its keys answer "missing"
+            # the resets' removals run on their own thread (nothing reads the keys they remove)
             self.removals = StoreRemovals(self.store, stats=self.stats)
-            # the engine step's store calls: gated by the removals, each bounded by lookup_timeout_ms, timed
-            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats,
-                                                    gate=self.removals)
+            # the engine step's store calls: each bounded by lookup_timeout_ms, timed
+            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=bounded, weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group
@@ -175,7 +175,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 cfg, store=self.store, shape=facts.block_shape(max_key_bytes=sc.max_key_bytes, namespace=sc.namespace),
                 tp_rank=facts.tp_rank, max_requests=cfg.max_inflight_jobs + 4 * facts.max_num_seqs,
                 stats=self.stats, trace=trace, integrity=self.integrity, weights_version=facts.weights_version,
-                rekey=lambda v: facts.block_shape(v, max_key_bytes=sc.max_key_bytes, namespace=sc.namespace).builders,
+                rekey=lambda v, e: facts.block_shape(v, e, max_key_bytes=sc.max_key_bytes,
+                                                    namespace=sc.namespace).builders,
                 readers=facts.world_size)
 
     @property
@@ -248,15 +249,15 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return events.take() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
-        """Drop every key of this engine's model and namespace (kvledger_connector/scheduler/reset.py): the keys move to
-        a new weights version at once, their removal runs on its own thread; False while anything in flight
-        could bring pre-reset KV back. With `weights_version_file`, the file is read again and the keys move
+        """Drop every key of this engine's model and namespace (kvledger_connector/scheduler/reset.py): the keys move at
+        once (to a new weights version, or under a fresh reset epoch), their removal runs on its own thread;
+        False while anything in flight could bring pre-reset KV back. With `weights_version_file`, the file is read again and the keys move
         to the version it names; a file that cannot be read refuses the reset (going on under the old version
         after a weight update would read the old weights' KV). The worker role has nothing to reset: None."""
         side, removals = self.scheduler_side, self.removals
         if side is None or removals is None:
             return None
-        new_keys = None
+        version = None
         if self._weights_version_file is not None:
             try:
                 version = read_weights_version(self._weights_version_file)
@@ -264,8 +265,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.error("reset_cache refused: %s", e)
                 self.stats.add("resets_refused")
                 return False
-            new_keys = (version, self._key_builders(version))
-        return reset_scheduler_side(side.steps, removals, new_keys)
+        return reset_scheduler_side(side.steps, removals, self._key_builders, version)
 
     # ============================================================ worker side
     def _worker(self) -> WorkerSide:

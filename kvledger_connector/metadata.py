@@ -248,9 +248,11 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     """Scheduler → worker payload of one step."""
 
     step: int = 0
-    # the weights version the step's keys are built under: it changes only at a reset_cache that ran with
-    # no store job or load in flight (kvledger_connector/scheduler/reset.py), and every rank re-keys before its jobs
+    # the weights version and reset epoch the step's keys are built under: they change only at a reset_cache
+    # that ran with no store job or load in flight (kvledger_connector/scheduler/reset.py), and every rank
+    # re-keys before its jobs
     weights_version: str = ""
+    reset_epoch: str = ""  # "" until the first reset that kept the weights version, then RESET_EPOCH_HEX chars
     # in the order they happened (finished since the last step, then preempted in this one); each names
     # the generation it ends, so a late or duplicate notice cannot close a newer one
     drops: list[DropNotice] = field(default_factory=list)

@@ -569,17 +569,22 @@ def run_pass_with_a_tampered_store(h: Any, prompts: list[list[int]], max_tokens:
     return log
 
 
+def stored_keys(mc: EmbeddedMooncake, key_part: str) -> list[str]:
+    """The master's stored keys (its HTTP `/get_all_keys`, as any local client can ask) containing `key_part`,
+    sorted."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{mc.metrics_port}/get_all_keys", timeout=10) as resp:
+        listed = resp.read().decode()
+    return sorted(k for k in listed.split() if key_part in k)
+
+
 def forge_stored_values(mc: EmbeddedMooncake, key_part: str, *, seed: int = 0, every: int = 1) -> list[str]:
     """FAULT INJECTION from outside the engine: another client of the same master replaces every `every`-th
     stored object whose key contains `key_part` (the engine's model directory, say) with random bytes of the
     same size (remove, then put: the store is first-writer-wins). The keys are the master's own list (its
     HTTP `/get_all_keys`); a real engine's next loads of them read forged bytes. Returns the keys forged."""
-    import urllib.request
-
     import torch
-    with urllib.request.urlopen(f"http://127.0.0.1:{mc.metrics_port}/get_all_keys", timeout=10) as resp:
-        listed = resp.read().decode()
-    keys = sorted(k for k in listed.split() if key_part in k)[::every]
+    keys = stored_keys(mc, key_part)[::every]
     store = MooncakeStore.connect(StoreConfig(master_server_address=mc.master_address,
                                               metadata_server=mc.metadata_server, global_segment_size=0))
     gen = torch.Generator().manual_seed(seed)
@@ -601,3 +606,39 @@ def forge_stored_values(mc: EmbeddedMooncake, key_part: str, *, seed: int = 0, e
     finally:
         store.close()
     return forged
+
+
+class StoredCopies:
+    """FAULT INJECTION from outside the engine: another client of the same master (any client of a shared
+    store can) reads objects now (`take`) and puts each back under its own key later (`put_back`), where
+    that key is empty by then (first writer wins): the replay a reset must make harmless. Its own store client
+    (no segment of its own); `close` it."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.store = MooncakeStore.connect(config.replace(global_segment_size=0))
+        self.copies: dict[str, Any] = {}  # key -> a registered uint8 tensor holding the object
+
+    def take(self, keys: Sequence[str]) -> list[str]:
+        """Read every object of `keys` that exists; the keys read."""
+        import torch
+        for k in keys:
+            size = int(self.store.raw.get_size(k))
+            if size <= 0:
+                continue
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.store.register_buffer(buf.data_ptr(), size)
+            if self.store.batch_get([k], [[buf.data_ptr()]], [[size]]) == [size]:
+                self.copies[k] = buf
+        return list(self.copies)
+
+    def put_back(self) -> list[str]:
+        """Put every copy back under its key; the keys where the put was applied (the key was empty)."""
+        put: list[str] = []
+        for k, buf in self.copies.items():
+            if self.store.batch_is_exist([k]) == [0] and \
+                    self.store.batch_put([k], [[buf.data_ptr()]], [[buf.numel()]]) == [0]:
+                put.append(k)
+        return put
+
+    def close(self) -> None:
+        self.store.close()

@@ -38,23 +38,29 @@ Otherwise the reset is done at once, on the engine thread, without a store call:
 
     engine thread (reset_cache)                  kvledger-reset-removal thread (`StoreRemovals`)
     refusal? -> False
-    switch the weights version (if it changed)
+    move the keys (`keys_after_reset`)
     forget lookups, saves, KV events
     submit(old keys' pattern) ──── pending ────► remove_by_regex(pattern), up to REMOVAL_ATTEMPTS tries,
     -> True                                      waits of removal_backoff_s between; given up: logged, counted
 
-A runtime weights version (`weights_version_file`, re-read by the connector at each reset): when it changed,
-the keys move to the new version first — lookups, KV events, and every rank's jobs through the next step's
-metadata — and the old version's keys are then removed best-effort: a removal that fails or lags costs store
-memory (the keys age out by eviction), never a read of the old weights' KV, since nothing reads the old keys
-any more. That is the one moment the switch is safe: the refusal rules above leave nothing in flight that
-was keyed under the old version. Another engine still on the old weights keeps writing old-version keys;
-this one never reads them.
+Every reset moves the keys, so nothing the engine reads afterwards was stored before it:
 
-Without a version change the keys stay where they are, so until their removal is done they may hold
-pre-reset KV: every existence check of the scheduler (lookups, the KV-events check) answers "missing"
-(the gate of `kvledger_connector.store.deadline.DeadlineStore`) until a removal that started after the
-reset succeeds. A removal given up keeps the gate: the engine runs without the store's hits until a later reset's removal succeeds (no cache, never old KV).
+- a runtime weights version (`weights_version_file`, re-read by the connector at each reset) that changed:
+  the keys move to the new version (no epoch: engines that switch to the same version share keys again);
+- otherwise the same version under a fresh random reset epoch (`keys.new_reset_epoch`, in every key's layout
+  digest): removing the old keys alone is not enough, since the store is shared and first writer wins: a
+  client that read an object before the reset and puts it back after the removal would have it loaded, with
+  a valid tag (it is this engine's own object, under its own key). Under a new epoch that key is never built
+  again. The price: after such a reset the engine shares keys with no engine that did not draw the same
+  epoch (every other engine; a restart returns to the shared keys, no epoch).
+
+The switch reaches lookups and KV events at once and every rank's jobs through the next step's metadata
+(`weights_version`, `reset_epoch`). That is the one moment it is safe: the refusal rules above leave nothing
+in flight that was keyed under the old keys. The old keys are then removed best-effort: a removal that fails
+or lags costs store memory (the keys age out by eviction), never a read of pre-reset KV, since nothing reads
+them any more. Another engine still on the old weights keeps writing old-version keys; this one never reads
+them.
+
 After any reset the scheduler side forgets what it learned from the store: cached lookup answers, save
 trackers and deferred saves (every live request is at 0 computed tokens, so they re-save from block 0).
 """
@@ -68,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
-from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.keys import KeyBuilder, new_reset_epoch
 from kvledger_connector.store.client import StoreCode
 
 if TYPE_CHECKING:
@@ -117,10 +123,6 @@ class StoreRemovals:
     the owner calls `run_pending` (probes, to be deterministic). ``wait(seconds) -> stop?``: the backoff
     wait (default: cut short by `stop`; a test passes a double that records the waits).
 
-    The gate: the pattern of keys the engine still reads whose removal is owed (a reset that kept the
-    weights version); `gated` holds until a removal of that pattern that began after the gate was set
-    succeeds, or a later reset switches the version (then nothing reads those keys).
-
     Counted into ``stats`` (the connector's recorder; its own `Counts` when None), read as ``counts``:
     reset_removals (patterns removed), reset_removed_keys, reset_removal_retries, reset_removals_given_up,
     reset_removals_dropped."""
@@ -134,10 +136,8 @@ class StoreRemovals:
         self.wait: Callable[[float], bool] = wait if wait is not None else self._stopping.wait
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a submit, a removal done, stop
-        self._pending: OrderedDict[str, int] = OrderedDict()  # pattern -> seq of its latest submit
+        self._pending: OrderedDict[str, None] = OrderedDict()  # patterns, oldest first
         self._running = False
-        self._seq = 0  # submits so far
-        self._gate: tuple[str, int] | None = None  # (pattern, seq of the submit that set it)
         self._thread: threading.Thread | None = None
 
     @property
@@ -145,27 +145,18 @@ class StoreRemovals:
         return callable(getattr(self.store, "remove_by_regex", None))
 
     @property
-    def gated(self) -> bool:
-        """True while the keys the engine reads may still hold pre-reset KV (see the class doc)."""
-        return self._gate is not None
-
-    @property
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def submit(self, regex: str, *, gate: bool) -> None:
-        """Queue the removal of `regex`'s keys. `gate`: the engine still reads them (no version switch):
-        gate until they are removed; otherwise lift any gate (the engine reads other keys now)."""
+    def submit(self, regex: str) -> None:
+        """Queue the removal of `regex`'s keys (keys the engine no longer builds)."""
         if not isinstance(regex, str) or not regex:
             raise LedgerInputError("regex", regex, "must be a non-empty pattern")
         with self._lock:
-            self._seq += 1
-            self._gate = (regex, self._seq) if gate else None
-            self._pending[regex] = self._seq  # a pattern already waiting keeps its place: it has not begun
+            self._pending[regex] = None  # a pattern already waiting keeps its place: it has not begun
             while len(self._pending) > MAX_PENDING_REMOVALS:
                 dropped, _ = self._pending.popitem(last=False)
                 self.counts.add("reset_removals_dropped")
-                # never the gate's: each submit sets or lifts the gate, so it is the newest's if any
                 logger.warning("reset_cache: %d removals waiting; the oldest (%s) dropped: nothing reads its "
                                "keys, they age out by eviction", MAX_PENDING_REMOVALS + 1, dropped)
             self._changed.notify_all()
@@ -175,15 +166,12 @@ class StoreRemovals:
         if start and self._thread is not None:
             self._thread.start()
 
-    def _gate_on(self, regex: str) -> bool:
-        return self._gate is not None and self._gate[0] == regex
-
-    def _take(self) -> tuple[str, int] | None:
+    def _take(self) -> str | None:
         """The oldest pending pattern, marked running (under the lock); None when there is none."""
         if not self._pending:
             return None
         self._running = True
-        return self._pending.popitem(last=False)
+        return self._pending.popitem(last=False)[0]
 
     def _done(self) -> None:
         with self._lock:
@@ -200,7 +188,7 @@ class StoreRemovals:
                 job = self._take()
             if job is not None:
                 try:
-                    self._remove(*job)
+                    self._remove(job)
                 finally:
                     self._done()
 
@@ -214,11 +202,11 @@ class StoreRemovals:
             if job is None:
                 return
             try:
-                self._remove(*job)
+                self._remove(job)
             finally:
                 self._done()
 
-    def _remove(self, regex: str, seq: int) -> None:
+    def _remove(self, regex: str) -> None:
         for attempt in range(1, REMOVAL_ATTEMPTS + 1):
             try:
                 rc = int(self.store.remove_by_regex(regex, True))  # force: a lease must not keep a stale key
@@ -226,9 +214,6 @@ class StoreRemovals:
                 logger.warning("reset_cache: remove_by_regex raised %s: %s", type(e).__name__, e)
                 rc = int(StoreCode.CLIENT_EXCEPTION)
             if rc >= 0:
-                with self._lock:
-                    if self._gate is not None and self._gate[0] == regex and self._gate[1] <= seq:
-                        self._gate = None
                 self.counts.add("reset_removals")
                 self.counts.add("reset_removed_keys", rc)
                 logger.info("reset_cache: removed %d keys matching %s", rc, regex)
@@ -241,13 +226,9 @@ class StoreRemovals:
                            regex, StoreCode.label(rc), attempt, REMOVAL_ATTEMPTS, wait)
             if self.wait(wait):
                 return  # stopped
-        with self._lock:
-            gated = self._gate_on(regex)
         self.counts.add("reset_removals_given_up")
-        logger.error("reset_cache: keys matching %s not removed after %d tries (last: %s); %s", regex,
-                     REMOVAL_ATTEMPTS, StoreCode.label(rc),
-                     "lookups stay off until a reset's removal succeeds" if gated
-                     else "nothing reads them any more: they age out by eviction")
+        logger.error("reset_cache: keys matching %s not removed after %d tries (last: %s); nothing reads them "
+                     "any more: they age out by eviction", regex, REMOVAL_ATTEMPTS, StoreCode.label(rc))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether every submitted removal is done (removed or given up) within `timeout_s` (tests, shutdown)."""
@@ -280,11 +261,20 @@ def _refuse(steps: SchedulerSteps, why: str) -> bool:
     return False
 
 
+def keys_after_reset(weights_version: str, new_version: str | None) -> tuple[str, str]:
+    """The (weights version, reset epoch) a reset moves the keys to: the new version with no epoch when the
+    version changed (the version alone keeps them apart from the old weights' KV, and engines that switch
+    together share keys again); otherwise the same version under a fresh epoch (module doc)."""
+    if new_version is not None and new_version != weights_version:
+        return new_version, ""
+    return weights_version, new_reset_epoch()
+
+
 def reset_scheduler_side(steps: SchedulerSteps, removals: StoreRemovals,
-                         new_keys: tuple[str, Sequence[KeyBuilder]] | None = None) -> bool:
-    """The reset (module doc): switch to `new_keys` (weights version, its key builders) when the version
-    changed, forget what the scheduler side learned from the store, and queue the removal of the keys it
-    built until now on `removals`; no store call here. False (logged, counted, nothing changed) when
+                         rekey: Callable[[str, str], Sequence[KeyBuilder]], new_version: str | None = None) -> bool:
+    """The reset (module doc): move the keys (`keys_after_reset`; `rekey` builds the shards' key builders under
+    a version and epoch), forget what the scheduler side learned from the store, and queue the removal of the
+    keys it built until now on `removals`; no store call here. False (logged, counted, nothing changed) when
     refused."""
     why = refusal(steps)
     if why is None and not removals.can_remove:
@@ -292,20 +282,19 @@ def reset_scheduler_side(steps: SchedulerSteps, removals: StoreRemovals,
     if why is not None:
         return _refuse(steps, f"{why}; retry once the engine is drained")
     old = engine_key_regex(steps.key_builders)
-    switch = new_keys is not None and new_keys[0] != steps.weights_version
-    if switch and new_keys is not None:
-        before = steps.weights_version
-        try:
-            steps.switch_weights_version(*new_keys)
-        except LedgerInputError as e:
-            return _refuse(steps, f"cannot switch to weights version {new_keys[0]!r}: {e}")
-        logger.info("reset_cache: weights version %r -> %r: keys move to %s", before, new_keys[0],
-                    new_keys[1][0].prefix if new_keys[1] else "?")
+    before = steps.weights_version
+    version, epoch = keys_after_reset(before, new_version)
+    try:
+        steps.switch_keys(version, epoch, rekey(version, epoch))
+    except LedgerInputError as e:
+        return _refuse(steps, f"cannot switch to weights version {version!r}: {e}")
+    logger.info("reset_cache: keys move to %s (weights version %r -> %r%s)",
+                steps.key_builders[0].prefix if steps.key_builders else "?", before, version,
+                f", reset epoch {epoch}" if epoch else "")
     steps.forget_store_knowledge()
     if steps.events is not None:
         steps.events.store_reset()
-    removals.submit(old, gate=not switch)
+    removals.submit(old)
     steps.stats.add("resets")
-    logger.info("reset_cache: keys matching %s queued for removal%s", old,
-                "" if switch else "; lookups miss until they are removed")
+    logger.info("reset_cache: keys matching %s queued for removal", old)
     return True

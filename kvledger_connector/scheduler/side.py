@@ -118,7 +118,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerConnectorMetadata:
         steps = self.steps
         self._step += 1
-        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version)
+        meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version,
+                                         reset_epoch=steps.reset_epoch)
         meta.drops = steps.notices(sorted(scheduler_output.finished_req_ids),
                                    sorted(scheduler_output.preempted_req_ids or ())) + steps.releases()
         meta.loads = steps.take_loads()

@@ -447,6 +447,7 @@ class SchedulerSteps:
         self.world_size = config.world_size
         self.key_builders = list(key_builders)  # one per tensor-parallel shard: a hit needs every shard
         self.weights_version = weights_version  # the key builders' (in every step's metadata for the workers)
+        self.reset_epoch = ""  # the key builders' reset epoch (scheduler/reset.py; in every step's metadata)
         # KV cache groups of a hybrid model: block tables come one per group (vLLM's tuple of lists), a
         # block's keys one per group (key_builders holds every shard's and group's), and every load is
         # asynchronous (vLLM takes a failed load of several groups per request, not per block)
@@ -1133,11 +1134,11 @@ class SchedulerSteps:
     def forget_store_knowledge(self) -> None:
         self._reqs.forget_lookups_and_saves()
 
-    def switch_weights_version(self, weights_version: str, key_builders: Sequence[KeyBuilder]) -> None:
-        """Build keys under `weights_version` from now on (lookups, KV events, and through the metadata every
-        rank's jobs). Only with nothing in flight that was keyed under the old version: no store job (its
-        put would land under the old key after the switch, fine, but its pins and report would outlive the
-        keys it names) and no load (its blocks hold the old weights' KV)."""
+    def switch_keys(self, weights_version: str, reset_epoch: str, key_builders: Sequence[KeyBuilder]) -> None:
+        """Build keys under `weights_version` and `reset_epoch` from now on (lookups, KV events, and through the
+        metadata every rank's jobs). Only with nothing in flight that was keyed under the old ones: no store job
+        (its put would land under the old key after the switch, fine, but its pins and report would outlive
+        the keys it names) and no load (its blocks hold pre-reset KV)."""
         ledger = self.ledger
         if (ledger is not None and ledger.num_inflight_jobs) or self.has_pending_loads():
             raise LedgerInputError("weights_version", weights_version, "switched while store jobs or loads "
@@ -1145,10 +1146,11 @@ class SchedulerSteps:
         if len(key_builders) != len(self.key_builders):
             raise LedgerInputError("key_builders", len(key_builders), f"one per shard ({len(self.key_builders)})")
         self.key_builders = list(key_builders)
-        self.weights_version = weights_version
+        if weights_version != self.weights_version:
+            self.stats.add("weights_version_switches")
+        self.weights_version, self.reset_epoch = weights_version, reset_epoch
         if self.events is not None:
             self.events.key_builders = list(key_builders)
-        self.stats.add("weights_version_switches")
 
     @property
     def num_load_pins(self) -> int:

@@ -161,11 +161,15 @@ def model_identity(model_config: ModelConfig, prefix_caching_hash_algo: str, wei
     (it covers the weights' path, revision, quantization, dtype and the hf_config after overrides), the block
     hash algorithm, and the operator's `weights_version` (bumped when weights change in place). 32 hex chars;
     the scheduler and every worker compute it from their copy of the same config."""
-    return _identity(model_config.compute_hash(), str(prefix_caching_hash_algo), weights_version)
+    return key_identity(model_config.compute_hash(), str(prefix_caching_hash_algo), weights_version)
 
 
-def _identity(config_hash: str, hash_algo: str, weights_version: str) -> str:
-    canon = json.dumps([config_hash, hash_algo, weights_version], separators=(",", ":"))
+def key_identity(config_hash: str, hash_algo: str, weights_version: str, reset_epoch: str = "") -> str:
+    """A key layout's `model_hash` (`model_identity`'s, under a version and reset epoch: a reset moves the keys
+    by either, kvledger_connector/scheduler/reset.py). The epoch joins the hashed fields only when set: until
+    the first reset the keys are those of every engine of this model and version."""
+    fields = [config_hash, hash_algo, weights_version] + ([reset_epoch] if reset_epoch else [])
+    canon = json.dumps(fields, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:32]
 
 
@@ -447,32 +451,33 @@ class EngineFacts:
         return [dataclasses.replace(rank_layout, num_kv_heads=k, heads=(first + j * k, total))
                 for j in range(rank_layout.num_kv_heads // k)]
 
-    def _rank_layouts(self, weights_version: str | None) -> list[KeyLayout]:
-        if weights_version is None:
+    def _rank_layouts(self, weights_version: str | None, reset_epoch: str = "") -> list[KeyLayout]:
+        if weights_version is None and not reset_epoch:
             return list(self.group_layouts)
-        h = _identity(self.model_config_hash, self.hash_algo, weights_version)
+        version = self.weights_version if weights_version is None else weights_version
+        h = key_identity(self.model_config_hash, self.hash_algo, version, reset_epoch)
         return [dataclasses.replace(lay, model_hash=h) for lay in self.group_layouts]
 
-    def layouts_for(self, weights_version: str | None = None) -> list[KeyLayout]:
+    def layouts_for(self, weights_version: str | None = None, reset_epoch: str = "") -> list[KeyLayout]:
         """This rank's key layouts, a block's parts in order: per KV cache group (one for most models) its
         head shards (`key_parts`; one but in the TP-shared layout), under `weights_version` (default: the
-        one the facts were built under)."""
-        return [part for lay in self._rank_layouts(weights_version) for part in self._parts(lay)]
+        one the facts were built under) and `reset_epoch` (none before the first reset)."""
+        return [part for lay in self._rank_layouts(weights_version, reset_epoch) for part in self._parts(lay)]
 
-    def block_shape(self, weights_version: str | None = None, *, max_key_bytes: int = 512,
+    def block_shape(self, weights_version: str | None = None, reset_epoch: str = "", *, max_key_bytes: int = 512,
                     namespace: str = "") -> BlockShape:
         """This rank's block (kvledger_connector/shape/block_shape.py): the parts of `layouts_for`, in order, each
         with its KV cache group, the group's kind and its key builder, under `weights_version` (default: the
-        one the facts were built under)."""
+        one the facts were built under) and `reset_epoch`."""
         return BlockShape.of_keys([KeyBuilder(lay, max_key_bytes, namespace)
-                                   for lay in self.layouts_for(weights_version)])
+                                   for lay in self.layouts_for(weights_version, reset_epoch)])
 
-    def shard_layouts(self, weights_version: str | None = None) -> list[KeyLayout]:
+    def shard_layouts(self, weights_version: str | None = None, reset_epoch: str = "") -> list[KeyLayout]:
         """The key layout of every shard of every stage (the scheduler: a hit needs all of them); ranks
         sharing keys (`KeyLayout.kv_replicas`) are one shard; a hybrid model's groups each have theirs; in
         the TP-shared layout a shard is `kv_heads_per_key` of the model's KV heads, whatever the TP size.
-        `weights_version`: under that version instead."""
-        bases = self._rank_layouts(weights_version)
+        `weights_version`, `reset_epoch`: under that version and epoch instead."""
+        bases = self._rank_layouts(weights_version, reset_epoch)
         if self.kv_heads_per_key:
             k, total = self.kv_heads_per_key, self.total_kv_heads
             return [dataclasses.replace(base, tp_rank=0, pp_rank=p, num_kv_heads=k, heads=(h, total))

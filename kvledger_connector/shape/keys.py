@@ -53,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -182,6 +183,23 @@ def dense_table(layouts: Iterable[KeyLayout]) -> bool:
     every rank decide by this one rule."""
     lays = list(layouts)
     return len({lay.group for lay in lays}) <= 1 and not any(lay.window is not None or lay.is_state for lay in lays)
+
+
+#: a reset epoch's length in hex characters (128 random bits: no two resets anywhere draw the same one)
+RESET_EPOCH_HEX = 32
+_RESET_EPOCH = re.compile(rf"[0-9a-f]{{{RESET_EPOCH_HEX}}}")
+
+
+def new_reset_epoch() -> str:
+    """A fresh reset epoch: a reset that keeps the weights version moves the keys to it, so an object stored
+    before the reset (or read then and put back after it by another client: first writer wins) is under a
+    key the engine never builds again (kvledger_connector/scheduler/reset.py)."""
+    return secrets.token_hex(RESET_EPOCH_HEX // 2)
+
+
+def is_reset_epoch(epoch: object) -> bool:
+    """Whether `epoch` is "" (no reset yet) or one `new_reset_epoch` could return."""
+    return epoch == "" or (isinstance(epoch, str) and _RESET_EPOCH.fullmatch(epoch) is not None)
 
 
 def _hash_hex(block_hash: bytes | int | str) -> str:

@@ -1,5 +1,4 @@
-"""The scheduler's store calls, in one wrapper (`DeadlineStore`): gated while a reset's removal is owed,
-skipped while the store's breaker is open, each bounded by a deadline, the prefix lookups timed, every
+"""The scheduler's store calls, in one wrapper (`DeadlineStore`): skipped while the store's breaker is open, each bounded by a deadline, the prefix lookups timed, every
 outcome counted into the one counter sink. A store that does not answer costs an engine step at most
 ``lookup_timeout_ms``, once, then nothing until the store answers again.
 
@@ -10,10 +9,9 @@ outcome counted into the one counter sink. A store that does not answer costs an
                                      (`MooncakeStore.trip`): later calls are skipped at once until its
                                      prober sees the master answer
 
-In order, per call: the reset's gate (`StoreRemovals.gated`, kvledger_connector/scheduler/reset.py) answers every
-key "missing" while the keys may still hold pre-reset KV; a store whose breaker is open answers without the
-round trip through the thread; otherwise the call goes through the thread, bounded. ``batch_is_exist`` is a
-prefix lookup: its duration (gated ones included) goes to ``lookup_s`` and its histogram; the KV-events
+In order, per call: a store whose breaker is open answers without the round trip through the thread;
+otherwise the call goes through the thread, bounded. ``batch_is_exist`` is a prefix lookup: its duration goes
+to ``lookup_s`` and its histogram; the KV-events
 check goes through `untimed` (the same calls, not a prefix lookup, kept out of ``lookup_s``).
 
 Only existence checks go through here: they read no GPU memory, so a call abandoned past its deadline may
@@ -33,20 +31,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
 from kvledger_connector.store.client import StoreCode
 
 logger = logging.getLogger(__name__)
-
-
-class Gate(Protocol):
-    """What the gate of these calls needs: True while the keys may still hold pre-reset KV."""
-
-    @property
-    def gated(self) -> bool: ...
 
 
 @dataclass
@@ -57,18 +48,15 @@ class _Call:
 
 
 class DeadlineStore:
-    """``store`` as the scheduler calls it (see the module doc). ``gate``: an object whose ``gated`` is True
-    while a reset's removal is owed (`StoreRemovals`), or None. ``stats``: the counter sink (the connector's
+    """``store`` as the scheduler calls it (see the module doc). ``stats``: the counter sink (the connector's
     `StatsRecorder`; its own `Counts` when None), read as ``counts``. Everything else, attribute reads and
     writes included, is the wrapped store's own."""
 
-    def __init__(self, store: Any, timeout_s: float, stats: Counter | None = None, *,
-                 gate: Gate | None = None) -> None:
+    def __init__(self, store: Any, timeout_s: float, stats: Counter | None = None) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise LedgerInputError("timeout_s", timeout_s, "a store call's deadline must be > 0 seconds")
         object.__setattr__(self, "_kvl_store", store)
         object.__setattr__(self, "_kvl_timeout_s", float(timeout_s))
-        object.__setattr__(self, "_kvl_gate", gate)
         object.__setattr__(self, "_kvl_q", queue.SimpleQueue())
         object.__setattr__(self, "_kvl_busy", threading.Lock())  # held while a call is inside the store
         object.__setattr__(self, "_kvl_thread", None)
@@ -92,16 +80,9 @@ class DeadlineStore:
         """These calls for existence checks that are not prefix lookups (the KV-events check)."""
         return UntimedChecks(self)
 
-    def gate_closed(self) -> bool:
-        """Whether the reset's gate answers every key "missing" now."""
-        gate = self._kvl_gate
-        return gate is not None and bool(gate.gated)
-
     def check_exist(self, keys: Sequence[str]) -> list[int]:
-        """The gated, breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
+        """The breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
         n = len(keys)
-        if self.gate_closed():
-            return [0] * n
         store = self._kvl_store
         if self._kvl_stopped or getattr(store, "breaker_open", False):
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed

@@ -48,7 +48,7 @@ from kvledger_connector.shape.block_shape import BlockShape, PartBuffers
 from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
 from kvledger_connector.worker.steps import SaveJob, WorkerSteps
-from kvledger_connector.shape.keys import KeyBuilder
+from kvledger_connector.shape.keys import RESET_EPOCH_HEX, KeyBuilder, is_reset_epoch
 from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
@@ -69,12 +69,12 @@ class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, shape: BlockShape, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str], Sequence[KeyBuilder]] | None = None, readers: int = 1) -> None:
+                 rekey: Callable[[str, str], Sequence[KeyBuilder]] | None = None, readers: int = 1) -> None:
         """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
         in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
         are tagged (kvledger_connector/shape/integrity.py); None: no trailer. ``weights_version``: the one
-        ``shape``'s builders build under; ``rekey``: the parts' key builders under another version, for when
-        a step's metadata names one (a reset_cache switched it, see kvledger_connector/scheduler/reset.py).
+        ``shape``'s builders build under; ``rekey``: the parts' key builders under another version and reset
+        epoch, for when a step's metadata names them (a reset_cache switched it, see kvledger_connector/scheduler/reset.py).
         ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
@@ -86,6 +86,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.connector_config = connector_config
         self.weights_version = weights_version
+        self.reset_epoch = ""  # no reset yet: the keys every engine of this model and version builds
         self._rekey = rekey
         self.integrity = integrity if integrity is not None and integrity.enabled else None
         self._lock = threading.Lock()
@@ -184,8 +185,8 @@ class WorkerSide:
         if meta.step == self._last_meta_step:
             return
         self._last_meta_step = meta.step
-        if meta.weights_version != self.weights_version:
-            self._switch_weights_version(meta.weights_version)
+        if meta.weights_version != self.weights_version or meta.reset_epoch != self.reset_epoch:
+            self._switch_keys(meta.weights_version, meta.reset_epoch)
         for nt in meta.drops:  # each checked whole (`WorkerSteps.receive_drop`)
             if self.steps.receive_drop(nt):  # a held request: its save is stored, vLLM may free its blocks
                 self._released.add(nt.req_id)
@@ -203,16 +204,21 @@ class WorkerSide:
         if sync and self.steps.removals:  # objects a sync load found tampered: the store thread removes them
             self._offer(self._store_q, _REMOVE)  # a full queue: the store thread removes them before its next job
 
-    def _switch_weights_version(self, version: str) -> None:
-        """This step's jobs and loads are keyed under `version`. The scheduler switches only at a reset that
-        found no store job or load in flight (every rank reported them all), so no thread of this rank holds
-        a job keyed under the old version: the switch is one reference swap the threads pick up per job."""
+    def _switch_keys(self, version: str, reset_epoch: str) -> None:
+        """This step's jobs and loads are keyed under `version` and `reset_epoch`. The scheduler switches only
+        at a reset that found no store job or load in flight (every rank reported them all), so no thread of
+        this rank holds a job keyed under the old ones: the switch is one reference swap the threads pick up
+        per job."""
         if self._rekey is None:
             raise LedgerInputError("weights_version", version, f"this worker builds keys under "
                                    f"{self.weights_version!r} only (no rekey given)")
-        self.steps.shape = self.steps.block_shape().rekeyed(self._rekey(version))
-        self.weights_version = version
-        self.steps.stats.add("weights_version_switches")
+        if not is_reset_epoch(reset_epoch):
+            raise LedgerInputError("reset_epoch", reset_epoch, f"must be '' or {RESET_EPOCH_HEX} lowercase hex "
+                                   "characters")
+        self.steps.shape = self.steps.block_shape().rekeyed(self._rekey(version, reset_epoch))
+        if version != self.weights_version:
+            self.steps.stats.add("weights_version_switches")
+        self.weights_version, self.reset_epoch = version, reset_epoch
 
     def _run_sync_load(self, spec: LoadSpec) -> None:
         if self._closed:  # shut down: every block reported failed (vLLM recomputes), as a refused async one

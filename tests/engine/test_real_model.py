@@ -24,6 +24,7 @@ exact wrong-KV counts per position, injected store faults, the TP-shared layout 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from typing import Any
 import pytest
 
 from kvledger_connector.store.embedded import EmbeddedMooncake
-from testbed.faults import forge_stored_values
+from kvledger_connector.config import StoreConfig
+from testbed.faults import StoredCopies, forge_stored_values, stored_keys
 from testbed.vllm_build import runs_real_models
 
 from engine_checks import (  # tests/engine is on sys.path (rootdir mode)
@@ -336,6 +338,49 @@ def test_a_weights_version_reset_never_loads_the_old_versions_kv(
     firsts = res["passes"][1]["num_cached_tokens"][:2]  # the first prompt of each prefix: only the store had it
     assert firsts == [0, 0], f"pass 2 loaded version 1's KV after the reset to version 2: {firsts}"
     _check_served(res, PROMPTS, pass_no=2)
+    _check_connectors(res, tp=1)
+    _check_rest(res, trace)
+
+
+# ---------------------------------------------------------------------------------- a replay after a reset
+def test_pre_reset_objects_put_back_after_a_reset_are_never_loaded(
+        run_engine: Callable[..., dict[str, Any]], reference: Callable[..., list[list[int]]],
+        tmp_path: Path) -> None:
+    """Another client of the store reads the engine's objects after pass 1, and once `reset_connector=True`
+    (same weights version) has removed them before pass 3, puts them back under their keys (first writer
+    wins; each is the engine's own object under its own key). The reset moved the keys under a fresh reset
+    epoch: pass 3 loads none of them (the first prompt of each prefix recomputes), every output exact."""
+    want = reference("llama-gqa")
+    bdir = tmp_path / "barrier"
+    bdir.mkdir()
+    taken: list[str] = []
+    put: list[str] = []
+    trace = tmp_path / "trace.ndjson"
+    with EmbeddedMooncake(rpc_timeout_ms=5000) as mc:  # a master of its own: every object in it is this engine's
+        other = StoredCopies(StoreConfig(global_segment_size=0).with_addresses(mc.master_address, mc.metadata_server))
+
+        def act(n: int) -> str:
+            if n == 1:  # pass 1 saved: read every object
+                taken.extend(other.take(stored_keys(mc, "")))
+                return f"read {len(taken)} objects"
+            deadline = time.monotonic() + 60  # before pass 3: the reset's removal runs on its own thread
+            while set(taken) & set(stored_keys(mc, "")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            put.extend(other.put_back())
+            return f"put back {len(put)} objects"
+
+        try:
+            res = run_engine(_spec(tmp_path, "llama-gqa", connector=_connector(mc, trace), passes=3,
+                                   reset_connector=[2],
+                                   barrier={"dir": str(bdir), "passes": [1, 2], "timeout_s": 90}),
+                             timeout_s=300, name="replay-after-reset", on_barrier=act)
+        finally:
+            other.close()
+    assert taken and sorted(put) == sorted(taken), (len(taken), len(put))
+    _check_outputs(res, want)
+    _check_served(res, PROMPTS, pass_no=1)
+    firsts = res["passes"][2]["num_cached_tokens"][:2]  # the first prompt of each prefix: only the store had it
+    assert firsts == [0, 0], f"pass 3 loaded pre-reset objects put back after the reset: {firsts}"
     _check_connectors(res, tp=1)
     _check_rest(res, trace)
 

@@ -17,7 +17,7 @@ from kvledger_connector.config import StoreConfig
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.scheduler.reset import REMOVAL_ATTEMPTS, ecma_escape, engine_key_regex, removal_backoff_s
 from kvledger_connector.store.client import MooncakeStore
-from testbed.faults import FaultyMooncakeClient, HeldPuts, RawFault
+from testbed.faults import FaultyMooncakeClient, HeldPuts, RawFault, StoredCopies
 from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 4
@@ -69,14 +69,16 @@ def test_reset_removes_only_this_engines_model_and_namespace(store_config: Store
         b.run_pass(prompts, MAX_TOKENS, "b-again")
         assert b.scheduler_connector.scheduler_side.steps.stats.total("loads_emitted") > loads_b
 
-        # A misses (vLLM reset its GPU pool too) and re-saves under the same keys
+        # A misses (vLLM reset its GPU pool too) and re-saves, under a fresh reset epoch's keys
         loads_a, jobs_a = sa.stats.total("loads_emitted"), sa.ledger.num_jobs_opened
         hits_a = a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0)
         a.run_pass(prompts, MAX_TOKENS, "a-again")
         assert sa.stats.total("loads_emitted") == loads_a
         assert a.scheduler_connector.stats.totals.data.get("lookup_hit_tokens", 0) == hits_a
         assert sa.ledger.num_jobs_opened > jobs_a
-        assert _exist(shared_store, ka) == [1] * len(ka)
+        ka_new = _keys(a, prompts)
+        assert sa.reset_epoch and not set(ka_new) & set(ka) and _exist(shared_store, ka_new) == [1] * len(ka_new)
+        assert _exist(shared_store, ka) == [0] * len(ka)
 
 
 def test_reset_refused_while_a_store_job_is_in_flight(store_config: StoreConfig, shared_store: MooncakeStore,
@@ -214,15 +216,14 @@ def test_a_reset_switches_the_weights_version_though_the_store_fails_the_removal
 
 
 def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: StoreConfig):
-    """No new weights version: the keys stay, so while their removal is owed every lookup misses (the store
-    still holds the pre-reset KV); a removal given up keeps it so. The next reset, the store working again,
-    removes them and the engine's own new saves hit again."""
+    """No new weights version: the keys move under a fresh reset epoch, so though the removal is given up
+    (the store still holds the pre-reset KV) every lookup misses it; the engine's own new saves hit."""
     prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=22)
-    with Harness(store_config, extra={"namespace": "rm-gate"}) as h:
+    with Harness(store_config, extra={"namespace": "rm-fail"}) as h:
         h.run_pass(prompts, MAX_TOKENS, "a")
         keys = _keys(h, prompts)
         store = h.scheduler_connector.store
-        client, _ = _failing_removals(h)
+        _failing_removals(h)
         h.reset_prefix_cache_when_idle(reset_connector=True)
         totals = h.scheduler_connector.stats.totals.data
         assert totals["reset_removals_given_up"] == 1
@@ -231,15 +232,38 @@ def test_a_reset_whose_removal_fails_never_loads_the_pre_reset_kv(store_config: 
         loads, lookups = ss.stats.total("loads_emitted"), totals.get("lookups", 0)
         h.run_pass(prompts, MAX_TOKENS, "b")
         assert ss.stats.total("loads_emitted") == loads and totals.get("lookups", 0) > lookups  # it asked, and missed
+        assert not set(_keys(h, prompts)) & set(keys)  # saved again, under the new epoch
+        assert h.scheduler.reset_prefix_cache() is True  # vLLM's own cache only: the next hits are the store's
+        h.run_pass(prompts, MAX_TOKENS, "c")
+        assert ss.stats.total("loads_emitted") > loads
 
-        client.clear()
-        h.reset_prefix_cache_when_idle(reset_connector=True)
-        assert totals["reset_removed_keys"] == len(keys)
-        assert _exist(store, keys) == [0] * len(keys)
-        h.run_pass(prompts, MAX_TOKENS, "c")  # saved again
-        assert h.scheduler.reset_prefix_cache() is True
-        h.run_pass(prompts, MAX_TOKENS, "d")
-        assert ss.stats.total("loads_emitted") > loads  # the store's hits are back
+
+def test_pre_reset_objects_put_back_after_the_reset_are_never_loaded(store_config: StoreConfig):
+    """The replay: another client of the store reads the engine's objects, waits for the reset's removal and
+    puts them back under their keys (first writer wins; each is the engine's own object under its own key, so
+    its tag is valid). A reset keeping the weights version moved the keys: none of them is loaded, the engine
+    saves afresh, and a second reset moves the keys again."""
+    prompts = shared_prefix_prompts(2, num_prefixes=2, prefix_len=48, suffix_len=8, seed=24)
+    with Harness(store_config, extra={"namespace": "rm-replay"}) as h:
+        other = StoredCopies(store_config)
+        try:
+            h.run_pass(prompts, MAX_TOKENS, "a")
+            keys = _keys(h, prompts)
+            assert sorted(other.take(keys)) == sorted(keys)
+            h.reset_prefix_cache_when_idle(reset_connector=True)
+            ss = h.scheduler_connector.scheduler_side.steps
+            epoch = ss.reset_epoch
+            assert epoch and h.scheduler_connector.stats.totals.data["reset_removed_keys"] == len(keys)
+            assert sorted(other.put_back()) == sorted(keys)  # every pre-reset object is back under its key
+            loads = ss.stats.total("loads_emitted")
+            h.run_pass(prompts, MAX_TOKENS, "b")  # outputs checked against the model's
+            assert ss.stats.total("loads_emitted") == loads
+            fresh = _keys(h, prompts)
+            assert not set(fresh) & set(keys) and _exist(h.scheduler_connector.store, fresh) == [1] * len(fresh)
+            h.reset_prefix_cache_when_idle(reset_connector=True)
+            assert ss.reset_epoch not in ("", epoch)
+        finally:
+            other.close()
 
 
 class _HeldRemoval:
