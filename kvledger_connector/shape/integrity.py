@@ -17,21 +17,17 @@ on the other's objects):
 
 * ``b3``, KV in host memory: ``tag = BLAKE3-keyed_hash(K, bind(key, nonce) || block bytes)``, 64 bytes of
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
-  so a MAC under K. `BlockSeal` computes it without holding the GIL: a block that is one run in memory is
-  hashed where it lies; otherwise one TorchScript call copies a chunk of blocks into a staging buffer
-  (STAGE_BYTES per trailer slot); then one call per block, in which the `blake3` package releases the GIL,
-  a call's blocks shared among HASH_THREADS threads (the caller and a process-wide pool) hashing side by
-  side. A thread takes the GIL back once per block and once per chunk, never per segment: where vLLM's main
-  thread holds it, each take may wait (up to the interpreter's switch interval). Measured (64 KiB-2
-  MiB inputs, one core, other jobs running): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2 GB/s,
-  keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3. Its cost is one more read of the bytes at the hash's rate
-  over HASH_THREADS cores, plus the staging copy for a block of several runs (`bench.datapath` measures it).
+  so a MAC under K. `BlockSeal` computes it where the block lies, run by run from numpy views of the KV
+  cache, on the calling thread, no torch call and no copy: the tag is one stretch of GIL time, never a
+  release per run or per block (PIECE_BYTES). On vLLM's CPU backend every release is a wait: the engine
+  thread runs Python between its steps and gives the GIL back only at the interpreter's switch interval,
+  and a torch call from a second thread shares the engine's OpenMP threads; a 25-block load's tag check
+  went from a few ms to a fraction of one (`bench.real`). Measured (64 KiB-2 MiB inputs, one core, other jobs
+  running): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2 GB/s, keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3.
 * ``x3``, KV in host memory under ``checksum`` (which has no secret, so needs no MAC): ``tag =
   XXH3-128(bind(key, nonce) || block bytes)`` (PyPI `xxhash`), its 16 bytes then 48 zero bytes (the trailer
   keeps one size). A fast non-cryptographic hash, enough for what ``checksum`` promises (bytes changed by
-  accident, a block under another key) and no more; computed as ``b3`` is (where the block lies, or from the
-  staging rows; `xxhash` releases the GIL on inputs over 64 KiB), at several times BLAKE3's rate
-  (`bench.datapath`).
+  accident, a block under another key) and no more; computed as ``b3`` is, at several times BLAKE3's rate.
 * ``mm8``, KV on a GPU (written for tensor cores; the bytes never cross to the host), the definition
   `reference_digest` gives in numpy and `BlockSeal` computes with torch on the KV cache's device:
 
@@ -80,8 +76,7 @@ import logging
 import os
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +109,6 @@ MIN_SECRET_DISTINCT = 8  # distinct byte values a secret file holds at least (`w
 FEW_BLOCKS = 16  # mm8: up to this many blocks per call, one TorchScript call computes the tags (`BlockSeal.digests`)
 #: b3: a BLAKE3 derive_key context (hard-coded, globally unique, this use only)
 B3_CONTEXT = "kvledger 2025-06 integrity tag key v1"
-#: b3: the staging buffer per trailer slot, for blocks of several runs: a few blocks, so the hash reads them
-#: back from the cache the copy just filled
-STAGE_BYTES = 8 << 20
 _MASK = (1 << 64) - 1
 #: said once at start-up when an engine runs 'checksum' (`IntegrityKey.resolve` chose it or the operator did)
 CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption and a block under another key, "
@@ -124,22 +116,11 @@ CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption 
                  "(32-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
 
 
-#: b3: the threads that hash one call's blocks side by side (the calling thread is one of them): `blake3`
-#: releases the GIL while it hashes, so a batch's tags take about 1/HASH_THREADS of one core's time. Half
-#: the cores, at most 4: the hashing never takes every core from the engine's own threads (with every core
-#: hashing, tests beside a busy CPU lost pass-2 hits: the scheduler's lookups, most likely, past their deadline)
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-_pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool): a forked child makes its own
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """The process's HASH_THREADS - 1 helper threads, started on first use."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(HASH_THREADS - 1, thread_name_prefix="kvledger-tag"))
-        return _pool[1]
+#: b3, x3: the most bytes one hash update is given. Both packages hold the GIL over an update of up to 64 KiB
+#: (measured: `xxhash` releases it past 64 KiB); a tag of a block is then one stretch of GIL time at the
+#: hash's rate, never a release per run or per block, each of which waits for the GIL back (up to the
+#: interpreter's switch interval) while vLLM's engine thread runs Python
+PIECE_BYTES = 64 << 10
 
 
 class IntegrityError(LedgerError):
@@ -377,14 +358,12 @@ class BlockSeal:
             self._free.put_nowait(i)
         self.trailer_bytes = TRAILER_BYTES
         if ikey.construction in HOST_HASHED:
+            if device.type != "cpu":
+                raise KVLayoutError(f"integrity: construction {ikey.construction!r} hashes host memory; the KV "
+                                    f"cache is on {device.type}")
             self._b3_key = ikey.b3_key if ikey.construction == "b3" else b""
-            # a block that is one run of host memory is hashed where it lies: [blocks, bytes] numpy views
-            self._in_place = [segs[0].view[:, 0].numpy() if device.type == "cpu" and len(p.segments) == 1
-                              else None for segs, p in zip(self._segs, plans)]
-            self._rows = max(1, min(max_keys, STAGE_BYTES // self.block_bytes))
-            self._stage = torch.empty((slots, self._rows, self.block_bytes), dtype=torch.int8, device=device)
-            # the first gather compiles its TorchScript graph: paid here, on vLLM's null block 0
-            gather_rows(self._views[0], self._offsets[0], [0], self._stage[0])
+            # each part's runs as numpy views [blocks, count, bytes] of the KV cache: hashed where they lie
+            self._np_views = [[g.view.numpy() for g in segs] for segs in self._segs]
         else:
             a, u = ikey.material(self.num_chunks)
             self._a = torch.from_numpy(a.copy()).to(device)
@@ -475,37 +454,27 @@ class BlockSeal:
             return _host(t).view(np.uint64)
         return self._digests(self._gather(block_ids, part))
 
-    def _hash(self, bound: bytes, data: Any) -> bytes:
-        """One block's host-hashed tag (b3 or x3): its bytes in one `update`, inside which `blake3` (and
-        `xxhash`, past 64 KiB) releases the GIL."""
+    def _pieces(self, part: int, block_id: int) -> Iterator[np.ndarray]:
+        """Block `block_id`'s object (of part `part`) where it lies in the KV cache, in object order, as
+        contiguous byte runs of at most PIECE_BYTES."""
+        for arr in self._np_views[part]:
+            blk = arr[block_id]
+            for run in ((blk.reshape(-1),) if blk.flags.c_contiguous else blk):
+                for at in range(0, run.shape[0], PIECE_BYTES):
+                    yield run[at:at + PIECE_BYTES]
+
+    def _hash(self, bound: bytes, pieces: Iterable[Any]) -> bytes:
+        """One block's host-hashed tag (b3 or x3) over `pieces`, its object's bytes in order, on this thread
+        with the GIL held throughout (PIECE_BYTES)."""
         if self.ikey.construction == "x3":
             x = xxhash.xxh3_128(bound)
-            x.update(data)
+            for piece in pieces:
+                x.update(piece)
             return x.digest().ljust(TAG_BYTES, b"\0")
         h = blake3(bound, key=self._b3_key)
-        h.update(data)
+        for piece in pieces:
+            h.update(piece)
         return h.digest(TAG_BYTES)
-
-    def _hash_all(self, out: list[bytes], work: Sequence[tuple[int, bytes, Any]]) -> None:
-        """``out[i]`` = the tag of each (i, bound, bytes) of ``work``, hashed by up to HASH_THREADS threads
-        side by side (this one included), each over a contiguous share; returns when every tag is in."""
-        k = min(HASH_THREADS, len(work))
-        if k <= 1:
-            for i, bound, data in work:
-                out[i] = self._hash(bound, data)
-            return
-        shares = [work[j * len(work) // k:(j + 1) * len(work) // k] for j in range(k)]
-
-        def run(share: Sequence[tuple[int, bytes, Any]]) -> None:
-            for i, bound, data in share:
-                out[i] = self._hash(bound, data)
-
-        helpers = [_hash_pool().submit(run, share) for share in shares[1:]]
-        try:
-            run(shares[0])
-        finally:
-            for f in helpers:
-                f.result()  # waits for each share; re-raises a helper's error here
 
     def tags(self, slot: int, keys: Sequence[str], nonces: Sequence[bytes], block_ids: Sequence[int],
              parts: Sequence[int] | None = None, rows: Mapping[int, torch.Tensor] | None = None) -> list[bytes]:
@@ -531,28 +500,18 @@ class BlockSeal:
                 digests[i] = self._digests(row[None, :])[0]
             return [_mm8_tag(self.ikey, k, d, nc) for k, d, nc in zip(keys, digests, nonces)]
         bind = self.ikey.bind
-        # blocks hashed where they lie (and staged tails): all at once, at the end
-        work = [(i, bind(keys[i], nonces[i]), _host(row[:self.block_bytes])) for i, row in rows.items()]
-        for g, at in self._by_part(n, parts).items():
-            at = [i for i in at if i not in rows]
-            here = self._in_place[g]
-            if here is not None:
-                work += [(i, bind(keys[i], nonces[i]), here[block_ids[i]]) for i in at]
-                continue
-            self._hash_staged(out, slot, g, [(i, bind(keys[i], nonces[i]), int(block_ids[i])) for i in at])
-        self._hash_all(out, work)
+        parts_of = [0] * n if parts is None else list(parts)
+        if len(parts_of) != n:
+            raise LedgerInputError("parts", len(parts_of), f"one per block ({n})")
+        for i in range(n):
+            if i in rows:  # a staged tail: its copy, in pieces
+                row = _host(rows[i][:self.block_bytes])
+                out[i] = self._hash(bind(keys[i], nonces[i]),
+                                    (row[at:at + PIECE_BYTES] for at in range(0, self.block_bytes, PIECE_BYTES)))
+            else:
+                self._check_part(parts_of[i])
+                out[i] = self._hash(bind(keys[i], nonces[i]), self._pieces(parts_of[i], int(block_ids[i])))
         return out
-
-    def _hash_staged(self, out: list[bytes], slot: int, part: int, work: Sequence[tuple[int, bytes, int]]) -> None:
-        """``out[i]`` = the tag of each (i, bound, block id) of ``work``, a block of several runs: copied
-        a chunk at a time into the slot's staging rows (one TorchScript call) and hashed from there, side by
-        side (`_hash_all`), before the rows are refilled."""
-        stage = self._stage[slot]
-        for s in range(0, len(work), self._rows):
-            chunk = work[s:s + self._rows]
-            gather_rows(self._views[part], self._offsets[part], [b for _, _, b in chunk], stage)
-            got = _host(stage[:len(chunk)])
-            self._hash_all(out, [(i, bound, got[r]) for r, (i, bound, _) in enumerate(chunk)])
 
     # ------------------------------------------------------------------ trailer slots
     @contextmanager
@@ -599,7 +558,13 @@ class BlockSeal:
             g = 0 if parts is None else parts[i]
             self._check_part(g)
             row = rows[i] = self._staging[slot, j]
-            gather_rows(self._views[g], self._offsets[g], [int(block_ids[i])], row[None, :])
+            if self.ikey.construction in HOST_HASHED:  # numpy copies: no torch call beside the engine's threads
+                dst, at = row.numpy().view(np.uint8), 0
+                for piece in self._pieces(g, int(block_ids[i])):
+                    dst[at:at + piece.shape[0]] = piece
+                    at += piece.shape[0]
+            else:
+                gather_rows(self._views[g], self._offsets[g], [int(block_ids[i])], row[None, :])
         n = len(keys)
         blob = os.urandom(NONCE_BYTES * n)
         nonces = [blob[i * NONCE_BYTES:(i + 1) * NONCE_BYTES] for i in range(n)]

@@ -52,15 +52,14 @@ def _random_kv(store_config: StoreConfig, tmp_path: Path, layout: str, num_block
 @pytest.mark.parametrize("layout", sorted(LAYOUT_HNC_ORDER))
 def test_the_tag_is_the_modules_definition_on_every_layout(layout: str, tmp_path: Path, store_config: StoreConfig,
                                                            monkeypatch: pytest.MonkeyPatch):
-    """`BlockSeal.tags` (off the GIL: b3 hashes a one-run block where it lies, else a TorchScript gather into
-    staging rows then one `blake3` call per block; mm8 in torch) equals `reference_tag` (the definition on the
-    whole object) on the bytes the store would be sent, for KV caches from vLLM's allocator, random bytes
-    everywhere: a few blocks and more than FEW_BLOCKS, over more than one chunk of staging rows, and a
-    partial tail tagged from its staging copy."""
+    """`BlockSeal.tags` (b3 and x3 hash each block where it lies, run by run in pieces of at most PIECE_BYTES;
+    mm8 in torch) equals `reference_tag` (the definition on the whole object) on the bytes the store would be
+    sent, for KV caches from vLLM's allocator, random bytes everywhere: a few blocks and more than FEW_BLOCKS,
+    runs cut into pieces, and a partial tail tagged from its staging copy."""
     n = FEW_BLOCKS + 3
     h, kv = _random_kv(store_config, tmp_path, layout, n + 1)
     plan = plan_block_copies(kv, layout=layout, block_size=h.block_size, num_blocks=n + 1)
-    monkeypatch.setattr(integrity, "STAGE_BYTES", 3 * plan.block_bytes)  # several chunks of staging rows
+    monkeypatch.setattr(integrity, "PIECE_BYTES", 100)  # every run cut into pieces, none on a run's edge
     for ikey in KEYS:
         seal = BlockSeal(ikey, plan, kv, slots=1, max_keys=n)
         for ids in ([1, 4, 5], list(range(1, n + 1))):
