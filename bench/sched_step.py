@@ -45,6 +45,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 
+from testbed.store_double import StoreDouble  # noqa: E402
+
 SIDES = ("ours", "upstream")
 
 
@@ -52,7 +54,7 @@ class BenchError(RuntimeError):
     pass
 
 
-class NullStore:
+class NullStore(StoreDouble):
     """The scheduler side's store when lookups are off: never asked (kv_producer does no lookup)."""
 
     def register_buffer(self, ptr: int, size: int) -> None:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.store.embedded import EmbeddedMooncake
 
 PUT_BOUND_S = 120.0

@@ -58,7 +58,8 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 from bench.tier import _metric, floor_read_s  # noqa: E402
 from kvledger_connector.config import StoreConfig  # noqa: E402
-from kvledger_connector.store.client import StoreCode, make_offload_dir, offload_environment  # noqa: E402
+from kvledger_connector.store.contract import StoreCode  # noqa: E402
+from kvledger_connector.store.tier import make_offload_dir, offload_environment  # noqa: E402
 from kvledger_connector.store.embedded import EmbeddedMooncake  # noqa: E402
 
 TP = 2

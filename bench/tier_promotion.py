@@ -24,7 +24,8 @@ import time
 import torch
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.store.embedded import EmbeddedMooncake
 
 SEGMENT, OBJECT, MULT, READ_KEYS = 16 << 20, 1 << 20, 4, 8

@@ -187,7 +187,7 @@ class MooncakeBackend:
         cfg = StoreConfig(global_segment_size=64 << 20, local_buffer_size=4 << 20, rpc_timeout_ms=2000)
         store, client = faulty_mooncake_store(cfg, embedded=embedded, clock=clock)
         # the replay opens and closes the breaker in every StoreFail behaviour: its warnings are noise here
-        store_log = logging.getLogger("kvledger_connector.store.client")
+        store_log = logging.getLogger("kvledger_connector.store.breaker")
         level = store_log.level
         store_log.setLevel(logging.ERROR)
         try:

@@ -34,6 +34,7 @@ from kvledger_connector.store.io import StoreCall, StoreIO
 from kvledger_connector.worker.steps import WorkerSteps, no_lock
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
+from testbed.store_double import StoreDouble
 
 KEY_BYTES = 64  # one key's object in the probes
 BLOCK_SIZE = 16  # tokens per block
@@ -52,7 +53,7 @@ def check(ok: bool, what: str) -> None:
         raise ProbeFailed(what)
 
 
-class ProbeStore:
+class ProbeStore(StoreDouble):
     """A key -> value store over "memory" `mem` (buffer handle -> value); `put_codes` / `get_codes` /
     `exist_codes`: scripted answers per key (the fault); `raises`: calls that raise."""
 

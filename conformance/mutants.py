@@ -59,7 +59,7 @@ from kvledger_connector.shape.integrity import IntegrityKey
 from kvledger_connector.worker.steps import SavePlan, SentBlocks, WorkerSteps
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 from kvledger_connector.store.io import StoreIO
 
 ROOT = Path(__file__).resolve().parent.parent

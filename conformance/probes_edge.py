@@ -43,8 +43,11 @@ from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.deadline import DeadlineStore
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.scheduler.steps import SchedulerSteps
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.breaker import Breaker
+from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.scheduler.side import ask_store
+from testbed.store_double import StoreDouble
 
 SECRET = b"probe-secret-of-32-bytes-exactly"
 
@@ -292,7 +295,7 @@ def _backoff_never_doubles(orig):  # every wait is the first one: a failed probe
 DEADLINE_S = 0.05
 
 
-class _StuckStore:
+class _StuckStore(StoreDouble):
     """THIS IS A TEST DOUBLE: a store whose batch_is_exist blocks until ``release`` is set (a master that
     stopped answering), then answers every key present."""
 
@@ -505,7 +508,7 @@ def _supervisor_only_reports(orig):  # the supervisor logs the master's exit and
 
 
 # ---------------------------------------------------------------- 7. the weights-version switch at reset
-class _RemovingStore:
+class _RemovingStore(StoreDouble):
     """THIS IS A TEST DOUBLE: the store's existence checks over a set of keys, and a `remove_by_regex` that
     answers ``rc`` (removing nothing: what it removes is the reset pattern's probe's business)."""
 
@@ -513,6 +516,8 @@ class _RemovingStore:
         self.keys = keys
         self.rc = 0
         self.removals: list[str] = []
+
+    removes_by_regex = True
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         return [1 if k in self.keys else 0 for k in keys]
@@ -715,7 +720,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "integrity_verify_skipped": [(integrity.BlockSeal, "verify", _verify_skipped)],
     "integrity_rows_by_place": [(integrity.BlockSeal, "verify", _verify_rows_by_place)],
     "tp_shared_head_owner_modulo": [(engine_facts, "kv_head_shard", _head_owner_modulo)],
-    "breaker_backoff_never_doubles": [(MooncakeStore, "backoff_s", _backoff_never_doubles)],
+    "breaker_backoff_never_doubles": [(Breaker, "backoff_s", _backoff_never_doubles)],
     "lookup_waits_behind_abandoned_call": [(DeadlineStore, "check_exist", _waits_behind_abandoned_call)],
     "rendezvous_metadata_url_master_port": [(embedded.EmbeddedMooncake, "metadata_server",
                                              _metadata_url_on_master_port)],

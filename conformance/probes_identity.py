@@ -1,4 +1,4 @@
-"""Probes of the embedded master's identity (kvledger_connector/store/embedded.py, store/rendezvous.py, store/client.py): the
+"""Probes of the embedded master's identity (kvledger_connector/store/embedded.py, store/rendezvous.py, store/authenticity.py): the
 master is the LISTEN socket on its port whose inode it was ready with, never "whatever answers there".
 A process attaches only to the listener its engine's file records; an attached handle stops trusting a
 port another listener took; a server is ready only on a listener its own process holds; a supervised
@@ -30,7 +30,8 @@ from conformance.probes_parts import runtime_dir_env
 from kvledger_connector.store import embedded
 from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 
 
 def _listen(stack: ExitStack, port: int = 0) -> tuple[socket.socket, int, int]:
@@ -195,6 +196,7 @@ class _Handle:
 
     def __init__(self) -> None:
         self.master_address = "127.0.0.1:1"
+        self.moved_to: str | None = None
         self.ok = True
 
     def authentic(self) -> bool:
@@ -211,7 +213,7 @@ def probe_the_store_never_trusts_an_unauthenticated_master() -> None:
     raw.up = True
     st = MooncakeStore(raw, cfg, handle, clock=clock, background_probe=False)  # type: ignore[arg-type]
     handle.ok = False
-    with quiet("kvledger_connector.store.client"):  # the unauthentic master is the probe's own doing
+    with quiet("kvledger_connector.store"):  # the unauthentic master is the probe's own doing (client, breaker)
         res = st.batch_is_exist(["k"])
         check(st.breaker_open and raw.calls == 0 and res == [int(StoreCode.UNHEALTHY_SKIPPED)]
               and st.stats.total("master_unauthentic") == 1,

@@ -301,7 +301,7 @@ def integrity_case(mode: str = "mac") -> tuple[Any, Any, dict[str, torch.Tensor]
 def probe_a_block_loads_only_under_its_own_tag() -> None:
     """A get that read a whole object is loaded only if its trailer's tag matches the bytes now in the
     block and the key it was read under: a changed byte, or a trailer of another key, is a load error."""
-    from kvledger_connector.store.client import StoreCode
+    from kvledger_connector.store.contract import StoreCode
 
     w, seal, _kv = integrity_case()
     whole = [w.key_bytes, w.key_bytes]

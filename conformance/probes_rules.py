@@ -1,7 +1,7 @@
 """Probes of rules that only integration tests held, or none: the integrity mode's choice and the secret's
 source (kvledger_connector/config.py `integrity_mode`, shape/integrity.py `IntegrityKey.resolve`, and the
 connector's own resolution of its key), every part of a store key's identity (engine_facts.key_layout from
-vLLM's own configs), the disk tier sweep's own directories (store/client.py `sweep_offload_dirs`) and the
+vLLM's own configs), the disk tier sweep's own directories (store/tier.py `sweep_offload_dirs`) and the
 tail-first release of every pin when the engine stops (`SchedulerLedger.release_all`, through the scheduler
 side's steps, on vLLM's BlockPool).
 
@@ -30,7 +30,7 @@ import kvledger_connector.config as config
 import kvledger_connector.connector as connector_mod
 import kvledger_connector.shape.engine_facts as engine_facts
 import kvledger_connector.shape.integrity as integrity
-import kvledger_connector.store.client as client
+import kvledger_connector.store.tier as tier
 from conformance.kvprobes import ProbeFailed, check
 from conformance.probes_edge import SECRET, _secret_file, tp_config
 from conformance.probes_parts import HASH, runtime_dir_env
@@ -220,22 +220,22 @@ def probe_the_tier_sweep_removes_only_our_own_directories() -> None:
     as unlocked and as old, stays with its files (not ours: the operator's), and so do a tier directory whose
     OWNER_LOCK a live client holds, one younger than the grace and a link named like ours."""
     with tempfile.TemporaryDirectory() as parent:
-        names = {"ours, gone": client.TIER_DIR_PREFIX + "gone", "not ours": "operator-data",
-                 "ours, live": client.TIER_DIR_PREFIX + "live", "ours, young": client.TIER_DIR_PREFIX + "young"}
+        names = {"ours, gone": tier.TIER_DIR_PREFIX + "gone", "not ours": "operator-data",
+                 "ours, live": tier.TIER_DIR_PREFIX + "live", "ours, young": tier.TIER_DIR_PREFIX + "young"}
         paths = {w: os.path.join(parent, n) for w, n in names.items()}
         for path in paths.values():
             os.mkdir(path, 0o700)
         Path(paths["not ours"], "data.bin").write_bytes(b"x" * 64)
-        lock = os.open(os.path.join(paths["ours, live"], client.OWNER_LOCK), os.O_CREAT | os.O_WRONLY, 0o600)
+        lock = os.open(os.path.join(paths["ours, live"], tier.OWNER_LOCK), os.O_CREAT | os.O_WRONLY, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its own open file: the sweep's flock conflicts
-            link = client.TIER_DIR_PREFIX + "link"
+            link = tier.TIER_DIR_PREFIX + "link"
             os.symlink(paths["not ours"], os.path.join(parent, link))
             now = time.time()
-            old = now - 10 * client.UNLOCKED_GRACE_S
+            old = now - 10 * tier.UNLOCKED_GRACE_S
             for w in ("ours, gone", "not ours", "ours, live"):
                 os.utime(paths[w], (old, old))
-            gone = client.sweep_offload_dirs(parent, now=now)
+            gone = tier.sweep_offload_dirs(parent, now=now)
         finally:
             os.close(lock)
         check(gone == [paths["ours, gone"]], f"the sweep removed {[os.path.basename(g) for g in gone]}, not only "
@@ -305,7 +305,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "key_without_weights_version": [(engine_facts, "model_identity", _identity_without_weights_version)],
     "key_digest_without_integrity": [(KeyLayout, "digest", _digest_without_integrity)],
     # the sweep reads the prefix at every call: "" takes every directory of this user for one of ours
-    "tier_sweep_any_directory": [(client, "TIER_DIR_PREFIX", lambda _prefix: "")],
+    "tier_sweep_any_directory": [(tier, "TIER_DIR_PREFIX", lambda _prefix: "")],
     "shutdown_frees_store_pins_head_first": [(SchedulerLedger, "release_all", _shutdown_store_pins_head_first)],
     "shutdown_frees_load_pins_head_first": [(SchedulerLedger, "release_all", _shutdown_load_pins_head_first)],
 }

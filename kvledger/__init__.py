@@ -51,7 +51,7 @@ ledgers' events there; without one each ledger counts into its own :class:`~kvle
 """
 from .counts import Counter, Counts
 from .errors import INVARIANTS, LedgerError, LedgerInputError, LedgerInvariantError
-from .load import LoadLedger, LoadResult, load_order, rotation
+from .load import LoadLedger, LoadResult, load_batch_keys, load_order, rotation
 from .metadata import aggregate, aggregate_all, aggregate_into, check_completed
 from .scheduler import NULL_BLOCK_ID, BlockPoolLike, SchedulerLedger
 from .trace import ListTrace, NdjsonTrace, TraceSink
@@ -60,7 +60,7 @@ from .worker import StoreRequestState, Verdict, WorkerLedger, put_positions
 __all__ = [
     "Counter", "Counts",
     "INVARIANTS", "LedgerError", "LedgerInputError", "LedgerInvariantError",
-    "LoadLedger", "LoadResult", "load_order", "rotation",
+    "LoadLedger", "LoadResult", "load_batch_keys", "load_order", "rotation",
     "aggregate", "aggregate_all", "aggregate_into", "check_completed",
     "NULL_BLOCK_ID", "BlockPoolLike", "SchedulerLedger",
     "ListTrace", "NdjsonTrace", "TraceSink",

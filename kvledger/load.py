@@ -41,6 +41,24 @@ def load_order(num_keys: int, tp_rank: int) -> list[int]:
     return [(i + r) % num_keys for i in range(num_keys)]
 
 
+def load_batch_keys(sub_batch_keys: int, key_bytes: int, readers: int, staging_bytes: int | None = None) -> int:
+    """Keys per batch get for objects of ``key_bytes``: ``sub_batch_keys`` (the config's
+    `load_sub_batch_keys`), and with the disk tier (``staging_bytes``: its `disk_offload_staging_size`; None
+    without the tier) no more than one owner's staging buffer holds for ``readers`` ranks reading its files
+    at once: past it every disk-resident key of the batch fails (-10; docs/disk-tier.md).
+    `LedgerInputError` naming the field when not even one key per reader fits."""
+    if key_bytes < 1 or readers < 1:
+        raise LedgerInputError("key_bytes" if key_bytes < 1 else "readers", min(key_bytes, readers), "must be >= 1")
+    if staging_bytes is None:
+        return sub_batch_keys
+    fits = staging_bytes // (key_bytes * readers)
+    if fits < 1:
+        raise LedgerInputError("disk_offload_staging_size", staging_bytes,
+                               f"holds no key of {key_bytes} bytes for each of {readers} ranks reading the tier "
+                               f"at once: raise it to at least {key_bytes * readers}")
+    return min(sub_batch_keys, fits)
+
+
 @dataclass(frozen=True)
 class LoadResult:
     load_id: int

@@ -56,7 +56,8 @@ from kvledger_connector.store.rendezvous import AttachedMooncake
 from kvledger_connector.scheduler.reset import StoreRemovals, reset_scheduler_side
 from kvledger_connector.scheduler.side import SchedulerSide
 from kvledger_connector.telemetry.stats import KVLedgerPromMetrics, KVLedgerStats, StatsRecorder
-from kvledger_connector.store.client import KVStore, MooncakeStore
+from kvledger_connector.store.contract import KVStore
+from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.worker.side import WorkerSide
 
 if TYPE_CHECKING:

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.client import KVStore, MooncakeStore, StoreCode, open_client
+from kvledger_connector.store.contract import KVStore, StoreCode
+from kvledger_connector.store.client import MooncakeStore, open_client
 
 if TYPE_CHECKING:
     from kvledger_connector.store.embedded import EmbeddedMooncake
@@ -202,8 +203,26 @@ class FaultyStore:
     def remove(self, key: str, force: bool = False) -> int:
         return self.inner.remove(key, force)
 
+    @property
+    def removes_by_regex(self) -> bool:
+        return self.inner.removes_by_regex
+
+    def remove_by_regex(self, regex: str, force: bool = False) -> int:
+        return self.inner.remove_by_regex(regex, force)
+
     def healthy(self) -> bool:
         return self.inner.healthy()
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.inner.breaker_open
+
+    def trip(self) -> None:
+        self.inner.trip()
+
+    @property
+    def calls_inside(self) -> int:
+        return self.inner.calls_inside
 
     def close(self) -> None:
         self.inner.close()
@@ -472,7 +491,7 @@ def run_pass_with_a_failed_get(h: Any, prompts: list[list[int]], max_tokens: int
     """FAULT INJECTION: a pass of `testbed.harness.Harness` (its outputs, S7 and rest checked by the harness)
     after a prefix-cache reset, whose first store get on ``rank`` returns TRANSFER_FAIL; returns the wrapper
     (``injected`` lists what fired). A hybrid model's failed load is reported per request: it recomputes."""
-    from kvledger_connector.store.client import StoreCode
+    from kvledger_connector.store.contract import StoreCode
     h.scheduler.reset_prefix_cache()
     io = h.workers[rank].worker_side.io
     faulty = FaultyStore(io.store, FaultPlan([FaultRule("get", "code", code=int(StoreCode.TRANSFER_FAIL),

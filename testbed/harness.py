@@ -91,7 +91,8 @@ from kvledger_connector.shape.engine_facts import head_shard_views  # noqa: E402
 from kvledger_connector.shape.integrity import BlockSeal  # noqa: E402
 from kvledger_connector.shape.keys import KeyBuilder, partial_tail_hash  # noqa: E402
 from kvledger_connector.shape.kvlayout import plan_block_copies, plan_state_copies  # noqa: E402
-from kvledger_connector.store.client import KVStore, MooncakeStore  # noqa: E402
+from kvledger_connector.store.contract import KVStore  # noqa: E402
+from kvledger_connector.store.client import MooncakeStore  # noqa: E402
 from testbed.emu_model import (EOS, VOCAB, KVContent, expected_output, mamba_state, shared_prefix_prompts,  # noqa: E402
                                write_jamba_dir, write_model_dir)
 from testbed.kvcache import (align_mamba_block_size, allocate, attention_specs,  # noqa: E402

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
 from kvledger_connector.shape.keys import KeyBuilder, new_reset_epoch
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import KVStore, StoreCode
 
 if TYPE_CHECKING:
     from kvledger_connector.scheduler.steps import SchedulerSteps
@@ -127,7 +127,7 @@ class StoreRemovals:
     reset_removals (patterns removed), reset_removed_keys, reset_removal_retries, reset_removals_given_up,
     reset_removals_dropped."""
 
-    def __init__(self, store: Any, *, stats: Counter | None = None, background: bool = True,
+    def __init__(self, store: KVStore, *, stats: Counter | None = None, background: bool = True,
                  wait: Callable[[float], bool] | None = None) -> None:
         self.store = store
         self.counts: Counter = stats if stats is not None else Counts()
@@ -142,7 +142,7 @@ class StoreRemovals:
 
     @property
     def can_remove(self) -> bool:
-        return callable(getattr(self.store, "remove_by_regex", None))
+        return bool(self.store.removes_by_regex)
 
     @property
     def num_pending(self) -> int:

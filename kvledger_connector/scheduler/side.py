@@ -39,7 +39,7 @@ from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata
 from kvledger_connector.scheduler.steps import SchedulerSteps
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import KVStore
+from kvledger_connector.store.contract import KVStore
 
 logger = logging.getLogger(__name__)
 

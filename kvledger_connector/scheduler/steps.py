@@ -85,7 +85,7 @@ from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.keys import KeyBuilder, dense_table, partial_tail_hash
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 
 
 class RequestLike(Protocol):

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import KVStore, StoreCode
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class DeadlineStore:
     `StatsRecorder`; its own `Counts` when None), read as ``counts``. Everything else, attribute reads and
     writes included, is the wrapped store's own."""
 
-    def __init__(self, store: Any, timeout_s: float, stats: Counter | None = None) -> None:
+    def __init__(self, store: KVStore, timeout_s: float, stats: Counter | None = None) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise LedgerInputError("timeout_s", timeout_s, "a store call's deadline must be > 0 seconds")
         object.__setattr__(self, "_kvl_store", store)
@@ -84,7 +84,7 @@ class DeadlineStore:
         """The breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
         n = len(keys)
         store = self._kvl_store
-        if self._kvl_stopped or getattr(store, "breaker_open", False):
+        if self._kvl_stopped or store.breaker_open:
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
         if not self._kvl_busy.acquire(blocking=False):  # an abandoned call is still inside
             self._kvl_stats.add("lookups_skipped_busy")
@@ -95,9 +95,7 @@ class DeadlineStore:
         if call.done.wait(self._kvl_timeout_s):
             return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
         self._kvl_stats.add("lookups_past_deadline")
-        trip = getattr(store, "trip", None)
-        if trip is not None:
-            trip()
+        store.trip()
         logger.warning("store existence check of %d key(s) unanswered after %.0f ms: answered as a miss, "
                        "store calls skipped until the master answers a probe", n, self._kvl_timeout_s * 1e3)
         return [int(StoreCode.RPC_TIMEOUT)] * n

@@ -271,6 +271,8 @@ class EmbeddedMooncake:
     ``stats``: the counter sink the supervisor counts ``master_restarts`` into (its own `Counts` if none).
     """
 
+    moved_to: str | None = None  # the owner's handle follows its master: `master_address` is where it is
+
     def __init__(self, *, start: bool = True, rpc_timeout_ms: int = 2000, lease_ttl_ms: int = 2000,
                  client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
                  extra_master_flags: Sequence[str] = (), supervise: bool = False,
@@ -468,7 +470,7 @@ class EmbeddedMooncake:
         127.0.0.1); returns its pid. Workers can then run with ``global_segment_size=0`` and every byte they
         store crosses a real TCP connection, and stored KV outlives any one worker (Mooncake §6 advice).
         ``offload_env``: the holder writes Mooncake's disk tier, with these variables (kvledger_connector's
-        `store.client.offload_environment`: its directory, an existing absolute path, and the rest); the
+        `store.tier.offload_environment`: its directory, an existing absolute path, and the rest); the
         master must take the tier (``disk_offload``)."""
         if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < (1 << 20):
             raise ValueError(f"start_holder segment_size={segment_size!r}: must be an int >= 1 MiB")

@@ -6,7 +6,7 @@ sends the codes back in. `Stepped` is that driver: it answers every `StoreCall` 
 the model's steps, so a store thread drains a job by iterating over it and the conformance
 replay advances one model action per ``next()``.
 
-The store behind `StoreIO` is the Mooncake client with its breaker (`store/client.py`: an open breaker
+The store behind `StoreIO` is the Mooncake client with its breaker (`store/breaker.py`: an open breaker
 answers at once, without the round trip), or a test double put in its place (``io.store = ...``).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from kvledger.counts import Counter, Counts
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import KVStore, StoreCode
 
 StoreOp = Literal["batch_is_exist", "batch_put", "batch_get", "wait"]
 # the counters of the calls that move bytes: (calls, keys, seconds)
@@ -45,7 +45,7 @@ class StoreIO:
     store may). Counts into ``counts`` (the connector's one sink): puts / gets, their keys and seconds (the
     store call alone), store_exceptions."""
 
-    def __init__(self, store: Any, counts: Counter | None = None) -> None:
+    def __init__(self, store: KVStore, counts: Counter | None = None) -> None:
         self.store = store  # tests put a double in its place
         self.counts: Counter = counts if counts is not None else Counts()
         self._stopping = threading.Event()  # set at shutdown: a wait ends at once
@@ -59,10 +59,16 @@ class StoreIO:
             self._stopping.wait(max(0.0, call.wait_s))
             return []
         t0 = time.perf_counter()
+        store, keys = self.store, list(call.keys)
         try:
-            fn = getattr(self.store, call.op)
-            res = list(fn(list(call.keys)) if call.op == "batch_is_exist"
-                       else fn(list(call.keys), list(call.ptrs), list(call.sizes)))
+            if call.op == "batch_is_exist":
+                res = list(store.batch_is_exist(keys))
+            elif call.op == "batch_put":
+                res = list(store.batch_put(keys, list(call.ptrs), list(call.sizes)))
+            elif call.op == "batch_get":
+                res = list(store.batch_get(keys, list(call.ptrs), list(call.sizes)))
+            else:
+                raise ValueError(f"StoreCall.op={call.op!r}: not a store call")
         except Exception:
             self.counts.add("store_exceptions")
             res = [int(StoreCode.CLIENT_EXCEPTION)] * len(call.keys)

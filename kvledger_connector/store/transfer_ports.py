@@ -105,12 +105,11 @@ def listeners(pid: int | None = None) -> list[Listener]:
     return sorted(found)
 
 
-def store_ports(store: Any) -> StorePorts:
-    """`store` (a MooncakeStore or the raw client, set up) and this process's listeners: what
+def store_ports(client: Any) -> StorePorts:
+    """`client` (a set-up Mooncake client: `MooncakeStore.raw`) and this process's listeners: what
     `nft_ruleset` must cover for it. Mooncake does not say which listener is whose, so with several
     clients in one process (a one-process multi-rank driver) each gets the listeners of all."""
-    raw = getattr(store, "raw", store)
-    return StorePorts(str(raw.get_hostname()), tuple(listeners()))
+    return StorePorts(str(client.get_hostname()), tuple(listeners()))
 
 
 def parse_peer(value: str) -> _Net:

@@ -36,7 +36,7 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                removals (scheduler/reset.py, their own thread): reset_removals (patterns removed),
                reset_removed_keys, reset_removal_retries, reset_removals_given_up (after REMOVAL_ATTEMPTS
                tries), reset_removals_dropped (more than MAX_PENDING_REMOVALS waiting)
-               the store's breaker (store/client.py): breaker_trips (it opened), breaker_probes (probes sent),
+               the store's breaker (store/breaker.py): breaker_trips (it opened), breaker_probes (probes sent),
                master_unauthentic (it opened because the listener on the embedded master's port was not the
                master this process joined: gone, or another process's), store_close_leaked (a close that
                left the client open: a call was still inside it), master_restarts (the embedded master

@@ -52,7 +52,8 @@ from kvledger_connector.shape.keys import RESET_EPOCH_HEX, KeyBuilder, is_reset_
 from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
 from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import KVStore, load_batch_keys
+from kvledger.load import load_batch_keys
+from kvledger_connector.store.contract import KVStore
 from kvledger_connector.store.io import StoreIO
 from kvledger.errors import LedgerInputError
 from kvledger.load import LoadLedger
@@ -155,7 +156,9 @@ class WorkerSide:
         self.steps.buffers = PartBuffers(plans)
         self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
         store_config = self.connector_config.store
-        self.steps.sub_batch = load_batch_keys(store_config, self.steps.key_bytes, self._readers)
+        self.steps.sub_batch = load_batch_keys(
+            store_config.load_sub_batch_keys, self.steps.key_bytes, self._readers,
+            store_config.disk_offload_staging_size if store_config.disk_offload else None)
         if self.steps.sub_batch < store_config.load_sub_batch_keys:
             logger.info("kvledger: %d keys per batch get (load_sub_batch_keys %d): %d ranks' reads of %d-byte "
                         "keys from the disk tier must fit disk_offload_staging_size %d", self.steps.sub_batch,
@@ -378,5 +381,5 @@ class WorkerSide:
         if alive:
             self.num_threads_left_running = len(alive)
             self.steps.note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
-                             f"inside the client: {getattr(self.io.store, 'calls_inside', 'unknown')})")
+                             f"inside the client: {self.io.store.calls_inside})")
         return not alive

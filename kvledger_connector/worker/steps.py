@@ -58,7 +58,7 @@ from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.metadata import (DropNotice, LoadSpec, SaveSpec, check_drop_notice, check_job_id,
                                          check_load_spec, check_req_id, check_save_spec, reportable_blocks)
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 from kvledger_connector.store.io import StoreCall, StoreIO, Stepped
 
 if TYPE_CHECKING:

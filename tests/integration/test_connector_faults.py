@@ -17,7 +17,7 @@ import pytest
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 from testbed.harness import Harness, shared_prefix_prompts
 
 MAX_TOKENS = 24

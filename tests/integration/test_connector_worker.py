@@ -33,7 +33,8 @@ from kvledger_connector.metadata import (
     LoadSpec,
     SaveSpec,
 )
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.worker.side import WorkerSide
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir

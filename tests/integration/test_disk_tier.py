@@ -22,9 +22,10 @@ import torch
 
 from kvledger.counts import Counts
 from kvledger_connector.config import ConfigError, StoreConfig
-from kvledger_connector.store.client import (OWNER_LOCK, MooncakeStore, StoreCode, StoreUnavailableError,
-                                             make_offload_dir, remove_offload_dir, sweep_offload_dirs,
-                                             offload_environment)
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.tier import (OWNER_LOCK, make_offload_dir, offload_environment, remove_offload_dir,
+                                           sweep_offload_dirs)
+from kvledger_connector.store.client import MooncakeStore, StoreUnavailableError
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from testbed.procs import wait_until
 

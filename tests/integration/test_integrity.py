@@ -21,7 +21,7 @@ from kvledger_connector.shape.integrity import (FEW_BLOCKS, NONCE_BYTES, TAG_BYT
                                           reference_tag, reference_trailer)
 from kvledger_connector.shape.kvlayout import LAYOUT_HNC_ORDER, plan_block_copies
 from kvledger_connector.telemetry.stats import _CODE_PREFIX
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from testbed.harness import Harness, shared_prefix_prompts
 from testbed.kvcache import allocate, build_kv_cache_config

@@ -14,7 +14,8 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 from kvledger_connector.connector import key_layout
 from kvledger_connector.shape.engine_facts import model_identity
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout, KeyTooLongError
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from testbed.kvcache import LAYOUTS, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir
 

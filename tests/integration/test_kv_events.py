@@ -25,7 +25,8 @@ from vllm.v1.request import Request
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.telemetry.events import StoreEvents
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from testbed.faults import FaultPlan, FaultRule, FaultyStore, HeldPuts
 from testbed.harness import Harness, shared_prefix_prompts
 

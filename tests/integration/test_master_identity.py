@@ -1,5 +1,5 @@
 """The embedded master's identity is its listener's socket inode, never "a port that answers"
-(kvledger_connector/store/embedded.py, store/rendezvous.py, store/client.py). A squatter, a real process that binds the
+(kvledger_connector/store/embedded.py, store/rendezvous.py, store/authenticity.py). A squatter, a real process that binds the
 master's port the moment the master dies, is never joined by another process of the engine, never taken
 for a ready server, never lets a store breaker close; the supervisor moves the master to a fresh port and
 the owner republishes it. Real processes and a real `mooncake_master`, on 127.0.0.1 only, stopped by pid."""
@@ -34,7 +34,8 @@ from kvledger_connector.store.embedded import (
     port_accepts,
 )
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from testbed.procs import wait_until
 from tests.integration.conftest import NS_OWNER
 

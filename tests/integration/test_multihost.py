@@ -99,7 +99,7 @@ with Harness(cfg, tp_size=2, num_blocks=40, policy="recompute", workdir=workdir,
     stores = [h.scheduler_connector.store, *(w.store for w in h.workers)]
     mismatches = lambda: sum(w.stats.total("integrity_mismatches") for w in h.workers)
     say(event="ready", local_hostname=h.workers[0].store.config.local_hostname,
-        advertised=[store_ports(s).advertised for s in stores], listeners=[str(x) for x in listeners()])
+        advertised=[store_ports(s.raw).advertised for s in stores], listeners=[str(x) for x in listeners()])
     sys.stdin.readline()  # the test applies the transfer-port recipe to this host
     if role == "save":
         right = run_pass(h, "a")

@@ -16,7 +16,7 @@ import pytest
 
 from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.store import rendezvous
-from kvledger_connector.store.client import OWNER_LOCK, make_offload_dir, remove_offload_dir, sweep_offload_dirs
+from kvledger_connector.store.tier import OWNER_LOCK, make_offload_dir, remove_offload_dir, sweep_offload_dirs
 
 OTHER_UID = 65534
 
@@ -232,7 +232,7 @@ def test_a_tier_directory_the_sweep_cannot_remove_is_reported_not_removed(open_p
         records: list[logging.LogRecord] = []
         handler = logging.Handler()
         handler.emit = records.append  # type: ignore[method-assign]
-        logging.getLogger("kvledger_connector.store.client").addHandler(handler)
+        logging.getLogger("kvledger_connector.store.tier").addHandler(handler)
         gone = sweep_offload_dirs(str(parent))
         if gone or not dead.is_dir():
             raise SystemExit(f"reported removed: {gone}")

@@ -19,10 +19,12 @@ from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.deadline import DeadlineStore
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from kvledger_connector.store.contract import MASTER_DOWN_CODES, StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from testbed.emu_model import expected_output, shared_prefix_prompts
 from testbed.harness import Harness
 from testbed.procs import wait_until
+from testbed.store_double import StoreDouble
 
 RPC_TIMEOUT_MS = 3000  # a frozen master holds a call this long: far past the deadlines below
 BACKOFF_MS = 300
@@ -80,7 +82,7 @@ def test_a_lookup_past_its_deadline_misses_and_trips_the_breaker(
     assert bounded.batch_is_exist(["k"]) == [0]  # stopped: calls go direct
 
 
-class _Hang:
+class _Hang(StoreDouble):
     """THIS IS A TEST DOUBLE: a store whose existence check blocks until released (a call stuck inside a
     client with no breaker, to show the deadline store never queues behind it)."""
 

@@ -17,7 +17,8 @@ import torch
 
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.embedded import EmbeddedMooncake
-from kvledger_connector.store.client import MASTER_DOWN_CODES, MooncakeStore, StoreCode
+from kvledger_connector.store.contract import MASTER_DOWN_CODES, StoreCode
+from kvledger_connector.store.client import MooncakeStore
 from testbed.procs import wait_until
 
 RPC_TIMEOUT_MS = 1000

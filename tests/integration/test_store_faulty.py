@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from testbed.faults import FaultPlan, FaultRule, FaultyStore, InjectedFault
-from kvledger_connector.store.client import KVStore, MooncakeStore, StoreCode
+from kvledger_connector.store.contract import KVStore, StoreCode
+from kvledger_connector.store.client import MooncakeStore
 
 
 def blocks(n: int) -> torch.Tensor:

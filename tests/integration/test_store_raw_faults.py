@@ -20,7 +20,8 @@ from conformance.kvprobes import io_of, with_edge, worker_config
 from kvledger_connector.worker.steps import JobAction, WorkerSteps, no_lock
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.shape.kvlayout import plan_block_copies
-from kvledger_connector.store.client import PROBE_KEY, MooncakeStore, StoreCode
+from kvledger_connector.store.contract import StoreCode
+from kvledger_connector.store.client import PROBE_KEY, MooncakeStore
 from testbed.faults import (BATCH_OPS, FaultyMooncakeClient, InjectedFault, ManualClock, RawFault,
                             faulty_mooncake_store)
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config

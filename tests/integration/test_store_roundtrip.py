@@ -10,7 +10,8 @@ import torch
 
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.embedded import EmbeddedMooncake, free_port
-from kvledger_connector.store.client import MooncakeStore, StoreCode, StoreError, StoreUnavailableError
+from kvledger_connector.store.contract import StoreCode, StoreError
+from kvledger_connector.store.client import MooncakeStore, StoreUnavailableError
 
 BLOCK_ELEMS = 4096  # 16 KiB of float32 per segment
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from testbed.harness import Harness, shared_prefix_prompts
 

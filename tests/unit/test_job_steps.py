@@ -303,22 +303,3 @@ def test_a_failed_save_is_counted_once_in_the_stats():
     w.run_save(io_of(w), "r", 1, 2, [1, 2], HASHES[:2])
     assert (w.stats.total("run_jobs"), w.stats.total("failed_jobs")) == (1, 1)
     assert w.stats.total("put_failed_keys") == 1
-
-
-def test_a_load_batch_fits_the_tiers_staging_buffer(tmp_path):
-    """With the disk tier one batch get's disk reads come through the owner's staging buffer, where every
-    rank of the engine may read at once: the keys per get shrink to fit it, and a buffer that cannot hold one
-    key per rank is refused by name. Without the tier `load_sub_batch_keys` stands."""
-    from kvledger_connector.config import ConfigError, StoreConfig
-    from kvledger_connector.store.client import load_batch_keys
-    mib = 1 << 20
-    tier = dict(disk_offload=True, disk_offload_dir=str(tmp_path / "tier"), disk_offload_staging_size=64 * mib)
-    assert load_batch_keys(StoreConfig(load_sub_batch_keys=64), 2 * mib, 2) == 64  # no tier
-    assert load_batch_keys(StoreConfig(load_sub_batch_keys=64, **tier), 2 * mib, 1) == 32
-    assert load_batch_keys(StoreConfig(load_sub_batch_keys=64, **tier), 2 * mib, 2) == 16
-    assert load_batch_keys(StoreConfig(load_sub_batch_keys=8, **tier), 2 * mib, 2) == 8
-    assert load_batch_keys(StoreConfig(load_sub_batch_keys=64, **tier), 64 * mib, 1) == 1
-    with pytest.raises(ConfigError, match="disk_offload_staging_size.*at least 134217728"):
-        load_batch_keys(StoreConfig(**tier), 64 * mib, 2)
-    with pytest.raises(ConfigError, match="readers"):
-        load_batch_keys(StoreConfig(**tier), mib, 0)

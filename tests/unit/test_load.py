@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvledger import LedgerInputError, LedgerInvariantError, ListTrace, LoadLedger, load_order, rotation
+from kvledger import LedgerInputError, LedgerInvariantError, ListTrace, LoadLedger, load_batch_keys, load_order, rotation
 from kvledger.codes import classify_put, split_loaded
 
 KB = 4096  # bytes of one key's object in these tests
@@ -247,3 +247,20 @@ def test_a_block_of_several_keys_is_loaded_only_when_every_key_is():
     assert led.take_errors() == {5, 6}
     with pytest.raises(LedgerInputError):
         led.begin_load("r", [1], keys_per_block=0)
+
+
+def test_a_load_batch_fits_the_tiers_staging_buffer():
+    """With the disk tier one batch get's disk reads come through the owner's staging buffer, where every
+    rank of the engine may read at once: the keys per get shrink to fit it, and a buffer that cannot hold one
+    key per rank is refused by name. Without the tier `load_sub_batch_keys` stands."""
+    mib = 1 << 20
+    staging = 64 * mib
+    assert load_batch_keys(64, 2 * mib, 2) == 64  # no tier
+    assert load_batch_keys(64, 2 * mib, 1, staging) == 32
+    assert load_batch_keys(64, 2 * mib, 2, staging) == 16
+    assert load_batch_keys(8, 2 * mib, 2, staging) == 8
+    assert load_batch_keys(64, 64 * mib, 1, staging) == 1
+    with pytest.raises(LedgerInputError, match="disk_offload_staging_size.*at least 134217728"):
+        load_batch_keys(64, 64 * mib, 2, staging)
+    with pytest.raises(LedgerInputError, match="readers"):
+        load_batch_keys(64, mib, 0, staging)

@@ -25,10 +25,11 @@ from kvledger_connector.scheduler.reset import (
     reset_scheduler_side,
 )
 from kvledger_connector.telemetry.stats import StatsRecorder
-from kvledger_connector.store.client import StoreCode
+from kvledger_connector.store.contract import StoreCode
+from testbed.store_double import StoreDouble
 
 
-class Removing:
+class Removing(StoreDouble):
     """THIS IS A TEST DOUBLE: a store whose `remove_by_regex` answers the next of ``codes`` (then the last
     one again), recording each pattern; with ``hold`` set, each call waits for ``release`` first (bounded)."""
 
@@ -39,6 +40,8 @@ class Removing:
         self.hold = hold
         self.entered = threading.Event()
         self.release = threading.Event()
+
+    removes_by_regex = True
 
     def remove_by_regex(self, regex: str, force: bool = False) -> int:
         self.calls.append(regex)
@@ -163,7 +166,7 @@ def test_a_reset_that_cannot_switch_is_refused_with_why_in_the_log_and_a_counter
     assert side.stats.total("resets_refused") == 1
     assert "cannot switch to weights version 'v2'" in caplog.text
 
-    class NoRemoval:  # THIS IS A TEST DOUBLE: a store client without remove_by_regex
+    class NoRemoval(StoreDouble):  # THIS IS A TEST DOUBLE: a store client that cannot remove by pattern
         pass
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvledger_connector.scheduler.reset"):

@@ -23,12 +23,13 @@ from kvledger_connector.worker import steps as jobs
 from kvledger_connector.metadata import (DropNotice, KVLedgerConnectorMetadata, LoadSpec, SaveSpec,
                                          check_drop_notice, check_load_spec, check_save_spec)
 from kvledger_connector.worker.side import WorkerSide
+from testbed.store_double import StoreDouble
 
 SECRET = b"unit-spec-checks-secret-32-bytes"
 H = [bytes([0xA0 + i]) * 32 for i in range(8)]
 
 
-class _MemStore:
+class _MemStore(StoreDouble):
     """THIS IS A TEST DOUBLE: an object store in this process that copies the bytes of the given buffers, as
     Mooncake's batch calls do, and records every call with the thread that made it."""
 
