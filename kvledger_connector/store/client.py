@@ -50,6 +50,7 @@ from kvledger_connector.config import ConfigError, StoreConfig
 from kvledger_connector.store.authenticity import MasterIdentity
 from kvledger_connector.store.breaker import Breaker
 from kvledger_connector.store.contract import StoreCode, StoreError
+from kvledger_connector.store.embedded import OFFLOAD_PATH_ENV
 from kvledger_connector.store.tier import make_offload_dir, offload_environment, offloads, remove_offload_dir
 
 if TYPE_CHECKING:
@@ -171,9 +172,11 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
     try:
         with _SETUP_ENV_LOCK:
             if tier and offload_dir is not None:
-                # the tier's backend, bounds and staging buffer are read from the environment only; its
-                # directory goes as setup()'s ssd_offload_path too
-                os.environ.update(offload_environment(config, offload_dir))
+                # the tier's backend, bounds and staging buffer are read from the environment only (setup()
+                # has no argument for them); its directory is setup()'s ssd_offload_path, which Mooncake
+                # takes over the variable (test_disk_tier.py finds the files there), so that one is not set
+                os.environ.update({k: v for k, v in offload_environment(config, offload_dir).items()
+                                   if k != OFFLOAD_PATH_ENV})
             rc = raw.setup(config.local_hostname, config.metadata_server, config.global_segment_size,
                            config.local_buffer_size, config.protocol, config.rdma_devices,
                            config.master_server_address, None, tier, offload_dir or "")
@@ -200,7 +203,7 @@ class MooncakeStore:
     ``raw``: a set-up `MooncakeDistributedStore` (`open_client`), or a test double over one
     (testbed.faults.FaultyMooncakeClient). ``clock``: seconds, monotonic; only the master-down backoff reads
     it (close's bounds are real waits on time.monotonic). ``background_probe``: run the breaker's probes on a
-    thread of the store's own (default: when ``clock`` is time.monotonic); without it the owner of the clock
+    thread of the breaker's own (default: when ``clock`` is time.monotonic); without it the owner of the clock
     calls `probe()`."""
 
     def __init__(self, raw: Any, config: StoreConfig, embedded: EmbeddedMooncake | AttachedMooncake | None = None,
@@ -212,8 +215,8 @@ class MooncakeStore:
         # the breaker (kvledger_connector/store/breaker.py); its probe asks the master through this client
         self.breaker = Breaker(config, self._ask_master, clock=clock, background_probe=background_probe)
         self._master = MasterIdentity(embedded, config.master_server_address)
-        # the counter sink (`stats`): breaker_trips (the breaker opened), breaker_probes (probes made: a master
-        # this process cannot authenticate is not sent one), master_unauthentic (trips because the master's
+        # the counter sink: breaker_trips (the breaker opened), breaker_probes (probes made: a master this
+        # process cannot authenticate is not sent one), master_unauthentic (trips because the master's
         # listener was not the authenticated one), store_close_leaked; the connector sets its StatsRecorder
         self.stats = Counts()
         self._closed = False
@@ -367,7 +370,8 @@ class MooncakeStore:
 
     @property
     def stats(self) -> Counter:
-        """The counter sink of this client, its breaker's included (module doc)."""
+        """The counter sink of this client and its breaker: breaker_trips, breaker_probes, master_unauthentic,
+        store_close_leaked (the connector sets its StatsRecorder)."""
         return self._stats
 
     @stats.setter

@@ -2,7 +2,8 @@
 up with Mooncake's offload on, writing to a private directory of its own that `make_offload_dir` makes under
 ``disk_offload_dir`` and `remove_offload_dir` removes once the client is closed; `sweep_offload_dirs` removes
 those of clients whose process died before their close. `offload_environment` is what Mooncake reads for the
-tier at setup() (kvledger_connector/store/client.py sets it just before).
+tier at setup(): an external owner's environment (`EmbeddedMooncake.start_holder`); our own client
+(kvledger_connector/store/client.py) passes the directory as setup()'s argument and sets the rest.
 """
 from __future__ import annotations
 
