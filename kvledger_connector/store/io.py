@@ -6,8 +6,10 @@ sends the codes back in. `Stepped` is that driver: it answers every `StoreCall` 
 the model's steps, so a store thread drains a job by iterating over it and the conformance
 replay advances one model action per ``next()``.
 
-The store behind `StoreIO` is the Mooncake client with its breaker (`store/breaker.py`: an open breaker
-answers at once, without the round trip), or a test double put in its place (``io.store = ...``).
+The store behind `StoreIO` is any `KVStore` (kvledger_connector/store/contract.py): the Mooncake client with
+its breaker (`store/breaker.py`: an open breaker answers at once, without the round trip), the scheduler's
+bounded calls (`store/deadline.py`: a ``batch_is_exist`` call is a timed prefix lookup there), or a test
+double put in its place (``io.store = ...``).
 """
 from __future__ import annotations
 
