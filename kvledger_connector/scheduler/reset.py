@@ -70,7 +70,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvledger.counts import Counter, Counts
 from kvledger.errors import LedgerInputError

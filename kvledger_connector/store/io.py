@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from kvledger.counts import Counter, Counts
 from kvledger_connector.store.contract import KVStore, StoreCode

@@ -313,7 +313,7 @@ def test_directories_of_clients_killed_without_closing_are_swept_by_the_next_cli
     parent = tmp_path / "tier"
     cfg = tier_config(str(parent))
     code = ("import sys, time\nfrom kvledger_connector.config import StoreConfig\n"
-            "from kvledger_connector.store.client import make_offload_dir\n"
+            "from kvledger_connector.store.tier import make_offload_dir\n"
             f"print(make_offload_dir(StoreConfig(disk_offload=True, disk_offload_dir={str(parent)!r})), flush=True)\n"
             "time.sleep(600)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
