@@ -4,7 +4,8 @@ Same-run ratios only; outputs are checked, timings are not asserted.
 
 The same prompts (shared prefixes, greedy, `passes` passes with `reset_prefix_cache()` between them: pass 1
 computes and saves, every later pass finds vLLM's own cache empty and loads from the store) go through one
-engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-process EngineCore, TP 1):
+engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-process EngineCore, TP 1; the
+`prefill-tp2` workload at TP 2, a worker process per rank):
 
   none       no kv_transfer_config: every pass recomputes
   upstream   vLLM 0.32's MooncakeStoreConnector as its docs configure it (a MOONCAKE_CONFIG_PATH file) on the
@@ -53,6 +54,7 @@ class Workload:
     max_len: int  # engine's max_model_len
     kv_cache_bytes: int
     what: str
+    tp: int = 1  # tensor parallel size: above 1, one worker process per rank (vLLM's "mp" executor)
 
     def make_prompts(self, seed: int = 5) -> list[list[int]]:
         """`prompts` prompts on `prefixes` shared prefixes, each with a 20-39 token suffix of its own."""
@@ -67,6 +69,9 @@ WORKLOADS = {
                         "8 layers x hidden 1024 (16 heads, 4 KV heads), 8 prompts of ~800 tokens on 4 prefixes"),
     "light": Workload("llama-gqa", 48, 4, 160, 512, 64 << 20,
                       "2 layers x hidden 128 (4 heads, 2 KV heads), 48 prompts of ~190 tokens on 4 prefixes"),
+    "prefill-tp2": Workload("llama-8l-1024", 8, 4, 768, 1024, 160 << 20,
+                            "the prefill workload at TP 2 (a worker process per rank, each half the KV heads)",
+                            tp=2),
 }
 
 
@@ -88,7 +93,8 @@ def _connectors(master: str, metadata: str, config_path: Path) -> dict[str, tupl
 def _spec(wl: Workload, workdir: Path, connector: dict[str, Any] | None, passes: int,
           preload: list[str]) -> dict[str, Any]:
     return {"workdir": str(workdir), "real_model": wl.model, "prompts": wl.make_prompts(), "max_tokens": 8,
-            "passes": passes, "tp": 1, "mp": 0, "backend": "uni", "block_size": 32, "max_model_len": wl.max_len,
+            "passes": passes, "tp": wl.tp, "mp": int(wl.tp > 1), "backend": "mp" if wl.tp > 1 else "uni",
+            "block_size": 32, "max_model_len": wl.max_len,
             "max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_bytes": wl.kv_cache_bytes,
             "connector": connector, "request_ids": "per_pass", "step_times": True, "stall_timeout_s": 120,
             "reset_between_passes": True, "settle_timeout_s": 60, "preload": preload}
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="engine runs per way and workload (default 2)")
     ap.add_argument("--passes", type=int, default=3, help="passes per run: 1 computes, the rest load (default 3)")
-    ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)}")
+    ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)} (default prefill,light)")
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"of {','.join(WAYS + EXTRA_WAYS)} (none is always run)")
     args = ap.parse_args([] if argv is None else argv)
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         vals = figures.get((wname, way), {}).get(key)
         return statistics.median(vals) if vals else None
 
-    print(f"\nvLLM's CPU engine (TP 1, in-process EngineCore), real architectures with random weights; "
+    print(f"\nvLLM's CPU engine (in-process EngineCore; TP 2: a worker process per rank), real architectures with "
+          f"random weights; "
           f"{args.rounds} round(s) x {args.passes} passes, rotating order, medians; "
           f"{time.monotonic() - t_all:.0f} s in all")
     for wname in workloads:
