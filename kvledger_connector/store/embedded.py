@@ -1,13 +1,19 @@
-"""A private Mooncake deployment on loopback: `mooncake_master` + the standalone HTTP metadata server.
+"""A private Mooncake deployment on loopback: `mooncake_master`, and the standalone HTTP metadata server
+unless the clients find each other by Mooncake's peer-to-peer handshake.
 
 Used when no `master_server_address` is configured (embedded mode), by the integration tests and by the
-benchmark. Both servers bind 127.0.0.1 only:
+benchmark. Every server binds 127.0.0.1 only:
 
     mooncake_master --rpc_address=127.0.0.1 --metrics_host=127.0.0.1 --enable_http_metadata_server=false
-    mooncake_http_metadata_server --host 127.0.0.1
+    mooncake_http_metadata_server --host 127.0.0.1          (``http_metadata=True`` only)
 
 (the master's *embedded* metadata server binds 0.0.0.0 whatever its host flag says, so we run the
-standalone one). Each Mooncake *client* (every `setup()`: the scheduler's and every worker rank's) listens
+standalone one). With ``http_metadata=False`` (what the connector's embedded default asks for) there is no
+metadata server at all: `metadata_server` is ``P2PHANDSHAKE``, and a client asks a segment's owner for its
+descriptor (buffers, data port) at the owner's own handshake port, the port the segment is named by; the
+owner answers with its own descriptor and keeps nothing a caller sends. The HTTP server instead takes an
+unauthenticated PUT from any local user, who can then rewrite a segment's data port to a listener of theirs
+and receive the KV another process of the engine sends there. Each Mooncake *client* (every `setup()`: the scheduler's and every worker rank's) listens
 on two TCP ports, random in 15000-17000: the transfer engine's handshake port on 0.0.0.0 and the TCP
 transport's data port on [::] (dual-stack). Mooncake hard-codes the wildcard; `MC_TCP_BIND_ADDRESS` only
 sets the address it advertises. Whoever reaches the data port reads and writes the client's registered
@@ -63,6 +69,8 @@ _START_TIMEOUT_S = 30.0
 #: where a Mooncake client with the disk tier writes (an existing absolute directory, one live client each)
 OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 MAX_RESTART_BACKOFF_S = 30.0  # a supervised master that keeps failing to start is retried at most this often
+#: Mooncake's `metadata_server` value for its peer-to-peer handshake: no metadata server (module doc)
+P2P_HANDSHAKE = "P2PHANDSHAKE"
 # flags we set ourselves; overriding them could open a listener beyond loopback or break readiness
 _OWN_FLAGS = frozenset({"--rpc_address", "--rpc_port", "--port", "--enable_http_metadata_server",
                         "--http_metadata_server_host", "--http_metadata_server_port", "--metrics_host",
@@ -172,21 +180,35 @@ def port_holders(port: int) -> list[tuple[str, Listener]]:
             for addr, p, lst in parse_tcp_listeners(read_tcp_table(table)) if p == port]
 
 
-def holds_socket(pid: int, inode: int) -> bool:
-    """Whether process `pid` has socket `inode` open (one of /proc/<pid>/fd/* reads ``socket:[inode]``)."""
-    target = f"socket:[{inode}]"
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` has open (its /proc/<pid>/fd/* that read ``socket:[inode]``);
+    empty when they cannot be read (gone, another user's)."""
     fd_dir = f"/proc/{pid}/fd"
     try:
         names = os.listdir(fd_dir)
     except OSError:
-        return False
+        return set()
+    out: set[int] = set()
     for name in names:
         try:
-            if os.readlink(f"{fd_dir}/{name}") == target:
-                return True
+            link = os.readlink(f"{fd_dir}/{name}")
         except OSError:  # closed meanwhile
             continue
-    return False
+        if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
+            out.add(int(link[8:-1]))
+    return out
+
+
+def holds_socket(pid: int, inode: int) -> bool:
+    """Whether process `pid` has socket `inode` open (`socket_inodes`)."""
+    return inode in socket_inodes(pid)
+
+
+def held_ports(pids: Sequence[int]) -> list[int]:
+    """The TCP ports, IPv4 and IPv6, any address, that the processes `pids` listen on (sorted, once each)."""
+    held = set().union(*(socket_inodes(pid) for pid in pids)) if pids else set()
+    return sorted({port for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+                   for _addr, port, lst in parse_tcp_listeners(read_tcp_table(table)) if lst.inode in held})
 
 
 def _holders_text(port: int) -> str:
@@ -263,8 +285,9 @@ class EmbeddedMooncake:
     """Starts on construction (unless ``start=False``); ``with EmbeddedMooncake() as mc: ...`` stops it.
 
     Attributes once started: `master_address` ("127.0.0.1:port"), `metadata_server`
-    ("http://127.0.0.1:port/metadata"), `master_pid`, `master_inode` (its listener's socket inode),
-    `metadata_pid`, `log_dir`, `restarts` (the supervisor's restarts of this master). ``on_restart``: called
+    ("http://127.0.0.1:port/metadata", or ``P2PHANDSHAKE`` with ``http_metadata=False``: no metadata server;
+    module doc), `master_pid`, `master_inode` (its listener's socket inode), `metadata_pid` (None without
+    one), `log_dir`, `restarts` (the supervisor's restarts of this master). ``on_restart``: called
     with this object after each restart of the master (by the supervisor or `restart_master`), from the
     restarting thread, once the new master is ready; its address may have moved (module doc).
     ``disk_offload``: the master takes Mooncake's disk tier (``--enable_offload=true``; docs/disk-tier.md).
@@ -277,7 +300,7 @@ class EmbeddedMooncake:
                  client_ttl_s: int = 10, log_dir: str | None = None, quiet: bool = True,
                  extra_master_flags: Sequence[str] = (), supervise: bool = False,
                  on_restart: Callable[[EmbeddedMooncake], None] | None = None, disk_offload: bool = False,
-                 stats: Counter | None = None) -> None:
+                 stats: Counter | None = None, http_metadata: bool = True) -> None:
         for name, value in (("rpc_timeout_ms", rpc_timeout_ms), ("lease_ttl_ms", lease_ttl_ms),
                             ("client_ttl_s", client_ttl_s)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -287,6 +310,7 @@ class EmbeddedMooncake:
             raise ValueError(f"EmbeddedMooncake extra_master_flags={bad!r}: must be --flag[=value] and not one of "
                              f"{sorted(_OWN_FLAGS)} (those keep every listener on 127.0.0.1)")
         self.extra_master_flags = tuple(extra_master_flags)
+        self.http_metadata = bool(http_metadata)
         # the master takes the disk tier of the clients that write one (docs/disk-tier.md)
         self.disk_offload = bool(disk_offload)
         self.rpc_timeout_ms = rpc_timeout_ms
@@ -328,7 +352,7 @@ class EmbeddedMooncake:
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
+        return f"http://{LOOPBACK}:{self.metadata_port}/metadata" if self.http_metadata else P2P_HANDSHAKE
 
     @property
     def master_pid(self) -> int | None:
@@ -338,6 +362,11 @@ class EmbeddedMooncake:
     def metadata_pid(self) -> int | None:
         return self._pid(self._metadata)
 
+    @property
+    def server_pids(self) -> list[int]:
+        """Every server of this deployment that runs: master, metadata server, holders."""
+        return [pid for pid in (self.master_pid, self.metadata_pid, *self.holder_pids) if pid is not None]
+
     @staticmethod
     def _pid(p: _Proc | None) -> int | None:
         return p.popen.pid if p is not None and p.popen is not None and p.popen.poll() is None else None
@@ -345,14 +374,16 @@ class EmbeddedMooncake:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> EmbeddedMooncake:
-        """Pick free ports and start both servers; retries port races, then raises `EmbeddedStartError`."""
+        """Pick free ports and start the servers; retries port races, then raises `EmbeddedStartError`."""
         if self._stopped:
             raise EmbeddedStartError("this EmbeddedMooncake was stopped; create a new one")
         last: Exception | None = None
         for _ in range(3):
-            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
+            self.rpc_port, self.metrics_port = free_port(), free_port()
+            self.metadata_port = free_port() if self.http_metadata else 0
             try:
-                self._start_metadata()
+                if self.http_metadata:
+                    self._start_metadata()
                 self.start_master()
                 if self.supervise and self._supervisor is None:
                     t = threading.Thread(target=self._supervise, name="kvledger-mooncake-supervisor", daemon=True)

@@ -6,11 +6,13 @@ use ONE master, or the scheduler looks up keys on a master no worker writes to. 
 engine carry the same `kv_transfer_config.engine_id` (the config is pickled to every worker), so:
 
     <runtime dir>/embedded-<engine_id>.json     {"pid", "start_time", "pid_ns", "master_address",
-                                                 "master_inode", "metadata_server"}
+                                                 "master_inode", "metadata_server": "P2PHANDSHAKE"}
     <runtime dir>/.lock                         flock: one process at a time decides (waited for at most
                                                 `LOCK_TIMEOUT_S`, then a RendezvousError)
 
-    the first process to arrive starts the servers and writes the file; the others attach to it.
+    the first process to arrive starts the master and writes the file; the others attach to it. The
+    engine's clients find each other by Mooncake's peer-to-peer handshake: there is no metadata server
+    whose segment addresses another local user could rewrite (kvledger_connector/store/embedded.py).
     The servers die with their owner (parent-death SIGKILL), so a crashed engine leaves no server;
     the owner removes the file at shutdown, and every acquire first sweeps files whose owner is dead.
 
@@ -72,7 +74,7 @@ from typing import Any
 
 from kvledger.counts import Counter
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store.embedded import LOOPBACK, EmbeddedMooncake, loopback_listener
+from kvledger_connector.store.embedded import LOOPBACK, P2P_HANDSHAKE, EmbeddedMooncake, loopback_listener
 from kvledger_connector.ownfile import read_own_file, unsafe_ancestor
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"
@@ -123,6 +125,11 @@ class AttachedMooncake:
             self.master_inode = info["master_inode"]
             return True
         return False
+
+    @property
+    def server_pids(self) -> list[int]:
+        """None of the servers are this process's (their owner's `EmbeddedMooncake.server_pids`)."""
+        return []
 
     def stop(self) -> None:
         return
@@ -233,10 +240,16 @@ def owner_alive(info: dict[str, Any]) -> bool:
     in another PID namespace, while its master's listener is the one the file records."""
     if info["pid_ns"] != _pid_ns():
         return master_listed(info)
-    if not _alive(info["pid"]):
+    return process_alive(info["pid"], info["start_time"])
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Whether `pid` (of this PID namespace) runs and is the process that started at `start_time` (an
+    unreadable start time counts as the same process), not its pid reused."""
+    if not _alive(pid):
         return False
-    started = _start_time(info["pid"])
-    return started is None or started == info["start_time"]
+    started = _start_time(pid)
+    return started is None or started == start_time
 
 
 def _port_of(m: re.Match[str] | None) -> int | None:
@@ -246,8 +259,9 @@ def _port_of(m: re.Match[str] | None) -> int | None:
 
 def parse_info(blob: bytes) -> dict[str, Any] | None:
     """A rendezvous file's content, or None unless it is exactly what `acquire` writes: a positive pid, its
-    start time and PID namespace, the two servers on 127.0.0.1 at valid ports (a planted remote address
-    is never joined) and the master's listener inode (a positive int)."""
+    start time and PID namespace, the master on 127.0.0.1 at a valid port, the metadata server too unless
+    it is ``P2PHANDSHAKE`` (a planted remote address is never joined) and the master's listener inode (a
+    positive int)."""
     try:
         info = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -267,7 +281,7 @@ def parse_info(blob: bytes) -> dict[str, Any] | None:
     if isinstance(inode, bool) or not isinstance(inode, int) or inode <= 0:
         return None
     port = _port_of(_MASTER_RE.fullmatch(master))
-    if port is None or _port_of(_METADATA_RE.fullmatch(metadata)) is None:
+    if port is None or (metadata != P2P_HANDSHAKE and _port_of(_METADATA_RE.fullmatch(metadata)) is None):
         return None
     return {"pid": pid, "start_time": start, "pid_ns": ns, "master_address": master, "metadata_server": metadata,
             "master_port": port, "master_inode": inode}
@@ -463,19 +477,27 @@ _SHARED: dict[str, list[Any]] = {}  # engine_id -> [EmbeddedMooncake | AttachedM
 
 
 def acquire_shared(engine_id: str, rpc_timeout_ms: int, *, disk_offload: bool = False,
-                   stats: Counter | None = None) -> EmbeddedMooncake | AttachedMooncake:
+                   stats: Counter | None = None,
+                   on_restart: Callable[[], None] | None = None) -> EmbeddedMooncake | AttachedMooncake:
     """This process's handle on the engine's embedded servers: one per engine for every connector of this
     process (reference counted), found across the engine's processes by `acquire`. Servers this process
-    starts take the disk tier with `disk_offload` and count master_restarts into `stats` (the first
-    connector's: every process of an engine has the same configuration)."""
+    starts take the disk tier with `disk_offload`, count master_restarts into `stats` and call `on_restart`
+    after republishing a restarted master (the first connector's: every process of an engine has the same
+    configuration)."""
     with _SHARED_LOCK:
         ent = _SHARED.get(engine_id)
         if ent is None:
             # supervised: a master that dies is restarted (on its ports unless another process took them) and
-            # republished; every process's client re-attaches to it where it stayed on its address
+            # republished; every process's client re-attaches to it where it stayed on its address. No
+            # metadata server: the clients' peer-to-peer handshake leaves nothing to redirect (module doc)
+            def restarted(emb: EmbeddedMooncake) -> None:
+                republish(engine_id, emb)
+                if on_restart is not None:
+                    on_restart()
+
             handle = acquire(engine_id, lambda: EmbeddedMooncake(
-                rpc_timeout_ms=rpc_timeout_ms, supervise=True, on_restart=lambda e: republish(engine_id, e),
-                disk_offload=disk_offload, stats=stats))
+                rpc_timeout_ms=rpc_timeout_ms, supervise=True, on_restart=restarted, disk_offload=disk_offload,
+                stats=stats, http_metadata=False))
             ent = _SHARED[engine_id] = [handle, 0]
         ent[1] += 1
         return ent[0]
