@@ -81,7 +81,7 @@ class ConfigError(LedgerInputError):
 # -- the table ------------------------------------------------------------------------------------------
 
 KeyType = Literal["address", "metadata", "host", "protocol", "devices", "size", "int", "bool", "namespace", "version",
-                  "path", "integrity"]
+                  "path", "integrity", "firewall"]
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
@@ -265,6 +265,12 @@ def _parse_integrity(key: Key, field: str, raw: Any, source: str) -> str:
     return raw
 
 
+def _parse_firewall(key: Key, field: str, raw: Any, source: str) -> str:
+    if raw not in ("off", "nftables") or not isinstance(raw, str):
+        raise ConfigError(field, raw, "must be 'off' or 'nftables'", source)
+    return raw
+
+
 def integrity_mode(mode: str | None, secret_file: str | None, *, embedded: bool) -> str:
     """The integrity an engine runs with: the one rule for an unset `integrity` and the secret's source.
 
@@ -303,7 +309,7 @@ _PARSERS: dict[str, Callable[[Key, str, Any, str], Any]] = {
     "address": _parse_address, "metadata": _parse_metadata, "host": _parse_host, "protocol": _parse_protocol,
     "devices": _parse_devices, "size": _parse_size, "int": _parse_int, "bool": _parse_bool,
     "namespace": _parse_namespace, "version": _parse_version, "path": _parse_path,
-    "integrity": _parse_integrity,
+    "integrity": _parse_integrity, "firewall": _parse_firewall,
 }
 
 _T = 1 << 40
@@ -314,8 +320,8 @@ MIN_OFFLOAD_SEGMENT = 16 << 20
 KEYS: tuple[Key, ...] = (
     # -- the Mooncake client (StoreConfig)
     Key("master_server_address", "address", None, "store",
-        "host:port of an existing mooncake_master; absent: embedded mode (a private master and metadata server "
-        "on 127.0.0.1, free ports, stopped at shutdown)", shown_default="absent"),
+        "host:port of an existing mooncake_master; absent: embedded mode (a private master on 127.0.0.1, free "
+        "ports, stopped at shutdown; no metadata server: `P2PHANDSHAKE`)", shown_default="absent"),
     Key("metadata_server", "metadata", None, "store",
         "transfer-engine metadata service; required with `master_server_address`, not allowed without it",
         shown_default="absent"),
@@ -485,6 +491,16 @@ KEYS: tuple[Key, ...] = (
         "the embedded store: a secret generated for the engine",
         shown_default="none", tests="test_integrity.py::test_the_secret_file_is_refused_unless_private, "
                                     "test_rendezvous.py::test_a_generated_secret_is_refused_unless_private"),
+    Key("firewall", "firewall", "off", "connector",
+        "\"nftables\": each process of the engine closes every TCP port its store listens on (its Mooncake "
+        "client's handshake, data and disk-tier ports; the master's RPC and metrics ports where it started them) "
+        "to every other local uid, with an nftables table of its own (`meta skuid` on the output hook), created "
+        "at start, deleted at shutdown, swept at the next start after a crash; needs root and the nft command "
+        "(else start-up fails naming this key). \"off\": the operator's recipe in docs/security.md, or none",
+        shown_default="off",
+        tests="test_shared_host_firewall.py::test_the_connectors_firewall_shuts_out_another_uid_and_loads_still_hit, "
+              "::test_a_killed_processs_table_is_swept_at_the_next_start, "
+              "::test_the_firewall_opt_in_fails_start_up_by_name_without_nft"),
     Key("trace_path", "path", None, "connector",
         "NDJSON trace of the shared-vocabulary events (schema: `kvledger.trace.EVENTS`), one file per process "
         "(checked by `python -m conformance.runlog`); appended to only as this user's regular file, not a link, "
@@ -558,8 +574,8 @@ def _check_fields(obj: Any, holder: Holder) -> None:
 class StoreConfig:
     """The Mooncake client's settings and the worker's store/load bounds, each checked through its `KEYS` row.
 
-    `master_server_address` None means *embedded mode*: the connector starts a private master and
-    metadata server on 127.0.0.1 (kvledger_connector/store/embedded.py) and fills both addresses in.
+    `master_server_address` None means *embedded mode*: the connector starts a private master on 127.0.0.1
+    (kvledger_connector/store/embedded.py) and fills in its address and ``P2PHANDSHAKE`` (no metadata server).
     """
 
     master_server_address: str | None = None
@@ -853,6 +869,7 @@ class ConnectorConfig:
     max_pinned_blocks: int = DERIVED
     integrity: str | None = None  # None: by the store (`integrity_mode`)
     integrity_secret_file: str | None = None
+    firewall: str = "off"  # "nftables": kvledger_connector/store/firewall.py
     # KV cache groups (a hybrid model under vLLM's hybrid KV cache manager: a job pins a block per group)
     num_kv_groups: int = 1
     # keys per block and KV cache group on a rank (the TP-shared layout's head shards, `kv_heads_per_key`)
@@ -1001,7 +1018,7 @@ _ACCEPTS: dict[str, str] = {
     "host": "host name or IP address", "protocol": "`tcp`, `rdma`", "devices": "comma list of device names",
     "bool": "`true`, `false`", "namespace": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
     "version": "`\"\"` or 1–64 of `A-Z a-z 0-9 . _ -`",
-    "path": "path; `\"\"` or null: off", "integrity": "`checksum`, `mac`, `off`",
+    "path": "path; `\"\"` or null: off", "integrity": "`checksum`, `mac`, `off`", "firewall": "`off`, `nftables`",
 }
 
 

@@ -14,11 +14,13 @@ Each vLLM hook delegates to `kvledger_connector.scheduler.side.SchedulerSide` (s
 `kvledger_connector.worker.side.WorkerSide` (worker role).
 
 Embedded default: with no ``master_server_address`` the first connector of the engine starts a private
-`mooncake_master` + metadata server on 127.0.0.1 (`EmbeddedMooncake`); the engine's other connectors, in
+`mooncake_master` on 127.0.0.1, no metadata server (`EmbeddedMooncake`); the engine's other connectors, in
 this process (reference counted) or in its other processes (kvledger_connector/store/rendezvous.py: one file per engine
 id), attach to it. The servers stop with the connector that started them (or die with its process). A
 multi-node engine configures a master. Where the connector starts the store it also protects it: integrity
 'mac' under a secret generated for the engine in the same private directory (rendezvous.engine_secret).
+With ``firewall: "nftables"`` each process also closes its store's ports to every other local uid
+(kvledger_connector/store/firewall.py).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvledger_connector.store import rendezvous
+from kvledger_connector.store import firewall, rendezvous
 from kvledger.errors import LedgerInputError
 from kvledger_connector.config import ConfigError, ConnectorConfig, StoreConfig, read_settings
 from kvledger_connector.store.deadline import DeadlineStore
@@ -103,6 +105,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                                              kv_heads_per_key=settings.get("kv_heads_per_key") or 0)
         self.config = cfg = ConnectorConfig.build(settings, facts)
         self._embedded: EmbeddedMooncake | AttachedMooncake | None = None
+        self._walled = False  # this connector holds a reference on the process's firewall table
         self._owns_store = store is None
         self._trace_file: Any = None  # kvledger_connector.telemetry.tracefile.SharedTrace when `trace_path` is set
         self.stats = StatsRecorder()
@@ -185,11 +188,22 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return self.config.store
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
+        engine_id, walled = self.engine.engine_id, self.config.firewall == firewall.NFTABLES
         if cfg.embedded:
-            self._embedded = rendezvous.acquire_shared(self.engine.engine_id, cfg.rpc_timeout_ms,
-                                                       disk_offload=cfg.disk_offload, stats=self.stats)
+            # a restarted master may have moved: this process's table follows it
+            self._embedded = rendezvous.acquire_shared(
+                engine_id, cfg.rpc_timeout_ms, disk_offload=cfg.disk_offload, stats=self.stats,
+                on_restart=(lambda: firewall.refresh(engine_id)) if walled else None)
         store = MooncakeStore.connect(cfg, embedded=self._embedded)
         store.stats = self.stats  # breaker_trips, breaker_probes, master_unauthentic
+        if walled:  # once the client listens: its ports and those of the servers this process started
+            servers = self._embedded
+            try:
+                firewall.acquire(engine_id, lambda: servers.server_pids if servers is not None else [])
+            except BaseException:
+                store.close()  # not yet ours to close at _stop
+                raise
+            self._walled = True
         return store
 
     @property
@@ -357,6 +371,9 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             self._embedded = None
             engine_id = self.engine.engine_id
             steps.append(lambda: rendezvous.release_shared(engine_id))
+        if self._walled:  # after the servers and the client stopped: no port is open without its rule
+            self._walled = False
+            steps.append(lambda: firewall.release(self.engine.engine_id))
         if self._trace_file is not None:
             from kvledger_connector.telemetry.tracefile import close_trace
             sink, self._trace_file = self._trace_file, None

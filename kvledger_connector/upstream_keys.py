@@ -74,7 +74,7 @@ _TP_HERE = ("refused (upstream's key scheme); engines of different `tensor_paral
 KEYS: tuple[UpstreamKey, ...] = (
     # -- the MOONCAKE_CONFIG_PATH file
     UpstreamKey("metadata_server", "same", "file", '""', "same; absent with no master: embedded mode (private "
-                "master + metadata server)", _T_FILE, ours="metadata_server"),
+                "master, `P2PHANDSHAKE`)", _T_FILE, ours="metadata_server"),
     UpstreamKey("master_server_address", "same", "file", '""', "same; absent: embedded mode", _T_FILE,
                 ours="master_server_address"),
     UpstreamKey("protocol", "same", "file", '"rdma"', "same values (`tcp`, `rdma`); **default differs**: tcp here",

@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from kvledger_connector.store.embedded import socket_inodes
 
 
 def proc_stat(pid: int) -> tuple[int, int, int] | None:
@@ -64,25 +67,32 @@ def mooncake_servers_started_by_session(sid: int) -> list[dict[str, object]]:
     return found
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    out = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                out.add(target[8:-1])
-    except OSError:
-        pass
-    return out
+def connects_as(uid: int, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a process of `uid` (a child forked and switched to it; this process must be root for another
+    uid, 0: unchanged) connects to 127.0.0.1:`port` within `timeout_s`."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if uid:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            s = socket.socket()
+            s.settimeout(timeout_s)
+            s.connect(("127.0.0.1", port))
+            s.close()
+            code = 0
+        except OSError:
+            pass
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def loopback_peer_ports(pid: int) -> list[int]:
     """Remote ports of the established IPv4 TCP connections process `pid` holds to 127.0.0.1 (sorted, with
     repeats removed): e.g. whether a process is connected to a given Mooncake master."""
-    inodes = _socket_inodes(pid)
+    inodes = socket_inodes(pid)
     ports: set[int] = set()
     try:
         with open(f"/proc/{pid}/net/tcp") as f:
@@ -91,7 +101,7 @@ def loopback_peer_ports(pid: int) -> list[int]:
         return []
     for row in rows:
         cols = row.split()
-        if len(cols) > 9 and cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
+        if len(cols) > 9 and cols[3] == "01" and cols[9].isdigit() and int(cols[9]) in inodes:  # ESTABLISHED
             host, port = cols[2].split(":")
             if host == "0100007F":
                 ports.add(int(port, 16))

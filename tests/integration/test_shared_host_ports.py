@@ -38,20 +38,7 @@ from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
-
-def reach(port, uid):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            if uid:
-                os.setgroups([]); os.setgid(uid); os.setuid(uid)
-            s = socket.socket(); s.settimeout(1.0)
-            s.connect(("127.0.0.1", port)); s.close(); code = 0
-        except OSError:
-            pass
-        os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+from testbed.procs import connects_as
 
 tier = tempfile.mkdtemp()
 with EmbeddedMooncake(rpc_timeout_ms=2000, disk_offload=True) as emb:
@@ -63,11 +50,11 @@ with EmbeddedMooncake(rpc_timeout_ms=2000, disk_offload=True) as emb:
                         for _addr, port, lst in parse_tcp_listeners(read_tcp_table(f"/proc/net/{table}"))
                         if lst.uid == os.geteuid()})  # a namespace of its own: every listener is the store's
         named = {"master": emb.rpc_port, "metrics": emb.metrics_port, "metadata": emb.metadata_port}
-        before = {p: reach(p, int(sys.argv[2])) for p in ports}
+        before = {p: connects_as(int(sys.argv[2]), p) for p in ports}
         rules = subprocess.run(["sh", "-c", sys.argv[1]], env={**os.environ, "ENGINE_UID": str(os.geteuid())},
                                capture_output=True, text=True)
-        after = {p: reach(p, int(sys.argv[2])) for p in ports}
-        own = {p: reach(p, 0) for p in ports}
+        after = {p: connects_as(int(sys.argv[2]), p) for p in ports}
+        own = {p: connects_as(0, p) for p in ports}
         buf = ctypes.create_string_buffer(b"x" * 4096, 4096)
         store.register_buffer(ctypes.addressof(buf), 4096)
         put = store.batch_put(["shared-host-k"], [[ctypes.addressof(buf)]], [[4096]])
