@@ -189,6 +189,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _connect(self, cfg: StoreConfig) -> MooncakeStore:
         engine_id, walled = self.engine.engine_id, self.config.firewall == firewall.NFTABLES
+        if walled:
+            firewall.sweep()  # before anything listens: no nft, or no permission, fails start-up here
         if cfg.embedded:
             # a restarted master may have moved: this process's table follows it
             self._embedded = rendezvous.acquire_shared(

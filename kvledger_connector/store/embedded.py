@@ -13,11 +13,14 @@ metadata server at all: `metadata_server` is ``P2PHANDSHAKE``, and a client asks
 descriptor (buffers, data port) at the owner's own handshake port, the port the segment is named by; the
 owner answers with its own descriptor and keeps nothing a caller sends. The HTTP server instead takes an
 unauthenticated PUT from any local user, who can then rewrite a segment's data port to a listener of theirs
-and receive the KV another process of the engine sends there. Each Mooncake *client* (every `setup()`: the scheduler's and every worker rank's) listens
+and receive the KV another process of the engine sends there.
+
+Each Mooncake *client* (every `setup()`: the scheduler's and every worker rank's) listens
 on two TCP ports, random in 15000-17000: the transfer engine's handshake port on 0.0.0.0 and the TCP
 transport's data port on [::] (dual-stack). Mooncake hard-codes the wildcard; `MC_TCP_BIND_ADDRESS` only
 sets the address it advertises. Whoever reaches the data port reads and writes the client's registered
-memory, unauthenticated: across hosts, firewall these ports (`python -m kvledger_connector.store.transfer_ports`).
+memory, unauthenticated: across hosts, firewall these ports (`python -m kvledger_connector.store.transfer_ports`);
+against other users of this host, `firewall: "nftables"` (kvledger_connector/store/firewall.py).
 
 Processes are started in their own session and stopped by pid (`stop()`, idempotent, also at interpreter
 exit). `restart_master()` kills and restarts the master on the same ports: every key is lost, as in a real

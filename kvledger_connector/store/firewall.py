@@ -21,8 +21,9 @@ gone or whose pid now names another process (its start time differs); a table fr
 sharing this network namespace is left alone (its pid means nothing here). Until the next start sweeps it,
 a dead process's table still drops other users' connections to ports its store no longer holds.
 
-Needs the nft command and CAP_NET_ADMIN (root); the opt-in fails start-up naming the key otherwise. Between
-the store's start and its table (milliseconds) the ports are open. Root is not kept out.
+Needs the nft command and CAP_NET_ADMIN (root); the opt-in fails start-up naming the key otherwise (the
+connector's first `sweep`, before its store starts). Between the store's start and its table (milliseconds)
+the ports are open. Root is not kept out.
 """
 from __future__ import annotations
 

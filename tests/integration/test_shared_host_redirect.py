@@ -145,6 +145,7 @@ def test_another_uid_finds_no_metadata_server_and_cannot_redirect_a_segment(tmp_
     # the embedded default runs no metadata server: the handshake mode, and no listener of root but the
     # master's and the two clients' (and the attacker sees every one of them)
     assert res["first"]["metadata_server"] == res["second"]["metadata_server"] == "P2PHANDSHAKE", res
+    assert len(res["first"]["server_pids"]) == 1 and res["second"]["server_pids"] == [], res  # the master alone
     assert res["root_listeners_not_the_engines"] == [], res
     assert len(res["attack"]["root_ports"]) >= 6, res  # master, metrics, two ports of each client
     # the attack: no listener hands out a segment's descriptor, nothing rewritten, nothing sent to its listener
