@@ -1,5 +1,5 @@
 """Probes of rules that only integration tests held, or none: the integrity mode's choice and the secret's
-source (kvledger_connector/config.py `integrity_mode`, shape/integrity.py `IntegrityKey.resolve`, and the
+source (kvledger_connector/config/model.py `integrity_mode`, shape/integrity.py `IntegrityKey.resolve`, and the
 connector's own resolution of its key), every part of a store key's identity (engine_facts.key_layout from
 vLLM's own configs), the disk tier sweep's own directories (store/tier.py `sweep_offload_dirs`) and the
 tail-first release of every pin when the engine stops (`SchedulerLedger.release_all`, through the scheduler
@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import kvledger_connector.config as config
+import kvledger_connector.config.model as config
 import kvledger_connector.connector as connector_mod
 import kvledger_connector.shape.engine_facts as engine_facts
 import kvledger_connector.shape.integrity as integrity
@@ -296,7 +296,7 @@ PROBES: list[Callable[[], None]] = [
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
-    # ConnectorConfig calls integrity_mode in config, IntegrityKey.resolve through its own module's binding
+    # ConnectorConfig calls integrity_mode in config/model.py, IntegrityKey.resolve through its own module's binding
     "secret_file_beside_checksum_runs_mac": [(config, "integrity_mode", _secret_beside_any_mode_runs_mac),
                                              (integrity, "integrity_mode", _secret_beside_any_mode_runs_mac)],
     "embedded_store_ignores_operator_secret": [(IntegrityKey, "resolve", _operator_secret_unread)],

@@ -20,7 +20,7 @@ from conformance.kvdriver import DriverRequest
 from conformance.kvprobes import ProbeFailed, ProbeStore, check
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
-from kvledger_connector import config as connector_config
+from kvledger_connector.config import model as connector_config
 from kvledger_connector.scheduler import steps as scheduler_steps
 from kvledger_connector.config import ConnectorConfig, StoreConfig, max_job_blocks
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
@@ -99,7 +99,7 @@ def _hybrid(second: str, jobs_cap: int = 4, pins: int = 32) -> Sched:
                                        kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8, extra=extra))]
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=16)
     led = SchedulerLedger(pool, world_size=1, max_inflight_jobs=jobs_cap, max_pinned_blocks=pins, first_job_id=1)
-    steps = SchedulerSteps(sched_config(max_pinned_blocks=pins, num_kv_groups=2, sync_load_max_tokens=0,
+    steps = SchedulerSteps(sched_config(max_pinned_blocks=pins, num_groups=2, sync_load_max_tokens=0,
                                         max_held_requests=0), key_builders=kbs)
     steps.bind_ledger(led)
     return Sched(steps, led, pool, ProbeStore(), {})
@@ -725,11 +725,11 @@ def probe_the_pin_cap_holds_a_job_of_every_kv_group() -> None:
     for g in (1, 2, 3):
         for blocks in (None, 16, 1 << 12):
             cap = derived(lambda: cc.derive_pin_cap(max_model_len=4 * BS, block_size=BS, num_gpu_blocks=blocks,
-                                                    max_inflight_jobs=1, num_kv_groups=g))
+                                                    max_inflight_jobs=1, num_groups=g))
             check(cap >= g * longest, f"derive_pin_cap with {g} KV cache groups, pool {blocks}: {cap} < "
                   f"{g} x {longest} blocks")
     cap = derived(lambda: cc.ConnectorConfig(store=cc.StoreConfig(), block_size=BS, max_model_len=4 * BS,
-                                             num_gpu_blocks=16, max_inflight_jobs=1, num_kv_groups=2
+                                             num_gpu_blocks=16, max_inflight_jobs=1, num_groups=2
                                              ).max_pinned_blocks)
     check(cap >= 2 * longest, f"ConnectorConfig with 2 KV cache groups derives a cap of {cap} < 2 x {longest}")
     s = _hybrid("sliding", pins=cap)
@@ -1020,7 +1020,7 @@ def _state_load_fills_the_first_block(orig):  # the end's state loaded into the 
 
 
 def _pin_cap_ignores_kv_groups(orig):  # the derived cap sized for one group's table, whatever the groups
-    def derive_pin_cap(*, max_model_len, block_size, num_gpu_blocks, max_inflight_jobs, num_kv_groups=1):
+    def derive_pin_cap(*, max_model_len, block_size, num_gpu_blocks, max_inflight_jobs, num_groups=1):
         return orig(max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                     max_inflight_jobs=max_inflight_jobs)
     return derive_pin_cap

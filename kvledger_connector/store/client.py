@@ -146,6 +146,7 @@ def open_client(config: StoreConfig, *, embedded: EmbeddedMooncake | AttachedMoo
     if config.master_server_address is None or config.metadata_server is None:
         raise StoreUnavailableError(str(config.master_server_address), str(config.metadata_server), -1,
                                     "embedded mode: start an EmbeddedMooncake and pass embedded=")
+    config = config.with_local_hostname()  # start-up: the route to the master names the address to advertise
     if embedded is not None and not embedded.authentic():
         raise StoreUnavailableError(config.master_server_address, config.metadata_server, int(StoreCode.RPC_FAIL),
                                     "the listener on the embedded master's port is not that master's (gone, or "
