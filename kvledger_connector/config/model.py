@@ -323,12 +323,6 @@ class ConnectorConfig:
                               f"127.0.0.1 that other nodes cannot reach; run mooncake_master and set "
                               f"master_server_address and metadata_server")
 
-    @property
-    def num_kv_groups(self) -> int:
-        """The legacy spelling of `num_groups`, read-only, for the scheduler steps until they read `num_groups`
-        (not a field: a config is built with `num_groups` only)."""
-        return self.num_groups
-
     def _pin_cap(self) -> int:
         cap = self.max_pinned_blocks
         if cap == DERIVED:

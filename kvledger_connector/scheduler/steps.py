@@ -437,7 +437,7 @@ class SchedulerSteps:
                  stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  weights_version: str = "") -> None:
         """``config``: the connector's, checked whole where it was built (`ConnectorConfig`): every setting
-        these steps read is its, under its name (its ``num_kv_groups`` here ``num_groups``)."""
+        these steps read is its, under its name."""
         if not isinstance(config, ConnectorConfig):
             raise LedgerInputError("config", type(config).__name__, "must be a ConnectorConfig")
         self.config = config
@@ -451,7 +451,7 @@ class SchedulerSteps:
         # KV cache groups of a hybrid model: block tables come one per group (vLLM's tuple of lists), a
         # block's keys one per group (key_builders holds every shard's and group's), and every load is
         # asynchronous (vLLM takes a failed load of several groups per request, not per block)
-        self.num_groups = config.num_kv_groups
+        self.num_groups = config.num_groups
         # Mamba groups in vLLM's "align" mode: a block holds the state after its last token, saved only from
         # the exact blocks vLLM offers (`emit_stores`' boundary_states) and needed only at a hit's end
         self.state_groups = frozenset(kb.layout.group for kb in self.key_builders if kb.layout.is_state)
