@@ -7,7 +7,7 @@ Loaded by vLLM's own factory (when the package is installed, by name alone: kvle
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"max_inflight_jobs": 64}}'
 
-An adapter: at construction it reads the settings (kvledger_connector/config.py: every key, every source),
+An adapter: at construction it reads the settings (kvledger_connector/config/: every key, every source),
 the engine's facts (kvledger_connector/shape/engine_facts.py: KV cache spec, layout, ranks, sizes) and builds the
 one `ConnectorConfig`, all before anything is started; then it starts the store client and the role's side.
 Each vLLM hook delegates to `kvledger_connector.scheduler.side.SchedulerSide` (scheduler role) or
