@@ -154,7 +154,7 @@ KEYS: tuple[Key, ...] = (
         "(fewer than `load_sub_batch_keys` where needed); a size that holds not one key per rank is refused",
         lo=16 << 20, hi=16 << 30,
         tests="test_disk_tier.py::test_bad_tier_settings_are_refused_by_name, "
-              "test_job_steps.py::test_a_load_batch_fits_the_tiers_staging_buffer"),
+              "test_load.py::test_a_load_batch_fits_the_tiers_staging_buffer"),
     Key("disk_offload_heartbeat_s", "int", 1, "store",
         "how often the client writes new objects to disk (Mooncake's default 10): an object's memory stays "
         "taken until it is written, so a put into a full segment fails meanwhile", lo=1, hi=60,
