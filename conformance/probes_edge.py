@@ -37,7 +37,7 @@ from conformance.kvprobes import ProbeFailed, check, quiet
 from conformance.probes_parts import runtime_dir_env
 from conformance.probes_sched import BS, Req, sched
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store import embedded
+from kvledger_connector.store import embedded, listeners
 from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.deadline import DeadlineStore
@@ -454,7 +454,7 @@ def probe_supervisor_restarts_a_dead_master() -> None:
     is back to 1 s after a successful restart. Runs the shipped supervisor loop on a test double of the
     master process and of its start (no mooncake_master is spawned) with a controllable backoff wait."""
     emb = embedded.EmbeddedMooncake(start=False, supervise=True)
-    emb.rpc_port = embedded.free_port()  # nothing listens there: the old master's port is free at once
+    emb.rpc_port = listeners.free_port()  # nothing listens there: the old master's port is free at once
     wake = _Wake()
     emb._wake = wake  # type: ignore[assignment]
     fails: list[int] = [0]  # starts still to fail

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from conformance.kvprobes import ProbeFailed, check, quiet
 from conformance.probes_edge import _Clock, _DownClient, _FakePopen
 from conformance.probes_parts import runtime_dir_env
-from kvledger_connector.store import embedded
+from kvledger_connector.store import embedded, listeners
 from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.contract import StoreCode
@@ -81,7 +81,7 @@ def probe_attach_only_to_the_recorded_listener() -> None:
         check(squat_port == port and squat_inode != inode, "probe: the squatter did not get the master's port")
         check(not att.authentic(), f"the attached handle trusts listener {squat_inode} on port {port}; its master "
                                    f"was {inode}")
-        mine = _Servers(embedded.free_port(), 1)
+        mine = _Servers(listeners.free_port(), 1)
         for where, over in (("this PID namespace", {}), ("another PID namespace", {"pid_ns": "pid:[1]"})):
             plant(**over)
             got = rendezvous.acquire("probe-id", lambda: mine)  # type: ignore[arg-type, return-value]
@@ -93,14 +93,14 @@ def probe_attach_only_to_the_recorded_listener() -> None:
 def _listed_by_port(orig):  # the recorded master is whatever accepts on its port
     def master_listed(info):
         orig(info)
-        return embedded.port_accepts(info["master_port"])
+        return listeners.port_accepts(info["master_port"])
     return master_listed
 
 
 def _attached_by_port(orig):  # an attached handle trusts whatever accepts on the master's port
     def authentic(self):
         orig(self)
-        return embedded.port_accepts(int(self.master_address.rsplit(":", 1)[1]))
+        return listeners.port_accepts(int(self.master_address.rsplit(":", 1)[1]))
     return authentic
 
 
@@ -132,9 +132,9 @@ def probe_a_server_is_ready_only_on_its_own_listener() -> None:
 def _ready_when_port_accepts(orig):  # readiness is "the port accepts": a squatter looks ready
     def _wait_ready(self, proc, ports):
         deadline = time.monotonic() + 5.0
-        while not all(embedded.port_accepts(p) for p in ports) and time.monotonic() < deadline:
+        while not all(listeners.port_accepts(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return [lst.inode if (lst := embedded.loopback_listener(p)) else 0 for p in ports]
+        return [lst.inode if (lst := listeners.loopback_listener(p)) else 0 for p in ports]
     return _wait_ready
 
 
@@ -146,12 +146,12 @@ def probe_a_squatted_master_port_moves_and_is_republished() -> None:
         _, old_port, _ = _listen(socks)  # the squatter on the dead master's port
         emb = embedded.EmbeddedMooncake(start=False, log_dir=tmp,
                                         on_restart=lambda e: rendezvous.republish("probe-move", e))
-        emb.rpc_port, emb.metadata_port, emb.master_inode = old_port, embedded.free_port(), 1
+        emb.rpc_port, emb.metadata_port, emb.master_inode = old_port, listeners.free_port(), 1
         rendezvous.acquire("probe-move", lambda: emb)  # published as the engine's servers
         started: list[int] = []
 
         def start_master() -> None:  # the double of spawning mooncake_master: it binds where it is told
-            check(not embedded.port_accepts(emb.rpc_port), f"the master was started on port {emb.rpc_port}, "
+            check(not listeners.port_accepts(emb.rpc_port), f"the master was started on port {emb.rpc_port}, "
                                                            "which another process holds")
             _, port, inode = _listen(socks, emb.rpc_port)
             started.append(port)

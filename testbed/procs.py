@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvledger_connector.store.embedded import socket_inodes
+from kvledger_connector.store.listeners import socket_inodes
 
 
 def proc_stat(pid: int) -> tuple[int, int, int] | None:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store.embedded import held_ports
+from kvledger_connector.store.listeners import held_ports
 from kvledger_connector.store.rendezvous import owner_fields, process_alive
 
 logger = logging.getLogger(__name__)

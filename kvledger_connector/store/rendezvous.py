@@ -74,7 +74,8 @@ from typing import Any
 
 from kvledger.counts import Counter
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store.embedded import LOOPBACK, P2P_HANDSHAKE, EmbeddedMooncake, loopback_listener
+from kvledger_connector.store.embedded import P2P_HANDSHAKE, EmbeddedMooncake
+from kvledger_connector.store.listeners import LOOPBACK, loopback_listener
 from kvledger_connector.ownfile import read_own_file, unsafe_ancestor
 
 RUNTIME_DIR_ENV = "KVLEDGER_RUNTIME_DIR"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
+from kvledger_connector.store.listeners import parse_tcp_listeners, read_tcp_table
 
 TABLE = "kvledger_transfer"
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -62,7 +62,7 @@ class StorePorts:
 
 def parse_proc_net_tcp(text: str) -> list[tuple[Listener, int]]:
     """The LISTEN rows of a /proc/net/tcp or /proc/net/tcp6 text, as (listener, socket inode): the embedded
-    master's parser (`embedded.parse_tcp_listeners`), malformed lines skipped."""
+    master's parser (`listeners.parse_tcp_listeners`), malformed lines skipped."""
     return [(Listener(port, address), lst.inode) for address, port, lst in parse_tcp_listeners(text.encode())]
 
 

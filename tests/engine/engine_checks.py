@@ -11,7 +11,7 @@ from conformance import runlog
 from conformance.engine import tracecheck
 from kvledger.trace import validate_events
 from kvledger_connector.store.embedded import EmbeddedMooncake
-from kvledger_connector.store.embedded import port_accepts
+from kvledger_connector.store.listeners import port_accepts
 from testbed.procs import alive, processes_matching
 
 PIN_CAP = 16  # max_inflight_jobs: the trace check's BoundedPins bound

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvledger_connector.store import rendezvous
-from kvledger_connector.store.embedded import free_port
+from kvledger_connector.store.listeners import free_port
 from testbed.engine_run import copy_real_model
 from testbed.procs import alive, kill_group, mooncake_servers_started_by_session, session_members
 from testbed.vllm_build import runs_real_models

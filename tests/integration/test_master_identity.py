@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 
-import kvledger_connector.store.embedded as embedded_mod
+import kvledger_connector.store.listeners as listeners_mod
 from kvledger_connector.store import rendezvous
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.embedded import (
+from kvledger_connector.store.embedded import EmbeddedMooncake, EmbeddedStartError
+from kvledger_connector.store.listeners import (
     LOOPBACK,
-    EmbeddedMooncake,
-    EmbeddedStartError,
     free_port,
     holds_socket,
     loopback_listener,
@@ -337,5 +336,5 @@ def test_a_listener_is_known_by_its_inode_and_holder(tmp_path: Path, monkeypatch
     hex_loop = f"{int.from_bytes(socket.inet_aton(LOOPBACK), sys.byteorder):08X}"
     table.write_bytes(HEADER + _row(f"{hex_loop}:1F90"))
     assert loopback_listener(0x1F90, str(table)) == (4242, 1000)
-    monkeypatch.setattr(embedded_mod, "MAX_TCP_TABLE_BYTES", len(HEADER) + 10)
+    monkeypatch.setattr(listeners_mod, "MAX_TCP_TABLE_BYTES", len(HEADER) + 10)
     assert loopback_listener(0x1F90, str(table)) is None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger_connector.store.embedded import port_accepts
+from kvledger_connector.store.listeners import port_accepts
 from tests.integration.conftest import NS_OWNER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +279,7 @@ def test_an_owner_in_another_pid_namespace_is_alive_while_its_master_answers(rdi
         assert isinstance(joined, rendezvous.AttachedMooncake) and joined.master_address == f"127.0.0.1:{port}"
     finally:
         _stop(owner)  # type: ignore[arg-type]  (unshare's death kills the namespace's processes)
-    from kvledger_connector.store.embedded import port_accepts
+    from kvledger_connector.store.listeners import port_accepts
     deadline = time.monotonic() + 30  # a hang guard: the namespace's init dies after unshare
     while port_accepts(port) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -36,7 +36,7 @@ rt = tempfile.mkdtemp()
 os.environ["KVLEDGER_RUNTIME_DIR"] = rt
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store import firewall
-from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
+from kvledger_connector.store.listeners import parse_tcp_listeners, read_tcp_table
 from testbed.harness import Harness, shared_prefix_prompts
 from testbed.procs import connects_as
 

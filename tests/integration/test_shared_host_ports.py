@@ -37,7 +37,7 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.store.embedded import EmbeddedMooncake
-from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
+from kvledger_connector.store.listeners import parse_tcp_listeners, read_tcp_table
 from testbed.procs import connects_as
 
 tier = tempfile.mkdtemp()

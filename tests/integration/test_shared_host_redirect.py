@@ -57,7 +57,7 @@ release_shared(eid)
 # uid 65534: a listener of its own, then the metadata rewrite against every listener root holds
 ATTACKER = r"""
 import http.client, json, socket, sys, threading
-from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table
+from kvledger_connector.store.listeners import parse_tcp_listeners, read_tcp_table
 segments = sys.argv[1].split(",")
 trap = socket.socket(); trap.bind(("127.0.0.1", 0)); trap.listen(16)
 got = []
@@ -97,7 +97,7 @@ print(json.dumps({"received": len(b"".join(got)), "mark": sys.argv[2].encode() i
 
 CHILD = r"""
 import json, os, subprocess, sys, uuid
-from kvledger_connector.store.embedded import parse_tcp_listeners, read_tcp_table, socket_inodes
+from kvledger_connector.store.listeners import parse_tcp_listeners, read_tcp_table, socket_inodes
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 engine, attacker, mark, uid = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 eid = f"engine-{uuid.uuid4().hex[:8]}"

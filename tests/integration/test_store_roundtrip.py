@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.store.embedded import EmbeddedMooncake, free_port
+from kvledger_connector.store.embedded import EmbeddedMooncake
+from kvledger_connector.store.listeners import free_port
 from kvledger_connector.store.contract import StoreCode, StoreError
 from kvledger_connector.store.client import MooncakeStore, StoreUnavailableError
 
