@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -188,15 +189,23 @@ class _Ours(_Path):
 
     def variant(self, name: str, seal: Any) -> _Ours:
         v = copy.copy(self)
-        v.name, v._seal = name, seal
+        v.name, v._rank_steps = name, self._steps_with(seal)
         v._get_hashes = tuple(_hashes(f"{self.run}/{name}/get", len(self.block_ids)))
         v.close = lambda: None  # type: ignore[method-assign]  # the base path shuts the connector down
         return v
 
+    def _steps_with(self, seal: Any) -> Any:
+        """The worker's steps over the same ledgers and counters, their registered cache sealed by ``seal``."""
+        from kvledger_connector.worker.steps import WorkerSteps
+
+        base = self._rank_steps
+        cache = dataclasses.replace(base.cache, seal=seal, key_bytes=self.ws._plans[0].block_bytes
+                                    + (seal.trailer_bytes if seal is not None else 0))
+        return WorkerSteps(self.ws.connector_config, cache, ledger=base.ledger, loads=base.loads,
+                           tp_rank=base.tp_rank, shape=base.shape, stats=base.stats)
+
     def _apply(self) -> None:
-        steps = self.ws.steps
-        steps.seal = self._seal
-        steps.key_bytes = self.ws._plans[0].block_bytes + (self._seal.trailer_bytes if self._seal is not None else 0)
+        self.ws._steps = self._rank_steps  # this variant's steps (its seal) run the worker's next job
 
     def __init__(self, env: _Env, store: Any, run: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -216,7 +225,7 @@ class _Ours(_Path):
         self._steps = itertools.count(1)
         self._req = ""
         self._get_hashes = tuple(_hashes(f"{run}/ours/get", len(self.block_ids)))
-        self._seal = ws.steps.seal
+        self._rank_steps = ws.steps
 
     def _drop(self, req_id: str) -> None:
         """DropGeneration (finished) through the worker's step hook, and take the reports: keeps the ledger
@@ -224,7 +233,7 @@ class _Ours(_Path):
         from kvledger_connector.metadata import DropNotice, KVLedgerConnectorMetadata
 
         self.ws.start_step(KVLedgerConnectorMetadata(step=next(self._steps), drops=[DropNotice(req_id, 0, True)]))
-        self.ws.build_worker_meta()
+        self.ws.take_report()
 
     def put_call(self, tag: str) -> tuple[list[str], Callable[[], None]]:
         from kvledger_connector.metadata import SaveSpec
@@ -254,8 +263,8 @@ class _Ours(_Path):
         return lambda: self.ws._handle_load(spec)
 
     def settle_get(self) -> None:
-        errors = self.ws.take_load_errors()
-        done = self.ws.take_finished_loads()
+        report = self.ws.take_report()
+        errors, done = report.invalid_block_ids, report.finished_recving
         if errors or done != {"ours-load"} or self.ws.steps.errors:
             raise BenchError(f"{self.name}: load failed: blocks {sorted(errors)[:4]}, finished {done}, "
                              f"{self.ws.steps.errors[-1:]}")

@@ -75,7 +75,10 @@ from kvledger.trace import TraceSink
 from kvledger.worker import WorkerLedger, put_positions
 from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.store.io import StoreIO
-from kvledger_connector.worker.steps import JobAction, SaveJob, WorkerSteps, no_lock
+from kvledger_connector.worker.base import JobAction
+from kvledger_connector.worker.cache import RegisteredCache
+from kvledger_connector.worker.saves import SaveJob
+from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.config import ConnectorConfig, StoreConfig
@@ -347,10 +350,9 @@ class KVDriver:
         self.read_from: dict[int, torch.Tensor] = {}  # block id -> the row a put reads (the DMA's copy)
         # the ranks' connector config, checked as the connector's is (its block and load sub-batch)
         self.worker_config = ConnectorConfig(store=StoreConfig(load_sub_batch_keys=self.sub_batch), block_size=BS)
-        self.steps = {w: WorkerSteps(self.worker_config, ledger=self.workers[w], loads=self.loads[w],
-                                     buffers=self._buffers, tp_rank=0, key_bytes=ROW_BYTES,
+        self.steps = {w: WorkerSteps(self.worker_config, RegisteredCache(self._buffers, None, key_bytes=ROW_BYTES),
+                                     ledger=self.workers[w], loads=self.loads[w], tp_rank=0,
                                      shape=BlockShape.of_keys([self.kb]),
-                                     lock=no_lock(),
                                      stripe=(i, len(self.ranks)) if self.stripe else (0, 1))
                       for i, w in enumerate(self.ranks)}
         # each rank's edge: the one wrapper its store calls go through, as `WorkerSide.io`

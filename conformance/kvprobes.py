@@ -31,7 +31,9 @@ from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.store.io import StoreCall, StoreIO
-from kvledger_connector.worker.steps import WorkerSteps, no_lock
+from kvledger_connector.worker.cache import Buffers, RegisteredCache
+from kvledger_connector.worker.effects import DeviceCall, JobEdge
+from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 from testbed.store_double import StoreDouble
@@ -130,14 +132,14 @@ def io_of(steps: WorkerSteps) -> StoreIO:
     return _EDGES[steps]
 
 
-def drain(steps: WorkerSteps, gen: Generator[StoreCall, list[int] | None, _R]) -> _R:
-    """One sans-I/O part of a job (`WorkerSteps.put`, `load_batch`) run to its return value, each store call
-    it yields made through the rank's edge."""
-    io = io_of(steps)
+def drain(steps: WorkerSteps, gen: Generator[StoreCall | DeviceCall, Any, _R]) -> _R:
+    """One sans-I/O part of a job (`WorkerSteps.put`, `load_batch`, `_verified`) run to its return value,
+    each store call it yields made through the rank's edge, each device call here."""
+    edge = JobEdge(io_of(steps))
     try:
         call = next(gen)
         while True:
-            call = gen.send(io(call))
+            call = gen.send(edge.make(call))
     except StopIteration as done:
         return done.value
 
@@ -147,12 +149,20 @@ def worker_config(block_size: int = BLOCK_SIZE, sub_batch: int = 2) -> Connector
     return ConnectorConfig(store=StoreConfig(load_sub_batch_keys=sub_batch), block_size=block_size)
 
 
-def rank(store: ProbeStore, tp_rank: int = 0, sub_batch: int = 2) -> WorkerSteps:
+def probe_cache(buffers: Buffers = _buffers, num_blocks: int | None = None) -> RegisteredCache:
+    """A driver rank's KV cache: its own buffers, objects of KEY_BYTES; ids not bounded above unless
+    ``num_blocks``."""
+    return RegisteredCache(buffers, num_blocks, key_bytes=KEY_BYTES)
+
+
+def rank(store: ProbeStore, tp_rank: int = 0, sub_batch: int = 2, cache: RegisteredCache | None = None
+         ) -> WorkerSteps:
     keys = KeyBuilder(KeyLayout(model="probe", tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, dtype="torch.float32",
                                 kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=8))
-    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), ledger=WorkerLedger(tp_rank, max_live_jobs=8),
-                                 loads=LoadLedger(tp_rank, max_inflight_loads=4), buffers=_buffers, tp_rank=tp_rank,
-                                 key_bytes=KEY_BYTES, shape=BlockShape.of_keys([keys]), lock=no_lock()), store)
+    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), cache or probe_cache(),
+                                 ledger=WorkerLedger(tp_rank, max_live_jobs=8),
+                                 loads=LoadLedger(tp_rank, max_inflight_loads=4), tp_rank=tp_rank,
+                                 shape=BlockShape.of_keys([keys])), store)
 
 
 HASHES = [bytes([i + 1]) * 4 for i in range(6)]
@@ -387,11 +397,9 @@ def parts_rank(store: ProbeStore, layouts: Sequence[KeyLayout], sub_batch: int =
         if reads is not None:
             reads.extend(zip(ids, parts if parts is not None else [0] * len(ids)))
         return _buffers(ids)
-    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), ledger=WorkerLedger(0, max_live_jobs=8),
-                                 loads=LoadLedger(0, max_inflight_loads=4), buffers=buffers, tp_rank=0,
-                                 key_bytes=KEY_BYTES,
-                                 shape=BlockShape.of_keys([KeyBuilder(lay) for lay in layouts]),
-                                 lock=no_lock()), store)
+    return with_edge(WorkerSteps(worker_config(sub_batch=sub_batch), probe_cache(buffers),
+                                 ledger=WorkerLedger(0, max_live_jobs=8), loads=LoadLedger(0, max_inflight_loads=4),
+                                 tp_rank=0, shape=BlockShape.of_keys([KeyBuilder(lay) for lay in layouts])), store)
 
 
 def tp_shared_rank(store: ProbeStore, sub_batch: int = 3) -> WorkerSteps:
@@ -417,7 +425,7 @@ def probe_a_block_of_several_keys_loads_only_when_every_key_did() -> None:
     gen = w.load_steps(io_of(w), "r", [4, 5], HASHES[:2])
     lid = next(gen).load_id  # EMIT_LOAD
     next(gen)  # the first sub-batch: block 4's two keys and block 5's first
-    pend = w.pending(lid)
+    pend = w.loads.pending(lid)
     check(pend == [5], f"with 1 of block 5's 2 keys read the load's pending blocks are {pend}, expected [5]")
     gen.close()  # cut short (abandoned) before block 5's second key
     errs = w.take_load_errors()

@@ -1,5 +1,5 @@
 """Runtime mutants: seeded bugs in kvledger (the ledgers, the store-code classification) and in the
-connector (its step functions in kvledger_connector/worker/steps.py, the worker metadata merge, the KV cache copy
+connector (its step functions in kvledger_connector/worker/: saves.py, loads.py, sent.py, the worker metadata merge, the KV cache copy
 plans, the store keys, reset_cache's pattern, the runtime directory, the embedded master's identity), applied
 by monkeypatching at run time (the source is never edited). Each patches a function the connector's own threads
 or vLLM call.
@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 import kvledger.codes
 import kvledger.worker
 import kvledger_connector.shape.engine_facts
-import kvledger_connector.worker.steps
+import kvledger_connector.worker.loads
+import kvledger_connector.worker.saves
 import kvledger_connector.shape.keys
 import kvledger_connector.shape.kvlayout
 import kvledger_connector.scheduler.reset
@@ -56,7 +57,9 @@ from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.store import rendezvous
 from kvledger_connector.shape.integrity import IntegrityKey
-from kvledger_connector.worker.steps import SavePlan, SentBlocks, WorkerSteps
+from kvledger_connector.worker.loads import LoadSteps
+from kvledger_connector.worker.saves import SavePlan, SaveSteps
+from kvledger_connector.worker.sent import SentBlocks
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata
 from kvledger_connector.store.contract import StoreCode
@@ -390,7 +393,7 @@ def _replicas_ignore_heads(orig):  # every TP group counted as replicas, as if e
 
 def _mismatch_loaded(orig):  # the tag is computed and compared, and a mismatching block loaded all the same
     def _verified(self, slot, keys, block_ids, res, parts=None):
-        orig(self, slot, keys, block_ids, res, parts)
+        yield from orig(self, slot, keys, block_ids, res, parts)
         return res
     return _verified
 
@@ -466,7 +469,7 @@ def _mismatch_removed_unforced(orig):  # without force: a reader's lease keeps t
 
 def _mismatch_removes_batch(orig):  # a mismatch removes every key of the batch, the good ones too
     def _verified(self, slot, keys, block_ids, res, parts=None):
-        out = orig(self, slot, keys, block_ids, res, parts)
+        out = yield from orig(self, slot, keys, block_ids, res, parts)
         if any(c == int(StoreCode.INTEGRITY_MISMATCH) for c in out):
             for k, c in zip(keys, out):
                 if c != int(StoreCode.INTEGRITY_MISMATCH):
@@ -501,14 +504,14 @@ MUTANTS: dict[str, list[Patch]] = {
     "exist_error_means_present": [(kvledger.codes, "missing", _exist_error_means_present)],
     "failing_subbatch_unreported": [(LoadLedger, "record_results", _failing_subbatch_unreported)],
     # the connector's step functions
-    "register_generation_dropped": [(WorkerSteps, "receive", _generation_dropped_on_register)],
+    "register_generation_dropped": [(SaveSteps, "receive", _generation_dropped_on_register)],
     "stale_job_runs": [(SavePlan, "run", _stale_job_runs)],
     "skipped_job_runs": [(SavePlan, "run", _skipped_job_runs)],
-    "put_resumes_past_offset": [(WorkerSteps, "begin_save", _resume_past_offset)],
-    "load_ids_not_rotated": [(kvledger_connector.worker.steps, "load_pairs", _ids_not_rotated)],
-    "save_report_skipped_on_exception": [(WorkerSteps, "fail_save", _save_report_skipped_after_failure),
-                                         (WorkerSteps, "report_save", _report_skips_failed_by_exception)],
-    "load_unfinished_on_exception": [(WorkerSteps, "run_load", _load_unfinished_on_exception)],
+    "put_resumes_past_offset": [(SaveSteps, "begin_save", _resume_past_offset)],
+    "load_ids_not_rotated": [(kvledger_connector.worker.loads, "load_pairs", _ids_not_rotated)],
+    "save_report_skipped_on_exception": [(SaveSteps, "fail_save", _save_report_skipped_after_failure),
+                                         (SaveSteps, "report_save", _report_skips_failed_by_exception)],
+    "load_unfinished_on_exception": [(LoadSteps, "run_load", _load_unfinished_on_exception)],
     # KV cache copy plans
     "layout_last_run_dropped": [(kvledger_connector.shape.kvlayout, "_layer_runs", _last_run_dropped)],
     "layout_stride_per_kernel_block": [(kvledger_connector.shape.kvlayout, "_layer_runs", _stride_per_kernel_block)],
@@ -517,20 +520,20 @@ MUTANTS: dict[str, list[Patch]] = {
     "key_without_pp_stage": [(KeyBuilder, "__init__", _key_without_pp_stage)],
     "key_digest_without_layout": [(KeyLayout, "digest", _digest_without_layout)],
     # identical KV stored once: who puts a shared key, which ranks share keys
-    "replicas_put_every_key": [(kvledger_connector.worker.steps, "put_positions", _every_replica_puts_all),
+    "replicas_put_every_key": [(kvledger_connector.worker.saves, "put_positions", _every_replica_puts_all),
                                (kvledger.worker, "put_positions", _every_replica_puts_all)],
     "replicas_share_distinct_heads": [(kvledger_connector.shape.engine_facts, "kv_replicas", _replicas_ignore_heads)],
     "tail_hash_without_tokens": [(kvledger_connector.shape.keys, "partial_tail_hash", _tail_hash_without_tokens),
                                  (kvledger_connector.scheduler.steps, "partial_tail_hash",
                                   _tail_hash_without_tokens)],
     # integrity tags
-    "integrity_mismatch_loaded": [(WorkerSteps, "_verified", _mismatch_loaded)],
+    "integrity_mismatch_loaded": [(LoadSteps, "_verified", _mismatch_loaded)],
     "integrity_tag_ignores_key": [(IntegrityKey, "bind", _bind_ignores_key)],
     "integrity_mismatch_not_removed": [(StoreIO, "remove", _mismatch_not_removed)],
     "integrity_mismatch_removed_unforced": [(StoreIO, "remove", _mismatch_removed_unforced)],
-    "integrity_mismatch_removes_whole_batch": [(WorkerSteps, "_verified", _mismatch_removes_batch)],
+    "integrity_mismatch_removes_whole_batch": [(LoadSteps, "_verified", _mismatch_removes_batch)],
     # the TP-shared layout (a block as a key per head shard), SentBlocks of several KV cache groups
-    "shared_block_loaded_at_first_key": [(WorkerSteps, "begin_load", _shared_block_one_key)],
+    "shared_block_loaded_at_first_key": [(LoadSteps, "begin_load", _shared_block_one_key)],
     "load_ledger_ignores_keys_per_block": [(LoadLedger, "record_ok", _record_ok_per_key)],
     "sent_null_before_ignored": [(SentBlocks, "resolve", _null_before_ignored)],
     "sent_null_before_wrong_group": [(SentBlocks, "resolve", _null_before_wrong_index)],

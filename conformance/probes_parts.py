@@ -24,10 +24,10 @@ from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from conformance.kvprobes import Probe, ProbeFailed, ProbeStore, check, drain, io_of
-# keys.partial_tail_hash, reset.engine_key_regex, jobs.put_positions and engine_facts.kv_replicas are called
+# keys.partial_tail_hash, reset.engine_key_regex, saves.put_positions and engine_facts.kv_replicas are called
 # through their modules, as the connector calls them: a patched function (a mutant) is the one probed
 from kvledger_connector.shape import engine_facts
-from kvledger_connector.worker import steps as jobs
+from kvledger_connector.worker import saves
 from kvledger_connector.shape import keys
 from kvledger_connector.store import rendezvous
 from kvledger_connector.scheduler import reset
@@ -124,7 +124,7 @@ def probe_keys_separate_shards_stages_and_layouts() -> None:
 
 def replica_split(replicas: int, start: int = 3, end: int = 14) -> list[list[int]]:
     """The block positions each replica of a group puts for one job, through the connector's binding."""
-    return [jobs.put_positions(start, end, i, replicas) for i in range(replicas)]
+    return [saves.put_positions(start, end, i, replicas) for i in range(replicas)]
 
 
 def probe_replicas_put_each_key_once() -> None:
@@ -283,15 +283,15 @@ def probe_sweep_keeps_live_owners() -> None:
 def integrity_case(mode: str = "mac") -> tuple[Any, Any, dict[str, torch.Tensor]]:
     """(a rank's WorkerSteps with a seal over vLLM's LBNHC cache, its seal, the cache): trailers of blocks 1
     and 2 under keys "k1" and "k2" sealed in slot 0, then one byte of block 2 flipped."""
-    from conformance.kvprobes import ProbeStore, rank
+    from conformance.kvprobes import ProbeStore, probe_cache, rank
     from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
 
     kv = kv_cache("LBNHC")
     plan = plan_block_copies(kv, layout="LBNHC", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     seal = BlockSeal(IntegrityKey(mode, b"probe-secret-16b" if mode == "mac" else b""), plan, kv, slots=1,
                      max_keys=2)
-    w = rank(ProbeStore())
-    w.seal, w.key_bytes = seal, plan.block_bytes + seal.trailer_bytes
+    w = rank(ProbeStore(), cache=dataclasses.replace(probe_cache(), seal=seal,
+                                                    key_bytes=plan.block_bytes + seal.trailer_bytes))
     seal.seal(0, ["k1", "k2"], [1, 2])
     first = ctypes.c_uint8.from_address(plan.buffers(2)[0][0])  # block 2's first byte, in the cache
     first.value ^= 1
@@ -305,14 +305,14 @@ def probe_a_block_loads_only_under_its_own_tag() -> None:
 
     w, seal, _kv = integrity_case()
     whole = [w.key_bytes, w.key_bytes]
-    got = w._verified(0, ["k1", "k2"], [1, 2], whole)
+    got = drain(w, w._verified(0, ["k1", "k2"], [1, 2], whole))
     check(got == [w.key_bytes, int(StoreCode.INTEGRITY_MISMATCH)],
           f"block 2 changed after its tag: the get's codes became {got}, not [{w.key_bytes}, INTEGRITY_MISMATCH]")
     seal.seal(0, ["k1", "k2"], [1, 1])  # block 1's bytes sealed under two keys
-    got = w._verified(0, ["k2", "k1"], [1, 1], whole)
+    got = drain(w, w._verified(0, ["k2", "k1"], [1, 1], whole))
     check(got == [int(StoreCode.INTEGRITY_MISMATCH)] * 2, f"trailers read under each other's key gave {got}")
     missed = int(StoreCode.OBJECT_NOT_FOUND)
-    got = w._verified(0, ["k1", "k2"], [1, 1], [missed, w.key_bytes])  # the get's first key missed
+    got = drain(w, w._verified(0, ["k1", "k2"], [1, 1], [missed, w.key_bytes]))  # the get's first key missed
     check(got == [missed, w.key_bytes], f"the second key of a get whose first missed gave {got}, not "
                                         f"[{missed}, {w.key_bytes}]: checked against another key's trailer row")
 

@@ -14,11 +14,12 @@ import tempfile
 from typing import Callable
 
 import kvledger.codes as codes
-import kvledger_connector.worker.steps as jobs
+import kvledger_connector.worker.loads as loads
+import kvledger_connector.worker.sent as sent_blocks
 import kvledger_connector.shape.keys as keys
 import kvledger_connector.scheduler.steps as scheduler_steps
 from conformance import probes_edge, probes_identity, probes_rules, probes_sched, probes_specs
-from conformance.kvprobes import (io_of, HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, rank,
+from conformance.kvprobes import (io_of, HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, drain, rank,
                                   tp_shared_rank)
 from conformance.probes_parts import (BASE, HASH, check_layout, foreign_dir, integrity_case, replica_split,
                                      replicas_of, reset_case, runtime_dir_env)
@@ -27,7 +28,7 @@ from kvledger.load import LoadLedger
 from kvledger.scheduler import SchedulerLedger
 from kvledger.worker import Verdict, WorkerLedger
 from kvledger_connector.store import rendezvous
-from kvledger_connector.worker.steps import SavePlan
+from kvledger_connector.worker.saves import SavePlan
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, SaveSpec
 
 SHOWS: dict[str, Callable[[], None]] = {}
@@ -227,7 +228,7 @@ def _() -> None:
 
 @shows("load_ids_not_rotated")
 def _() -> None:
-    got = jobs.load_pairs(["k0", "k1", "k2"], [10, 11, 12], 1)
+    got = loads.load_pairs(["k0", "k1", "k2"], [10, 11, 12], 1)
     check(got == [("k1", 11), ("k2", 12), ("k0", 10)], f"rank 1's load pairs {got}")
 
 
@@ -296,7 +297,7 @@ def _() -> None:
 @shows("integrity_mismatch_loaded")
 def _() -> None:
     w, _seal, _kv = integrity_case()
-    got = w._verified(0, ["k2"], [2], [w.key_bytes])
+    got = drain(w, w._verified(0, ["k2"], [2], [w.key_bytes]))
     check(got != [w.key_bytes], "WorkerSteps._verified kept a block whose bytes changed after its tag as loaded")
 
 
@@ -352,7 +353,7 @@ def _mismatch_removal() -> tuple[list[str], ProbeStore]:
     st = io_of(w).store
     st.data.update({"k1": 1, "k2": 2})
     st.leased.add("k2")
-    w._verified(0, ["k1", "k2"], [1, 2], [w.key_bytes, w.key_bytes])
+    drain(w, w._verified(0, ["k1", "k2"], [1, 2], [w.key_bytes, w.key_bytes]))
     io_of(w).remove(w.take_removals())
     return [k[0] for fn, k in st.calls if fn == "remove"], st
 
@@ -380,7 +381,7 @@ def _() -> None:
     w = tp_shared_rank(ProbeStore())
     lid = w.begin_load("r", [4])
     w.loads.record_ok(lid, [4])
-    check(w.pending(lid) == [4], "a TP-shared block (2 keys) counts loaded after its first key")
+    check(w.loads.pending(lid) == [4], "a TP-shared block (2 keys) counts loaded after its first key")
 
 
 @shows("load_ledger_ignores_keys_per_block")
@@ -392,7 +393,7 @@ def _() -> None:
 
 
 def _resolved_with_null_before() -> tuple[int, ...]:
-    sent = jobs.SentBlocks(4)
+    sent = sent_blocks.SentBlocks(4)
     sent.resolve(SaveSpec("r", 1, 0, 0, 2, (11, 21, 12, 22), (b"h0", b"h1"), num_groups=2))
     return sent.resolve(SaveSpec("r", 2, 0, 2, 3, (13, 23), (b"h2",), num_groups=2, null_before=(0, 2)))[0]
 

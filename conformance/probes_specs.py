@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import kvledger_connector.worker.steps as jobs
 import kvledger_connector.metadata as metadata
-from conformance.kvprobes import io_of, HASHES, ProbeFailed, ProbeStore, check, rank
+import kvledger_connector.worker.loads as loads
+import kvledger_connector.worker.saves as saves
+import kvledger_connector.worker.sent as sent
+from conformance.kvprobes import io_of, HASHES, ProbeFailed, ProbeStore, check, probe_cache, rank
 from kvledger.errors import LedgerInputError
 from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.metadata import DropNotice, LoadSpec, SaveSpec
@@ -47,8 +49,7 @@ def probe_a_malformed_spec_fails_whole_and_runs_nothing() -> None:
     never run; one whose job id is another live job's is dropped without a second report; a malformed
     DropNotice raises nothing. A well-formed load and save of the same rank still run."""
     st = ProbeStore()
-    w = rank(st)
-    w.num_blocks = NUM_BLOCKS
+    w = rank(st, cache=probe_cache(num_blocks=NUM_BLOCKS))
     h = HASHES
     bad_loads = [LoadSpec("neg", (4, -1, 5), tuple(h[:3])),
                  LoadSpec("flt", (4, 1.5), tuple(h[:2]), sync=True),  # type: ignore[arg-type]
@@ -140,9 +141,9 @@ def _duplicates_accepted(orig: Any) -> Any:  # an id named twice in a spec passe
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
-    # WorkerSteps looks the checks up in its own module (imported by name from metadata)
-    "spec_check_skipped": [(jobs, "check_load_spec", _skipped), (jobs, "check_save_spec", _skipped),
-                           (jobs, "check_drop_notice", _skipped)],
+    # the steps look the checks up in their own modules (imported by name from metadata)
+    "spec_check_skipped": [(loads, "check_load_spec", _skipped), (saves, "check_save_spec", _skipped),
+                           (sent, "check_save_spec", _skipped), (saves, "check_drop_notice", _skipped)],
     # the checks look block_ids_error up in metadata
     "spec_duplicate_block_ids_accepted": [(metadata, "block_ids_error", _duplicates_accepted)],
 }
@@ -157,10 +158,10 @@ def _refuses(what: str, fn: Callable[[], Any]) -> None:
 
 
 def _show_skipped() -> None:
-    _refuses("LoadSpec block id -1", lambda: jobs.check_load_spec(LoadSpec("a", (-1,), (b"h",)),
+    _refuses("LoadSpec block id -1", lambda: loads.check_load_spec(LoadSpec("a", (-1,), (b"h",)),
                                                                    num_blocks=NUM_BLOCKS, num_groups=1))
-    _refuses("SaveSpec generation -1", lambda: jobs.check_save_spec(SaveSpec("a", 1, -1, 0, 1, (1,), (b"h",))))
-    _refuses("DropNotice generation -1", lambda: jobs.check_drop_notice(DropNotice("a", -1, False)))
+    _refuses("SaveSpec generation -1", lambda: saves.check_save_spec(SaveSpec("a", 1, -1, 0, 1, (1,), (b"h",))))
+    _refuses("DropNotice generation -1", lambda: saves.check_drop_notice(DropNotice("a", -1, False)))
 
 
 def _show_duplicates() -> None:

@@ -61,6 +61,7 @@ from kvledger_connector.telemetry.stats import KVLedgerPromMetrics, KVLedgerStat
 from kvledger_connector.store.contract import KVStore
 from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.worker.side import WorkerSide
+from kvledger_connector.worker.steps import WorkerReport
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -77,6 +78,9 @@ if TYPE_CHECKING:
 __all__ = ["KVLedgerConnector", "key_layout", "kv_cache_spec", "resolved_layout"]
 
 logger = logging.getLogger(__name__)
+
+# the parts of a step's `WorkerReport` vLLM reads, each through its own hook
+_REPORT_PARTS = frozenset({"transfers", "load_errors", "worker_meta"})
 
 class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves prompt KV blocks to Mooncake and loads prefix hits back, with kvledger's job ledger.
@@ -114,6 +118,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.removals: StoreRemovals | None = None  # the resets' removals (scheduler role)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._report = WorkerReport()  # the worker side's last report (`_report_part`)
+        self._unhanded: set[str] = set()  # its parts not yet handed to vLLM
         try:
             self._start(store)
         except BaseException:
@@ -311,10 +317,21 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker().end_step(self._meta())
 
+    def _report_part(self, part: str) -> WorkerReport:
+        """The worker side's report (`WorkerSide.take_report`) whose ``part`` vLLM reads now. vLLM reads a
+        step's results through three hooks, each once (get_transfer_results, get_block_ids_with_load_errors,
+        build_connector_worker_meta): the first of them takes a report, and the next is taken once every part
+        of it was handed over; a part asked for again before that is empty."""
+        if not self._unhanded:
+            self._report, self._unhanded = self._worker().take_report(), set(_REPORT_PARTS)
+        if part not in self._unhanded:
+            return WorkerReport()
+        self._unhanded.discard(part)
+        return self._report
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        worker = self._worker()
-        done = worker.take_finished_loads()
-        return (worker.take_released() or None), (done or None)
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Held requests released this step (finished_sending: vLLM frees their blocks), finished async
@@ -322,20 +339,16 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         the failed ones, per request (vLLM takes no block-level load error with several groups, and a cut
         inside a sliding window would leave its older blocks null: a failed load's request recomputes or
         fails whole)."""
-        worker = self._worker()
-        done = worker.take_finished_loads()
-        failed: set[str] = set()
-        if not worker.steps.dense_table:
-            failed = worker.take_failed_loads(done)
-        return KVConnectorTransferResults(finished_sending=worker.take_released(), finished_recving=done,
-                                          failed_recving=failed)
+        report = self._report_part("transfers")
+        return KVConnectorTransferResults(finished_sending=set(report.finished_sending),
+                                          finished_recving=set(report.finished_recving),
+                                          failed_recving=set(report.failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self._worker()
-        return worker.take_load_errors() if worker.steps.dense_table else set()
+        return set(self._report_part("load_errors").invalid_block_ids)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker().build_worker_meta()
+        return self._report_part("worker_meta").worker_meta
 
     # ============================================================ both
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -2,9 +2,7 @@
 (kvledger_connector/worker/steps.py) never call the store. A job's generator yields a `StoreCall`, a value
 that says which batch call to make on which keys and buffers; whoever drives the generator makes it through
 `StoreIO`, the one wrapper (an exception becomes CLIENT_EXCEPTION per key, each call timed and counted), and
-sends the codes back in. `Stepped` is that driver: it answers every `StoreCall` and hands its caller only
-the model's steps, so a store thread drains a job by iterating over it and the conformance
-replay advances one model action per ``next()``.
+sends the codes back in (the driver, `Stepped`, is kvledger_connector/worker/effects.py's).
 
 The store behind `StoreIO` is any `KVStore` (kvledger_connector/store/contract.py): the Mooncake client with
 its breaker (`store/breaker.py`: an open breaker answers at once, without the round trip), the scheduler's
@@ -15,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Literal
 
 from kvledger.counts import Counter, Counts
 from kvledger_connector.store.contract import KVStore, StoreCode
@@ -92,33 +90,3 @@ class StoreIO:
             except Exception as e:
                 errors.append(f"remove {k}: {type(e).__name__}: {e}")
         return errors
-
-
-_S = TypeVar("_S")
-
-
-class Stepped(Generic[_S]):
-    """A job's generator (yielding its model steps and `StoreCall`s) with every store call made by ``io``:
-    an iterator of the model steps alone. ``throw`` and ``close`` go to the job's generator, as they would
-    on it (a job fails, or is abandoned, where it stands; `WorkerSteps.save_steps`)."""
-
-    def __init__(self, gen: Generator[_S | StoreCall, list[int] | None, None], io: StoreIO) -> None:
-        self.gen = gen
-        self.io = io
-
-    def __iter__(self) -> Stepped[_S]:
-        return self
-
-    def __next__(self) -> _S:
-        return self._answer(self.gen.send(None))
-
-    def throw(self, exc: BaseException) -> _S:
-        return self._answer(self.gen.throw(exc))
-
-    def close(self) -> None:
-        self.gen.close()
-
-    def _answer(self, item: _S | StoreCall) -> _S:
-        while isinstance(item, StoreCall):
-            item = self.gen.send(self.io(item))
-        return item

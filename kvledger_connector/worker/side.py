@@ -11,9 +11,10 @@
                 (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP
                                                Put: exist? → put missing keys
                                                Report: finish(job) in `finally`
-    get_finished            ◀── finished loads
-    get_block_ids_with_load_errors ◀── failed blocks (get-and-clear, under the lock)
-    build_connector_worker_meta ◀── WorkerLedger.take_completed(), finished sync loads
+    take_report             ◀── one `WorkerReport`: released held requests, finished loads with their
+                                failed blocks (or requests), WorkerLedger.take_completed(), finished sync
+                                loads; vLLM reads it through get_transfer_results,
+                                get_block_ids_with_load_errors, build_connector_worker_meta
 
 Every spec (DropNotice, LoadSpec, SaveSpec) is checked whole before anything of it runs (`WorkerSteps`'
 receive_drop, admit_load, receive_save): a malformed one fails as one unit (every block of a load reported
@@ -21,17 +22,19 @@ failed, a save's job reported at once), nothing is read, put or removed for it, 
 the model runner. An object a load finds failing its integrity tag is removed on the store's own threads
 (the load thread that found it, or the store thread after a sync load), never on the model runner's.
 
-One lock guards the WorkerLedger and the load results; store I/O runs outside it. A full queue never
+One lock, this side's, guards the steps (the ledgers, the load results): every step is called under it, and
+a job's generator runs under it (`JobEdge`), released for each store call and device wait it yields. A full queue never
 blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
 a future cache miss); a load that does not fit is reported failed for every block (vLLM recomputes).
 Keys are rotated by `tp_rank` on the load path (ranks start on different keys); failures are recorded by
 block id, carried along the rotation, so the mapping back is exact.
 
-Three layers, one owner each: this module owns the threads, the queues and shutdown; the per-job work
-(DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are kvledger_connector/worker/steps.py's
-`WorkerSteps` (`self.steps`), whose per-job generators the conformance driver advances one model action at a
-time; the ledgers are kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.stats`,
-`steps.errors`; the store, through the one wrapper its calls go through: `io.store`.
+Three layers, one owner each: this module owns the threads, the queues, the lock and shutdown; the per-job
+work (DmaRead, Put, Report; Load), its counting (`stats`) and the ledgers it drives are
+kvledger_connector/worker/steps.py's `WorkerSteps` (`self.steps`, built whole once the KV cache is registered),
+whose per-job generators the conformance driver advances one model action at a time; the ledgers are
+kvledger/'s. Read them there: `steps.ledger`, `steps.loads`, `steps.stats`, `steps.errors`; the store,
+through the one wrapper its calls go through: `io.store`.
 """
 from __future__ import annotations
 
@@ -47,10 +50,13 @@ import torch
 from kvledger_connector.shape.block_shape import BlockShape, PartBuffers
 from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.integrity import BlockSeal, IntegrityKey
-from kvledger_connector.worker.steps import SaveJob, WorkerSteps
+from kvledger_connector.worker.cache import RegisteredCache
+from kvledger_connector.worker.effects import JobEdge
+from kvledger_connector.worker.saves import SaveJob
+from kvledger_connector.worker.steps import WorkerReport, WorkerSteps
 from kvledger_connector.shape.keys import RESET_EPOCH_HEX, KeyBuilder, is_reset_epoch
 from kvledger_connector.shape.kvlayout import BlockCopyPlan, KVLayoutError
-from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorkerMetadata, LoadSpec
+from kvledger_connector.metadata import KVLedgerConnectorMetadata, LoadSpec
 from kvledger_connector.telemetry.stats import StatsRecorder
 from kvledger.load import load_batch_keys
 from kvledger_connector.store.contract import KVStore
@@ -96,8 +102,6 @@ class WorkerSide:
         self._num_load_threads = num_load_threads
         self._threads: list[threading.Thread] = []
         self._plans: list[BlockCopyPlan] = []  # one per part of a block
-        self._num_blocks = 0
-        self._cuda = False
         self._last_meta_step = -1
         # held requests released by this step's notices (model-runner thread only): finished_sending
         self._released: set[str] = set()
@@ -106,19 +110,27 @@ class WorkerSide:
         self._shutdown_done = threading.Event()
         self._shutdown_clean = False  # every thread exited in the first shutdown
         self.num_threads_left_running = 0  # threads still alive when shutdown gave up on them
-        # the per-job work, its counting and the ledgers (kvledger_connector/worker/steps.py); loads in flight:
-        # queued + one per load thread (+1: a rejected load is begun and finished at once)
-        stats = stats if stats is not None else StatsRecorder()  # one sink: the steps', the ledger's, the io's
-        # the one wrapper every store call of this rank's threads goes through (kvledger_connector/store/io.py)
-        self.io = StoreIO(store, stats)
-        self.steps = WorkerSteps(
-            connector_config, buffers=PartBuffers(), tp_rank=tp_rank, shape=shape,
-            ledger=WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs, max_requests=max_requests,
-                                trace=trace),
-            loads=LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
-                             trace=trace, counts=stats),
-            stats=stats, lock=self._lock,
-            num_blocks=0)  # no KV cache registered yet: every spec's block ids refused
+        self.stats = stats if stats is not None else StatsRecorder()  # one sink: the steps', the ledgers', the io's
+        # the one wrapper every store call of this rank's threads goes through (kvledger_connector/store/io.py),
+        # and the edge the jobs are drained through: their own code under the lock, every call outside it
+        self.io = StoreIO(store, self.stats)
+        self._edge = JobEdge(self.io, self._lock)
+        # the ledgers the steps drive; loads in flight: queued + one per load thread (+1: a rejected load is
+        # begun and finished at once)
+        self._shape = shape
+        self._ledger = WorkerLedger(tp_rank, max_live_jobs=connector_config.max_inflight_jobs,
+                                    max_requests=max_requests, trace=trace)
+        self._loads = LoadLedger(tp_rank, max_inflight_loads=config.load_queue_size + num_load_threads + 1,
+                                 trace=trace, counts=self.stats)
+        # the per-job work, its counting and the ledgers (kvledger_connector/worker/steps.py): built whole
+        # once vLLM registers the KV cache
+        self.steps: WorkerSteps | None = None
+        self.cache: RegisteredCache | None = None
+
+    def _registered(self) -> WorkerSteps:
+        if self.steps is None:
+            raise KVLayoutError("no KV cache registered on this worker yet (register_kv_caches comes first)")
+        return self.steps
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, plan: BlockCopyPlan | Sequence[BlockCopyPlan],
@@ -131,7 +143,7 @@ class WorkerSide:
         if self._plans:
             raise KVLayoutError("register_kv_caches called twice on one worker")
         plans = [plan] if isinstance(plan, BlockCopyPlan) else list(plan)
-        num_parts = len(self.steps.block_shape().parts)
+        num_parts = len(self._shape.parts)
         if len(plans) != num_parts:
             raise KVLayoutError(f"{len(plans)} copy plans for {num_parts} parts of a block")
         if len({(p.block_bytes, p.num_blocks) for p in plans}) != 1:
@@ -151,21 +163,20 @@ class WorkerSide:
         if seal is not None:
             for ptr, nbytes in seal.regions:
                 self.io.store.register_buffer(ptr, nbytes)
-            self.steps.seal = seal
         self._plans = plans
-        self.steps.buffers = PartBuffers(plans)
-        self.steps.key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
+        key_bytes = plan.block_bytes + (seal.trailer_bytes if seal is not None else 0)
         store_config = self.connector_config.store
-        self.steps.sub_batch = load_batch_keys(
-            store_config.load_sub_batch_keys, self.steps.key_bytes, self._readers,
-            store_config.disk_offload_staging_size if store_config.disk_offload else None)
-        if self.steps.sub_batch < store_config.load_sub_batch_keys:
+        sub_batch = load_batch_keys(store_config.load_sub_batch_keys, key_bytes, self._readers,
+                                    store_config.disk_offload_staging_size if store_config.disk_offload else None)
+        if sub_batch < store_config.load_sub_batch_keys:
             logger.info("kvledger: %d keys per batch get (load_sub_batch_keys %d): %d ranks' reads of %d-byte "
-                        "keys from the disk tier must fit disk_offload_staging_size %d", self.steps.sub_batch,
-                        store_config.load_sub_batch_keys, self._readers, self.steps.key_bytes,
+                        "keys from the disk tier must fit disk_offload_staging_size %d", sub_batch,
+                        store_config.load_sub_batch_keys, self._readers, key_bytes,
                         store_config.disk_offload_staging_size)
-        self._num_blocks = self.steps.num_blocks = plan.num_blocks
-        self._cuda = plan.is_cuda
+        self.cache = RegisteredCache(PartBuffers(plans), plan.num_blocks, key_bytes=key_bytes, seal=seal,
+                                     sub_batch=sub_batch, is_cuda=plan.is_cuda)
+        self.steps = WorkerSteps(self.connector_config, self.cache, ledger=self._ledger, loads=self._loads,
+                                  tp_rank=self.tp_rank, shape=self._shape, stats=self.stats)
         self._start_threads()
 
     def _start_threads(self) -> None:
@@ -187,16 +198,20 @@ class WorkerSide:
         loads; the store's batch get returns once the bytes landed)."""
         if meta.step == self._last_meta_step:
             return
+        steps = self._registered()
         self._last_meta_step = meta.step
         if meta.weights_version != self.weights_version or meta.reset_epoch != self.reset_epoch:
             self._switch_keys(meta.weights_version, meta.reset_epoch)
-        for nt in meta.drops:  # each checked whole (`WorkerSteps.receive_drop`)
-            if self.steps.receive_drop(nt):  # a held request: its save is stored, vLLM may free its blocks
-                self._released.add(nt.req_id)
+        with self._lock:
+            for nt in meta.drops:  # each checked whole (`WorkerSteps.receive_drop`)
+                if steps.receive_drop(nt):  # a held request: its save is stored, vLLM may free its blocks
+                    self._released.add(nt.req_id)
         sync: list[LoadSpec] = []
         for spec in meta.loads:
             # checked whole first: a malformed or refused spec has every block reported failed, nothing read
-            if not self.steps.admit_load(spec):
+            with self._lock:
+                admitted = steps.admit_load(spec)
+            if not admitted:
                 continue
             if spec.sync:
                 sync.append(spec)
@@ -204,8 +219,11 @@ class WorkerSide:
                 self._enqueue_load(spec)
         for spec in sync:
             self._run_sync_load(spec)
-        if sync and self.steps.removals:  # objects a sync load found tampered: the store thread removes them
-            self._offer(self._store_q, _REMOVE)  # a full queue: the store thread removes them before its next job
+        if sync:
+            with self._lock:
+                tampered = bool(steps.removals)
+            if tampered:  # objects a sync load found tampered: the store thread removes them
+                self._offer(self._store_q, _REMOVE)  # a full queue: the store thread removes them before its next job
 
     def _switch_keys(self, version: str, reset_epoch: str) -> None:
         """This step's jobs and loads are keyed under `version` and `reset_epoch`. The scheduler switches only
@@ -218,39 +236,46 @@ class WorkerSide:
         if not is_reset_epoch(reset_epoch):
             raise LedgerInputError("reset_epoch", reset_epoch, f"must be '' or {RESET_EPOCH_HEX} lowercase hex "
                                    "characters")
-        self.steps.shape = self.steps.block_shape().rekeyed(self._rekey(version, reset_epoch))
+        steps = self._registered()
+        steps.shape = steps.block_shape().rekeyed(self._rekey(version, reset_epoch))
         if version != self.weights_version:
-            self.steps.stats.add("weights_version_switches")
+            steps.stats.add("weights_version_switches")
         self.weights_version, self.reset_epoch = version, reset_epoch
 
     def _run_sync_load(self, spec: LoadSpec) -> None:
+        steps = self._registered()
         if self._closed:  # shut down: every block reported failed (vLLM recomputes), as a refused async one
-            self.steps.reject_load(spec.req_id, spec.block_ids, "worker shut down", sync=True)
+            with self._lock:
+                steps.reject_load(spec.req_id, spec.block_ids, "worker shut down", sync=True)
             return
         try:  # run_load reports every block not loaded; an error past that must not fail the step
-            self.steps.run_load(self.io, spec.req_id, spec.block_ids, spec.block_hashes, sync=True,
+            steps.run_load(self._edge, spec.req_id, spec.block_ids, spec.block_hashes, sync=True,
                                 groups=spec.groups)
         except Exception as e:
-            self.steps.note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
+            self._note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
 
     def end_step(self, meta: KVLedgerConnectorMetadata) -> None:
         """After the forward: register every store job (Receive), then enqueue it with this step's event."""
         self.start_step(meta)
         if not meta.saves:
             return
+        steps = self._registered()
         event = None
-        if self._cuda:
+        if steps.cache.is_cuda:
             event = torch.cuda.Event()
             event.record()  # the store thread waits on it: the forward's writes land before the read
         for spec in meta.saves:
-            job = self.steps.receive_save(spec)  # None: refused, and already reported
+            with self._lock:
+                job = steps.receive_save(spec)  # None: refused, and already reported
             if job is not None and self._offer(self._store_q, (job, event)) is not None:  # bounded, or shut down
-                self.steps.reject_save(job.job_id)
+                with self._lock:
+                    steps.reject_save(job.job_id)
 
     def _enqueue_load(self, spec: LoadSpec) -> None:
         why = self._offer(self._load_q, spec)
         if why is not None:  # bounded, or shut down: every block reported failed, vLLM recomputes them
-            self.steps.reject_load(spec.req_id, spec.block_ids, why)
+            with self._lock:
+                self._registered().reject_load(spec.req_id, spec.block_ids, why)
 
     def _offer(self, q: queue.Queue[Any], item: Any) -> str | None:
         """Queue `item` for a thread, or say why not. Under the shutdown lock: a job is either queued
@@ -265,24 +290,17 @@ class WorkerSide:
                 return f"queue full ({q.maxsize})"
         return None
 
-    def take_finished_loads(self) -> set[str]:
-        return self.steps.take_finished_loads()
+    def take_report(self) -> WorkerReport:
+        """Everything this rank reports since the last call, as one value (`WorkerSteps.take_report`): the
+        held requests this side's notices released (finished_sending), finished loads with their failures,
+        the jobs reported and the sync loads finished."""
+        released, self._released = self._released, set()
+        with self._lock:
+            return self._registered().take_report(released)
 
-    def take_released(self) -> set[str]:
-        """Held requests released since the last call: this rank's finished_sending."""
-        out, self._released = self._released, set()
-        return out
-
-    def take_load_errors(self) -> set[int]:
-        return self.steps.take_load_errors()  # HandleLoadErrors
-
-    def take_failed_loads(self, finished: set[str]) -> set[str]:
-        return self.steps.take_failed_loads(finished)
-
-    def build_worker_meta(self) -> KVLedgerWorkerMetadata | None:
-        done = self.steps.take_reports()
-        loads = self.steps.take_finished_sync_loads()
-        return KVLedgerWorkerMetadata(done, loads) if done or loads else None
+    def _note_error(self, msg: str) -> None:
+        with self._lock:
+            self._registered().note_error(msg)
 
     # ------------------------------------------------------------------ store thread
     def _store_loop(self) -> None:
@@ -291,7 +309,7 @@ class WorkerSide:
             try:  # first: a save after a tampered object's load must find it gone, never skip it as stored
                 self._remove_mismatched()
             except Exception as e:
-                self.steps.note_error(f"store thread: removals: {type(e).__name__}: {e}")
+                self._note_error(f"store thread: removals: {type(e).__name__}: {e}")
             if item is _STOP:
                 return
             if item is _REMOVE:
@@ -300,13 +318,13 @@ class WorkerSide:
             try:  # the thread must outlive a handler bug: it still has to take _STOP at shutdown
                 self._handle_save(job, event)
             except Exception as e:
-                self.steps.note_error(f"store thread: save job {job.job_id}: {type(e).__name__}: {e}")
+                self._note_error(f"store thread: save job {job.job_id}: {type(e).__name__}: {e}")
 
     def _handle_save(self, job: SaveJob, event: Any) -> None:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
-        forward's CUDA event before it reads the blocks."""
-        self.steps.run_save(self.io, job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
-                            event.synchronize if event is not None else None, job.full_end_block)
+        forward's CUDA event before it reads the blocks (a `DeviceCall`, made here outside the lock)."""
+        self._registered().run_save(self._edge, job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
+                            event, job.full_end_block)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:
@@ -318,26 +336,32 @@ class WorkerSide:
                 self._handle_load(spec)
                 self._remove_mismatched()  # objects this load found tampered, on this store thread
             except Exception as e:
-                self.steps.note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
+                self._note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
 
     def _handle_load(self, spec: LoadSpec) -> None:
         """Load: every sub-batch is tried; a block not loaded is reported (`WorkerSteps.load_steps`)."""
-        self.steps.run_load(self.io, spec.req_id, spec.block_ids, spec.block_hashes, groups=spec.groups)
+        self._registered().run_load(self._edge, spec.req_id, spec.block_ids, spec.block_hashes, groups=spec.groups)
 
     def _remove_mismatched(self) -> None:
         """Removes the objects loads found failing their tag (`WorkerSteps.take_removals`), on this store
         thread. Best effort: the load error stood already."""
-        for err in self.io.remove(self.steps.take_removals()):
-            self.steps.note_error(f"{err} (after an integrity mismatch)")
+        with self._lock:
+            keys = self._registered().take_removals()
+        for err in self.io.remove(keys):
+            self._note_error(f"{err} (after an integrity mismatch)")
 
     # ------------------------------------------------------------------ shutdown
     def has_pending_work(self) -> bool:
-        return self.steps.has_pending_work() or not self._store_q.empty() or not self._load_q.empty()
+        with self._lock:
+            steps = self.steps is not None and self.steps.has_pending_work()
+        return steps or not self._store_q.empty() or not self._load_q.empty()
 
     def busy(self) -> bool:
         """A thread has work queued or running (a save not yet reported, a load not yet finished). Unlike
         `has_pending_work` it ignores results waiting to be taken by the next step (benchmarks wait on it)."""
-        return self.steps.busy() or not self._store_q.empty() or not self._load_q.empty()
+        with self._lock:
+            steps = self.steps is not None and self.steps.busy()
+        return steps or not self._store_q.empty() or not self._load_q.empty()
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Let the threads finish what is queued (every job still gets reported), then stop them. Returns
@@ -380,6 +404,6 @@ class WorkerSide:
         alive = [t.name for t in threads if t.is_alive()]
         if alive:
             self.num_threads_left_running = len(alive)
-            self.steps.note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
+            self._note_error(f"threads still running at shutdown, left as daemons: {alive} (store calls "
                              f"inside the client: {self.io.store.calls_inside})")
         return not alive

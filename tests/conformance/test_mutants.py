@@ -13,7 +13,7 @@ import pytest
 
 from conformance import mutants
 from conformance.engine import export as ex
-from kvledger_connector.worker.steps import WorkerSteps
+from kvledger_connector.worker.saves import SaveSteps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_every_mutant_killed(tmp_path: Path, mooncake_backend) -> None:
 def test_a_surviving_mutant_is_reported(small_export: ex.Export, mooncake_backend, monkeypatch) -> None:
     """The table tells a survivor apart: a "mutant" that changes nothing survives every probe and replay,
     and its shows-probe sees no change."""
-    monkeypatch.setattr(mutants, "MUTANTS", {"identity": [(WorkerSteps, "receive", lambda f: f)]})
+    monkeypatch.setattr(mutants, "MUTANTS", {"identity": [(SaveSteps, "receive", lambda f: f)]})
     lines: list[str] = []
     res = mutants.kill_table([small_export], log=lines.append, backend=mooncake_backend)
     assert res == {"identity": False} and not res.ok
@@ -64,7 +64,7 @@ def test_a_crash_is_no_kill(small_export: ex.Export, mooncake_backend, monkeypat
         def receive(self, req_id, job_id, generation):
             return self.no_such_ledger.register(req_id, job_id, generation)
         return receive
-    monkeypatch.setattr(mutants, "MUTANTS", {"crashes": [(WorkerSteps, "receive", renamed)]})
+    monkeypatch.setattr(mutants, "MUTANTS", {"crashes": [(SaveSteps, "receive", renamed)]})
     lines: list[str] = []
     res = mutants.kill_table([small_export], log=lines.append, backend=mooncake_backend, probes=False)
     assert res == {"crashes": False} and res.crashed == ["crashes"] and not res.ok
@@ -75,6 +75,6 @@ def test_a_crash_is_no_kill(small_export: ex.Export, mooncake_backend, monkeypat
 
 
 def test_a_patch_whose_target_is_gone_is_a_crash(small_export: ex.Export, mooncake_backend, monkeypatch) -> None:
-    monkeypatch.setattr(mutants, "MUTANTS", {"gone": [(WorkerSteps, "no_such_step", lambda f: f)]})
+    monkeypatch.setattr(mutants, "MUTANTS", {"gone": [(SaveSteps, "no_such_step", lambda f: f)]})
     res = mutants.kill_table([small_export], log=lambda _: None, backend=mooncake_backend)
     assert res.crashed == ["gone"] and "patch: KeyError" in (res.rows["gone"].crash or "")

@@ -36,6 +36,7 @@ from kvledger_connector.metadata import (
 from kvledger_connector.store.contract import StoreCode
 from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.worker.side import WorkerSide
+from tests.reports import report_until
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 from testbed.harness import write_model_dir
 
@@ -112,14 +113,13 @@ def _save_blocks(ws: WorkerSide, caches, hashes: Sequence[bytes], block_ids: Seq
                                                                    tuple(hashes))])
     ws.end_step(meta)
     _wait(lambda: not ws.has_pending_work() or bool(ws.steps.ledger._completed))
-    assert ws.build_worker_meta().completed_saves == {job: 1}
+    assert ws.take_report().worker_meta.completed_saves == {job: 1}
 
 
 def _load(ws: WorkerSide, spec: LoadSpec, step: int) -> tuple[set[str], set[int]]:
     ws.start_step(KVLedgerConnectorMetadata(step=step, loads=[spec]))
-    finished: set[str] = set()
-    _wait(lambda: bool(finished.update(ws.take_finished_loads()) or spec.req_id in finished))
-    return finished, ws.take_load_errors()
+    report = report_until(ws, lambda got: spec.req_id in got.finished_recving)
+    return set(report.finished_recving), set(report.invalid_block_ids)
 
 
 @pytest.fixture
@@ -257,7 +257,7 @@ def test_stale_job_runs_nothing_and_is_still_reported(writer, store):
     ws.start_step(KVLedgerConnectorMetadata(step=3, drops=[DropNotice("r", 0, False)]))  # DropGeneration before it ran
     gate.set()
     _wait(lambda: not ws.steps.ledger.has_pending_work() or len(ws.steps.ledger._completed) == 2)
-    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
+    assert ws.take_report().worker_meta.completed_saves == {0: 1, 1: 1}
     assert ws.steps.stats.total("stale_jobs") == 1
     kb = ws.steps.block_shape().builders[0]
     assert store.batch_is_exist(kb.keys(hashes)) == [0, 0]  # the stale job stored nothing
@@ -278,10 +278,10 @@ def test_full_store_queue_reports_rejected_job_at_once(engine, store, cfg, reque
             if job == 0:
                 _wait(lambda: ws._store_q.empty())
         assert ws.steps.stats.total("rejected_jobs") == 1
-        assert ws.build_worker_meta().completed_saves == {2: 1}
+        assert ws.take_report().worker_meta.completed_saves == {2: 1}
         gate.set()
         _wait(lambda: len(ws.steps.ledger._completed) == 2)
-        assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1}
+        assert ws.take_report().worker_meta.completed_saves == {0: 1, 1: 1}
     finally:
         gate.set()
         ws.shutdown()
@@ -298,8 +298,9 @@ def test_full_load_queue_reports_every_block(engine, store, cfg, request):
         _wait(lambda: ws._load_q.empty())
         ws.start_step(KVLedgerConnectorMetadata(step=2, loads=[LoadSpec("b", (2,), (_hash(1, salt),)),
                                                                LoadSpec("c", (3, 4), (_hash(2, salt), _hash(3, salt)))]))
-        assert ws.take_finished_loads() == {"c"}
-        assert ws.take_load_errors() == {3, 4}
+        report = ws.take_report()
+        assert report.finished_recving == {"c"}
+        assert report.invalid_block_ids == {3, 4}
     finally:
         gate.set()
         ws.shutdown()
@@ -315,9 +316,10 @@ def test_jobs_after_shutdown_are_reported_at_once_not_queued(engine, store, cfg,
     assert ws.shutdown()
     ws.end_step(KVLedgerConnectorMetadata(step=1, saves=[SaveSpec("r", 7, 0, 0, 1, (1,), (_hash(0, salt),))],
                                           loads=[LoadSpec("l", (2, 3), (_hash(1, salt), _hash(2, salt)))]))
-    assert ws.build_worker_meta().completed_saves == {7: 1}
+    report = ws.take_report()
+    assert report.worker_meta.completed_saves == {7: 1}
     assert ws.steps.stats.total("rejected_jobs") == 1
-    assert ws.take_finished_loads() == {"l"} and ws.take_load_errors() == {2, 3}
+    assert report.finished_recving == {"l"} and report.invalid_block_ids == {2, 3}
     assert not ws.has_pending_work()
     assert store.batch_is_exist(ws.steps.block_shape().builders[0].keys([_hash(0, salt)])) == [0]  # nothing ran
 
@@ -341,7 +343,7 @@ def test_shutdown_drains_queued_jobs_and_reports_them(engine, store, cfg, reques
             SaveSpec(f"r{job}", job, 0, 0, 1, (job + 1,), (_hash(job, salt),))]))
     ws.shutdown()
     assert all(not t.is_alive() for t in ws._threads)
-    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
+    assert ws.take_report().worker_meta.completed_saves == {0: 1, 1: 1, 2: 1}
     assert ws.steps.errors == []
 
 
@@ -359,6 +361,6 @@ def test_unannounced_preemption_newer_generation_makes_old_job_stale(writer, sto
     ws.end_step(KVLedgerConnectorMetadata(step=3, saves=[SaveSpec("r", 2, 1, 0, 1, (2,), (h_new,))]))
     gate.set()
     _wait(lambda: len(ws.steps.ledger._completed) == 3)
-    assert ws.build_worker_meta().completed_saves == {0: 1, 1: 1, 2: 1}
+    assert ws.take_report().worker_meta.completed_saves == {0: 1, 1: 1, 2: 1}
     assert ws.steps.stats.total("stale_jobs") == 1
     assert store.batch_is_exist(ws.steps.block_shape().builders[0].keys([h_old, h_new])) == [0, 1]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvledger_connector.config import StoreConfig
-from kvledger_connector.worker.steps import SentBlocks
+from kvledger_connector.worker.sent import SentBlocks
 from kvledger_connector.metadata import SaveSpec
 from testbed.faults import run_pass_with_a_failed_get
 from testbed.harness import Harness, shared_prefix_prompts

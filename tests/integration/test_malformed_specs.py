@@ -37,6 +37,7 @@ from kvledger_connector.metadata import (DropNotice, KVLedgerConnectorMetadata, 
                                          reportable_blocks)
 from kvledger_connector.store.client import MooncakeStore
 from kvledger_connector.worker.side import WorkerSide
+from tests.reports import merged, report_until
 
 NUM_BLOCKS = 64
 SAVE_BLOCKS = range(1, 32)  # saves read these blocks ...
@@ -62,9 +63,8 @@ class _Rank:
 
     def drain(self) -> list[Any]:
         """What the worker still has to report (an example that failed leaves some behind)."""
-        ws = self.ws
-        return [x for x in (ws.build_worker_meta(), ws.take_finished_loads(), ws.take_load_errors(),
-                            ws.take_released()) if x]
+        report = self.ws.take_report()
+        return [report] if report else []
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_any_specs_finish_every_load_report_every_failed_block_and_remove_no_goo
             live = spec.store_job_id
     ws.end_step(_meta(r, saves=saves))
     _wait(lambda: not ws.busy(), "the store thread did not finish the step's jobs")
-    meta = ws.build_worker_meta()
+    meta = ws.take_report().worker_meta
     assert (meta.completed_saves if meta is not None else {}) == owed, "a job not reported once, or reported twice"
     good = [s for s, (kind, _) in zip(saves, case["saves"]) if kind == "ok"]
     bad = [s for s, (kind, _) in zip(saves, case["saves"]) if kind != "ok"]
@@ -245,16 +245,17 @@ def test_any_specs_finish_every_load_report_every_failed_block_and_remove_no_goo
         if release and kind != "no_req":
             released.add(req)
     ws.start_step(_meta(r, loads=loads, drops=drops))
-    assert ws.take_released() == released
+    first = ws.take_report()
+    assert first.finished_sending == released
 
     # every request's load finishes: sync ones before the forward, async ones through finished_recving
     named = [s for s in loads if isinstance(s.req_id, str) and s.req_id]
-    meta = ws.build_worker_meta()
+    meta = first.worker_meta
     assert (meta.completed_loads if meta is not None else {}) == {s.req_id: 1 for s in named if s.sync}
     waiting = {s.req_id for s in named if not s.sync}
-    _wait(lambda: not (waiting.difference_update(ws.take_finished_loads()) or waiting),
-          f"async loads never finished: {waiting}")
+    report = merged(first, report_until(ws, lambda got: waiting <= first.finished_recving | got.finished_recving))
     _wait(lambda: not ws.busy(), "the worker's threads did not finish")
+    report = merged(report, ws.take_report())
 
     # exactly the blocks not loaded are reported failed
     want: set[int] = set()
@@ -268,7 +269,7 @@ def test_any_specs_finish_every_load_report_every_failed_block_and_remove_no_goo
                     assert _block(r, b) == _block(r, src), f"block {b} loaded other bytes than were saved"
         elif s.req_id:
             want |= set(reportable_blocks(s.block_ids, NUM_BLOCKS))
-    assert ws.take_load_errors() == want
+    assert report.invalid_block_ids == want
 
     # no object removed but the tampered one (by the store thread, once it is woken)
     _wait(lambda: not tampered or r.store.batch_is_exist(sorted(tampered)) == [0] * len(tampered),

@@ -17,7 +17,9 @@ from kvledger_connector.shape.block_shape import BlockShape
 from kvledger_connector.config import StoreConfig
 from kvledger_connector.store.embedded import EmbeddedMooncake
 from conformance.kvprobes import io_of, with_edge, worker_config
-from kvledger_connector.worker.steps import JobAction, WorkerSteps, no_lock
+from kvledger_connector.worker.base import JobAction
+from kvledger_connector.worker.cache import RegisteredCache
+from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.shape.kvlayout import plan_block_copies
 from kvledger_connector.store.contract import StoreCode
@@ -167,11 +169,10 @@ def _steps(store: MooncakeStore, salt: str) -> tuple[WorkerSteps, torch.Tensor]:
     keys = KeyBuilder(KeyLayout(model=f"raw-faults-{salt}", tp_rank=0, tp_size=1, block_size=1,
                                 dtype="torch.float32", kv_layout=LAYOUT, num_layers=1, num_kv_heads=1,
                                 head_size=64))
-    steps = with_edge(WorkerSteps(worker_config(1, 1), ledger=WorkerLedger(0, max_live_jobs=8),
-                                  loads=LoadLedger(0, max_inflight_loads=4),
-                                  buffers=lambda ids, parts: plan.batch_buffers(ids), tp_rank=0,
-                                  key_bytes=plan.block_bytes, shape=BlockShape.of_keys([keys]),
-                                  lock=no_lock()), store)
+    cache = RegisteredCache(lambda ids, parts: plan.batch_buffers(ids), None, key_bytes=plan.block_bytes)
+    steps = with_edge(WorkerSteps(worker_config(1, 1), cache, ledger=WorkerLedger(0, max_live_jobs=8),
+                                  loads=LoadLedger(0, max_inflight_loads=4), tp_rank=0,
+                                  shape=BlockShape.of_keys([keys])), store)
     (view,) = caches.values()
     _KV_CACHES.append(view)
     return steps, view

@@ -82,9 +82,7 @@ def _drive(ws, salt: str, stop: threading.Event) -> None:
         ws.end_step(KVLedgerConnectorMetadata(
             step=step, loads=loads, drops=[DropNotice(f"s{step - 1}", None, True)] if step else [],
             saves=[SaveSpec(f"s{step}", step, 0, 0, 4, ids, tuple(h(4 * step + j) for j in range(4)))]))
-        ws.take_finished_loads()
-        ws.take_load_errors()
-        ws.build_worker_meta()
+        ws.take_report()
         step += 1
         time.sleep(0.001)
 

@@ -15,7 +15,10 @@ from conformance.kvprobes import io_of, BLOCK_SIZE, HASHES, ProbeStore, rank
 from kvledger.errors import LedgerInputError
 from kvledger.worker import Verdict
 from kvledger_connector.worker import side as worker_mod
-from kvledger_connector.worker.steps import JobAction, SaveStep, WorkerSteps, load_pairs
+from kvledger_connector.worker.base import JobAction
+from kvledger_connector.worker.loads import load_pairs
+from kvledger_connector.worker.saves import SaveStep
+from kvledger_connector.worker.steps import WorkerSteps
 from kvledger_connector.telemetry.stats import COUNTERS, GAUGES, StatsRecorder
 
 
@@ -158,8 +161,7 @@ def _tiered_rank(st: ProbeStore, tmp_path: Path, disk_offload: bool = True, retr
     tier = dict(disk_offload=True, disk_offload_dir=str(tmp_path / "tier")) if disk_offload else {}
     cfg = ConnectorConfig(store=StoreConfig(full_put_retries=3, full_put_retry_ms=retry_ms, **tier), block_size=BLOCK_SIZE)
     base = rank(st)
-    w = with_edge(WorkerSteps(cfg, ledger=base.ledger, loads=base.loads, buffers=base.buffers, tp_rank=0,
-                              key_bytes=base.key_bytes, shape=base.shape, lock=base.lock), st)
+    w = with_edge(WorkerSteps(cfg, base.cache, ledger=base.ledger, loads=base.loads, tp_rank=0, shape=base.shape), st)
     st.mem.update({1: 101, 2: 102})
     w.receive("r", 1, 0)
     return w

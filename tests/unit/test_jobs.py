@@ -12,7 +12,10 @@ from conformance.kvprobes import io_of, HASHES, KEY_BYTES, ProbeStore, rank
 from kvledger.errors import LedgerInputError, LedgerInvariantError
 from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger
-from kvledger_connector.worker.steps import MAX_ERRORS_KEPT, WorkerSteps, load_pairs
+from kvledger_connector.worker.base import MAX_ERRORS_KEPT
+from kvledger_connector.worker.cache import RegisteredCache
+from kvledger_connector.worker.loads import load_pairs
+from kvledger_connector.worker.steps import WorkerSteps
 
 
 @pytest.mark.parametrize("probe", kvprobes.PROBES, ids=lambda p: p.__name__)
@@ -113,12 +116,18 @@ def test_load_pairs_keep_each_block_with_its_key(tp_rank):
 
 
 def test_bad_settings_and_inputs_name_the_field():
-    kw = dict(ledger=WorkerLedger(0, max_live_jobs=2),
-              loads=LoadLedger(0, max_inflight_loads=2), buffers=lambda ids: ([], []), tp_rank=0)
+    kw = dict(ledger=WorkerLedger(0, max_live_jobs=2), loads=LoadLedger(0, max_inflight_loads=2), tp_rank=0)
+    cache = RegisteredCache(lambda ids, parts: ([], []), None, key_bytes=KEY_BYTES)
     with pytest.raises(LedgerInputError) as e:  # the steps take the connector's config, checked whole
-        WorkerSteps({"block_size": 16}, **kw)  # type: ignore[arg-type]
+        WorkerSteps({"block_size": 16}, cache, **kw)  # type: ignore[arg-type]
     assert e.value.field == "config"
-    w = kvprobes.with_edge(WorkerSteps(kvprobes.worker_config(16), key_bytes=KEY_BYTES, **kw), ProbeStore())
+    with pytest.raises(LedgerInputError) as e:  # and the registered KV cache, one value
+        WorkerSteps(kvprobes.worker_config(16), {"key_bytes": KEY_BYTES}, **kw)  # type: ignore[arg-type]
+    assert e.value.field == "cache"
+    with pytest.raises(LedgerInputError) as e:
+        RegisteredCache(cache.buffers, -1)
+    assert e.value.field == "num_blocks"
+    w = kvprobes.with_edge(WorkerSteps(kvprobes.worker_config(16), cache, **kw), ProbeStore())
     with pytest.raises(LedgerInputError) as e:
         next(w.put(["a", "b"], [1]))  # checked before its first store call
     assert e.value.field == "ids"

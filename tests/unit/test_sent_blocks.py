@@ -8,7 +8,7 @@ import pytest
 
 from conformance.kvprobes import io_of, HASHES, ProbeStore, rank
 from kvledger.errors import LedgerInputError
-from kvledger_connector.worker.steps import SentBlocks
+from kvledger_connector.worker.sent import SentBlocks
 from kvledger_connector.metadata import SaveSpec
 
 H = [bytes([i + 1]) * 32 for i in range(8)]

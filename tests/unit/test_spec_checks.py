@@ -19,11 +19,13 @@ from conformance import probes_specs
 from conformance.kvprobes import io_of, HASHES, ProbeStore, quiet, rank
 from conformance.probes_specs import NUM_BLOCKS, worker_side
 from kvledger.errors import LedgerInputError
-from kvledger_connector.worker import steps as jobs
+from kvledger_connector.worker.loads import MAX_PENDING_REMOVALS
 from kvledger_connector.metadata import (DropNotice, KVLedgerConnectorMetadata, LoadSpec, SaveSpec,
                                          check_drop_notice, check_load_spec, check_save_spec)
 from kvledger_connector.worker.side import WorkerSide
+from kvledger_connector.worker.steps import WorkerReport
 from testbed.store_double import StoreDouble
+from tests.reports import report_until
 
 SECRET = b"unit-spec-checks-secret-32-bytes"
 H = [bytes([0xA0 + i]) * 32 for i in range(8)]
@@ -103,14 +105,9 @@ def _end(w: WorkerSide, **kw: Any) -> None:
     w.end_step(KVLedgerConnectorMetadata(step=next(_step), **kw))
 
 
-def _finished(w: WorkerSide, req_id: str, timeout: float = 5.0) -> bool:
-    """Whether ``req_id``'s async load is reported finished within ``timeout`` (as get_finished polls)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if req_id in w.take_finished_loads():
-            return True
-        time.sleep(0.005)
-    return False
+def _finished(w: WorkerSide, req_id: str, timeout: float = 5.0) -> WorkerReport:
+    """The reports up to the one where ``req_id``'s async load is finished (TimeoutError past ``timeout``)."""
+    return report_until(w, lambda r: req_id in r.finished_recving, timeout)
 
 
 def _idle(w: WorkerSide, timeout: float = 5.0) -> None:
@@ -122,7 +119,7 @@ def _idle(w: WorkerSide, timeout: float = 5.0) -> None:
 
 def _saved(w: WorkerSide, job: int) -> None:
     _idle(w)
-    meta = w.build_worker_meta()
+    meta = w.take_report().worker_meta
     assert meta is not None and meta.completed_saves == {job: 1}
 
 
@@ -139,8 +136,7 @@ def test_an_async_load_with_a_bad_block_id_finishes_with_every_real_block_failed
     reports: the request waited in WAITING_FOR_REMOTE_KVS for ever. An id past the cache (or the null block)
     failed only its own sub-batch while the rest loaded."""
     _start(ws, loads=[LoadSpec("a", (4, bad, 5), tuple(H[:3]))])
-    assert _finished(ws, "a"), "the load of a malformed spec never finished"
-    assert ws.take_load_errors() == {4, 5}
+    assert _finished(ws, "a").invalid_block_ids == {4, 5}
     assert mem.calls == [] and ws.steps.stats.total("refused_specs") == 1
     assert "block_ids" in ws.steps.errors[-1] and repr(bad) in ws.steps.errors[-1]
 
@@ -149,8 +145,9 @@ def test_a_sync_load_with_a_bad_block_id_reports_every_real_block_before_the_for
     """Before: the sync load raised before anything was reported: the spec's valid blocks were neither
     loaded nor reported, and the forward ran on them."""
     _start(ws, loads=[LoadSpec("s", (6, -2, 7), tuple(H[:3]), sync=True)])
-    assert ws.take_load_errors() == {6, 7}  # before the forward: vLLM's get_block_ids_with_load_errors
-    meta = ws.build_worker_meta()
+    report = ws.take_report()
+    assert report.invalid_block_ids == {6, 7}  # before the forward: vLLM's get_block_ids_with_load_errors
+    meta = report.worker_meta
     assert meta is not None and meta.completed_loads == {"s": 1}
     assert mem.calls == []
 
@@ -167,11 +164,11 @@ def test_duplicate_block_ids_in_a_load_remove_no_good_object(mem):
         assert len(stored) == 2
         n = len(mem.calls)
         _start(w, loads=[LoadSpec("d", (5, 5), (H[0], H[1]), sync=True)])
-        assert w.take_load_errors() == {5}
+        assert w.take_report().invalid_block_ids == {5}
         assert mem.data == stored, "a good object was removed"
         assert mem.fns(n) == [] and w.steps.stats.total("integrity_mismatches") == 0
         _start(w, loads=[LoadSpec("ok", (5, 6), (H[0], H[1]), sync=True)])  # well-formed: both load
-        assert w.take_load_errors() == set() and mem.data == stored
+        assert w.take_report().invalid_block_ids == set() and mem.data == stored
     finally:
         w.shutdown()
 
@@ -184,7 +181,7 @@ def test_a_load_past_the_kv_cache_fails_as_one_unit(mem):
         _saved(w, 0)
         n = len(mem.calls)
         _start(w, loads=[LoadSpec("far", (4, 99), (H[0], H[1]))])
-        assert _finished(w, "far") and w.take_load_errors() == {4}
+        assert _finished(w, "far").invalid_block_ids == {4}
         assert mem.fns(n) == []
     finally:
         w.shutdown()
@@ -192,7 +189,7 @@ def test_a_load_past_the_kv_cache_fails_as_one_unit(mem):
 
 def test_a_load_without_a_req_id_is_dropped_naming_it(ws, mem):
     _start(ws, loads=[LoadSpec(7, (4,), (H[0],)), LoadSpec("", (5,), (H[1],), sync=True)])  # type: ignore[arg-type]
-    assert mem.calls == [] and ws.take_load_errors() == set() and ws.build_worker_meta() is None
+    assert mem.calls == [] and not ws.take_report()
     assert ws.steps.stats.total("refused_specs") == 2 and "req_id" in ws.steps.errors[-1]
 
 
@@ -201,7 +198,7 @@ def test_a_save_with_a_negative_generation_is_reported_never_run(ws, mem):
     """Before: register raised out of end_step into the model runner (and the job's pins were never released)."""
     _end(ws, saves=[SaveSpec("r", 5, -1, 0, 2, (1, 2), (H[0], H[1]))])
     _idle(ws)
-    meta = ws.build_worker_meta()
+    meta = ws.take_report().worker_meta
     assert meta is not None and meta.completed_saves == {5: 1}
     assert mem.calls == [] and "generation" in ws.steps.errors[-1]
     _end(ws, saves=[SaveSpec("r", 6, 0, 0, 2, (1, 2), (H[0], H[1]))])  # the request's next, well-formed job runs
@@ -229,7 +226,7 @@ def test_a_duplicate_job_id_is_dropped_without_a_second_report(ws, mem):
     _saved(ws, 1)
     assert list(mem.data) == [ws.steps.block_shape().builders[0].key(H[0])]
     _end(ws, saves=[SaveSpec("q", 1, 0, 0, 1, (3,), (H[2],))])  # reported already: still not a second report
-    assert ws.build_worker_meta() is None
+    assert ws.take_report().worker_meta is None
 
 
 @pytest.mark.parametrize("ids", [(3, 3), (1, NUM_BLOCKS), (0, 2), (1, -1)], ids=str)
@@ -237,7 +234,7 @@ def test_a_save_naming_a_block_twice_or_outside_the_cache_writes_nothing(ws, mem
     """Before: a block named twice was put under both keys (the second key's object held another block's KV)."""
     _end(ws, saves=[SaveSpec("r", 2, 0, 0, 2, ids, (H[0], H[1]))])
     _idle(ws)
-    meta = ws.build_worker_meta()
+    meta = ws.take_report().worker_meta
     assert meta is not None and meta.completed_saves == {2: 1}
     assert mem.calls == [] and mem.data == {}
 
@@ -246,7 +243,7 @@ def test_a_malformed_drop_notice_raises_nothing_and_still_releases(ws):
     """Before: a negative generation raised out of start_step. A malformed notice closes the req_id's open
     generation (its queued jobs go stale) and a held request's release still goes out."""
     _start(ws, drops=[DropNotice("r", -3, True, release=True), DropNotice(None, 0, False)])  # type: ignore[arg-type]
-    assert ws.take_released() == {"r"}
+    assert ws.take_report().finished_sending == {"r"}
     assert ws.steps.stats.total("refused_specs") == 2
 
 
@@ -284,7 +281,7 @@ def test_a_sync_loads_tampered_object_is_removed_by_the_store_thread(mem):
         mem.data[key] = bytes(blob)
         n = len(mem.calls)
         _start(w, loads=[LoadSpec("t", (5, 6), (H[0], H[1]), sync=True)])
-        assert w.take_load_errors() == {6}
+        assert w.take_report().invalid_block_ids == {6}
         deadline = time.monotonic() + 5
         while key in mem.data and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -297,13 +294,13 @@ def test_a_sync_loads_tampered_object_is_removed_by_the_store_thread(mem):
 
 def test_pending_removals_are_bounded_and_each_key_queued_once():
     w = rank(ProbeStore())
-    for i in range(jobs.MAX_PENDING_REMOVALS + 5):
+    for i in range(MAX_PENDING_REMOVALS + 5):
         w.queue_removal(f"k{i}")
     w.queue_removal("k0")  # already waiting: not a second entry, not dropped
-    assert len(w.removals) == jobs.MAX_PENDING_REMOVALS
+    assert len(w.removals) == MAX_PENDING_REMOVALS
     assert w.stats.total("integrity_removals_dropped") == 5
     keys = w.take_removals()
-    assert len(keys) == jobs.MAX_PENDING_REMOVALS and not w.removals
+    assert len(keys) == MAX_PENDING_REMOVALS and not w.removals
     assert io_of(w).remove(keys) == []  # each removed, none raised
     assert io_of(w).store.calls[0] == ("remove", ["k0"])
 
