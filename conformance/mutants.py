@@ -1,8 +1,8 @@
 """Runtime mutants: seeded bugs in kvledger (the ledgers, the store-code classification) and in the
-connector (its step functions in kvledger_connector/worker/: saves.py, loads.py, sent.py, the worker metadata merge, the KV cache copy
-plans, the store keys, reset_cache's pattern, the runtime directory, the embedded master's identity), applied
-by monkeypatching at run time (the source is never edited). Each patches a function the connector's own threads
-or vLLM call.
+connector (its step functions in kvledger_connector/worker/: saves.py, loads.py, sent.py; the worker metadata
+merge, the KV cache copy plans, the store keys, reset_cache's pattern, the runtime directory, the embedded
+master's identity), applied by monkeypatching at run time (the source is never edited). Each patches a
+function the connector's own threads or vLLM call.
 
 Every mutant must be killed: a named check fails under it, in the fast stages, and its shows-probe
 (conformance/probes_shows.py: the mutated function observed directly) sees the change. The named checks:

@@ -157,9 +157,9 @@ class LoadSteps(StepsBase):
 
     def load_steps(self, io: StoreIO | JobEdge, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[Any],
                    sync: bool = False, groups: Sequence[int] = ()) -> Stepped[LoadStep]:
-        """One load as an iterator of its model steps, its store calls made by ``io`` (`Stepped`); not
-        started: nothing is owed before the first ``next()``. Each ``next()`` does the next model action and
-        returns its `LoadStep`:
+        """One load as an iterator of its model steps, its store and device calls made by ``io`` (the caller's
+        `StoreIO`, or a `JobEdge` with the caller's lock: `Stepped`); not started: nothing is owed before the
+        first ``next()``. Each ``next()`` does the next model action and returns its `LoadStep`:
 
             EMIT_LOAD  LoadLedger.begin_load; the keys in this rank's load order (`load_pairs`: rotated by
                        tp_rank, each block id travelling with its key); oversized keys reported. A load with

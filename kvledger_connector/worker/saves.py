@@ -154,9 +154,9 @@ class SaveSteps(StepsBase):
     def put(self, keys: Sequence[str], ids: Sequence[int], ready: Any = None, tails: Sequence[int] = (),
             parts: Sequence[int] | None = None) -> Codes:
         """Put: the keys not in the store yet are put from ``buffers(ids, parts)`` (``ready``: the forward's
-        event, waited for first, a `DeviceCall`); ``tails``: the indices of a partial tail block's keys (one per part of the
-        block), whose later slots decode may still write; ``parts``: each key's part of a block (default part
-        0). Yields its store and device calls; returns one code per key (0 for a key already present)."""
+        event, waited for first, a `DeviceCall`); ``tails``: the indices of a partial tail block's keys (one per
+        part of the block), whose later slots decode may still write; ``parts``: each key's part of a block
+        (default part 0). Yields its store and device calls; returns one code per key (0 for a key already present)."""
         keys = list(keys)
         if len(ids) != len(keys):
             raise LedgerInputError("ids", len(ids), f"one buffer id per key ({len(keys)} keys)")
@@ -250,8 +250,8 @@ class SaveSteps(StepsBase):
                    block_ids: Sequence[int], block_hashes: Sequence[Any], ready: Any = None,
                    full_end_block: int | None = None) -> Stepped[SaveStep]:
         """One store job as an iterator of its model steps, its store and device calls made by ``io`` (the
-        caller's `StoreIO`, or a `JobEdge` with the caller's lock: `Stepped`), already started: it stands at START (nothing done). Each ``next()`` does the next model
-        action and returns its `SaveStep`:
+        caller's `StoreIO`, or a `JobEdge` with the caller's lock: `Stepped`), already started: it stands at
+        START (nothing done). Each ``next()`` does the next model action and returns its `SaveStep`:
 
             DMA_READ  the ledger's verdict (RUN, STALE, SKIP); a job that does not run goes to REPORT next
             PUT       the missing keys put from ``buffers`` (``ready``: the forward's event, waited for

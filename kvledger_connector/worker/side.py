@@ -23,8 +23,8 @@ the model runner. An object a load finds failing its integrity tag is removed on
 (the load thread that found it, or the store thread after a sync load), never on the model runner's.
 
 One lock, this side's, guards the steps (the ledgers, the load results): every step is called under it, and
-a job's generator runs under it (`JobEdge`), released for each store call and device wait it yields. A full queue never
-blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
+a job's generator runs under it (`JobEdge`), released for each store call and device wait it yields. A full
+queue never blocks the forward: a store job that does not fit is reported at once (its pins are released, the save is
 a future cache miss); a load that does not fit is reported failed for every block (vLLM recomputes).
 Keys are rotated by `tp_rank` on the load path (ranks start on different keys); failures are recorded by
 block id, carried along the rotation, so the mapping back is exact.
@@ -125,7 +125,6 @@ class WorkerSide:
         # the per-job work, its counting and the ledgers (kvledger_connector/worker/steps.py): built whole
         # once vLLM registers the KV cache
         self.steps: WorkerSteps | None = None
-        self.cache: RegisteredCache | None = None
 
     def _registered(self) -> WorkerSteps:
         if self.steps is None:
@@ -173,10 +172,10 @@ class WorkerSide:
                         "keys from the disk tier must fit disk_offload_staging_size %d", sub_batch,
                         store_config.load_sub_batch_keys, self._readers, key_bytes,
                         store_config.disk_offload_staging_size)
-        self.cache = RegisteredCache(PartBuffers(plans), plan.num_blocks, key_bytes=key_bytes, seal=seal,
-                                     sub_batch=sub_batch, is_cuda=plan.is_cuda)
-        self.steps = WorkerSteps(self.connector_config, self.cache, ledger=self._ledger, loads=self._loads,
-                                  tp_rank=self.tp_rank, shape=self._shape, stats=self.stats)
+        cache = RegisteredCache(PartBuffers(plans), plan.num_blocks, key_bytes=key_bytes, seal=seal,
+                                sub_batch=sub_batch, is_cuda=plan.is_cuda)
+        self.steps = WorkerSteps(self.connector_config, cache, ledger=self._ledger, loads=self._loads,
+                                 tp_rank=self.tp_rank, shape=self._shape, stats=self.stats)
         self._start_threads()
 
     def _start_threads(self) -> None:
@@ -250,7 +249,7 @@ class WorkerSide:
             return
         try:  # run_load reports every block not loaded; an error past that must not fail the step
             steps.run_load(self._edge, spec.req_id, spec.block_ids, spec.block_hashes, sync=True,
-                                groups=spec.groups)
+                           groups=spec.groups)
         except Exception as e:
             self._note_error(f"sync load {spec.req_id}: {type(e).__name__}: {e}")
 
@@ -323,8 +322,8 @@ class WorkerSide:
     def _handle_save(self, job: SaveJob, event: Any) -> None:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
         forward's CUDA event before it reads the blocks (a `DeviceCall`, made here outside the lock)."""
-        self._registered().run_save(self._edge, job.req_id, job.job_id, job.end_block, job.block_ids, job.block_hashes,
-                            event, job.full_end_block)
+        self._registered().run_save(self._edge, job.req_id, job.job_id, job.end_block, job.block_ids,
+                                    job.block_hashes, event, job.full_end_block)
 
     # ------------------------------------------------------------------ load thread(s)
     def _load_loop(self) -> None:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 def test_cuda_kv_cache_preemption_and_store_hits(store_config: StoreConfig, tp_size: int):
     prompts = shared_prefix_prompts(16, num_prefixes=3, prefix_len=48, suffix_len=20, seed=70 + tp_size)
     with Harness(store_config, tp_size=tp_size, num_blocks=18, device="cuda") as h:
-        assert all(w.worker_side.cache.is_cuda for w in h.workers)  # the event path is on
+        assert all(w.worker_side.steps.cache.is_cuda for w in h.workers)  # the event path is on
         for _ in range(2):
             h.stats.outputs.clear()
             for i, p in enumerate(prompts):
