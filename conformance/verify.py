@@ -137,7 +137,8 @@ def _mooncake() -> Iterator[Any]:
 
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
-COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/steps.py",
+COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/saves.py",
+           "kvledger_connector/worker/loads.py", "kvledger_connector/worker/sent.py",
            "kvledger_connector/scheduler/side.py")
 #: processes replaying side by side, each on its own loopback master (a behaviour's replay is independent
 #: of the others': each starts from the model's initial state on a fresh driver state)
