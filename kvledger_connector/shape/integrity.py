@@ -19,11 +19,11 @@ on the other's objects):
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
   so a MAC under K. `BlockSeal` computes it where the block lies, run by run from numpy views of the KV
   cache, on the calling thread, no torch call and no copy: the tag is one stretch of GIL time, never a
-  release per run or per block (PIECE_BYTES). On vLLM's CPU backend every release is a wait: the engine
-  thread runs Python between its steps and gives the GIL back only at the interpreter's switch interval,
-  and a torch call from a second thread shares the engine's OpenMP threads; a 25-block load's tag check
-  went from a few ms to a fraction of one (`bench.real`). Measured (64 KiB-2 MiB inputs, one core, other jobs
-  running): keyed BLAKE3 (PyPI `blake3`) 4.0-4.2 GB/s, keyed BLAKE2b (hashlib) 0.8 GB/s, so BLAKE3.
+  release per update (PIECE_BYTES). On vLLM's CPU backend every release is a wait: the engine
+  thread runs Python between its steps and takes the GIL whenever it is free, and a torch call from a second
+  thread shares the engine's OpenMP threads. In updates of under 2 KiB, where `blake3` keeps the GIL, it
+  hashes at about 1 GB/s (measured in the engine: 0.11 s of CPU for a pass's 394 blocks, 0.12 s of wall);
+  in larger ones at 2-4 GB/s, but each then waits for the GIL back (1.2 s of wall for the same pass).
 * ``x3``, KV in host memory under ``checksum`` (which has no secret, so needs no MAC): ``tag =
   XXH3-128(bind(key, nonce) || block bytes)`` (PyPI `xxhash`), its 16 bytes then 48 zero bytes (the trailer
   keeps one size). A fast non-cryptographic hash, enough for what ``checksum`` promises (bytes changed by
@@ -116,11 +116,13 @@ CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption 
                  "(32-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
 
 
-#: b3, x3: the most bytes one hash update is given. Both packages hold the GIL over an update of up to 64 KiB
-#: (measured: `xxhash` releases it past 64 KiB); a tag of a block is then one stretch of GIL time at the
-#: hash's rate, never a release per run or per block, each of which waits for the GIL back (up to the
-#: interpreter's switch interval) while vLLM's engine thread runs Python
-PIECE_BYTES = 64 << 10
+#: b3, x3: the most bytes one hash update is given: the most each package hashes without releasing the GIL
+#: (measured in vLLM's CPU engine: `xxhash` releases it past 64 KiB, `blake3` from 2 KiB on; a load's
+#: verification of 394 blocks waited 1.1 s for the GIL with 16 KiB updates against 0.05 s of hashing, none
+#: with 2047-byte ones). A tag is then one stretch of GIL time at the hash's rate, never a release per
+#: update, each of which waits for the GIL back while vLLM's engine thread runs Python; the interpreter still
+#: hands the GIL to the engine between updates at its switch interval, so a long tag delays it that much only
+PIECE_BYTES = {"x3": 64 << 10, "b3": 2047}
 
 
 class IntegrityError(LedgerError):
@@ -362,6 +364,7 @@ class BlockSeal:
                 raise KVLayoutError(f"integrity: construction {ikey.construction!r} hashes host memory; the KV "
                                     f"cache is on {device.type}")
             self._b3_key = ikey.b3_key if ikey.construction == "b3" else b""
+            self._piece_bytes = PIECE_BYTES[ikey.construction]
             # each part's runs as numpy views [blocks, count, bytes] of the KV cache: hashed where they lie
             self._np_views = [[g.view.numpy() for g in segs] for segs in self._segs]
         else:
@@ -456,12 +459,13 @@ class BlockSeal:
 
     def _pieces(self, part: int, block_id: int) -> Iterator[np.ndarray]:
         """Block `block_id`'s object (of part `part`) where it lies in the KV cache, in object order, as
-        contiguous byte runs of at most PIECE_BYTES."""
+        contiguous byte runs of at most this construction's PIECE_BYTES."""
+        size = self._piece_bytes
         for arr in self._np_views[part]:
             blk = arr[block_id]
             for run in ((blk.reshape(-1),) if blk.flags.c_contiguous else blk):
-                for at in range(0, run.shape[0], PIECE_BYTES):
-                    yield run[at:at + PIECE_BYTES]
+                for at in range(0, run.shape[0], size):
+                    yield run[at:at + size]
 
     def _hash(self, bound: bytes, pieces: Iterable[Any]) -> bytes:
         """One block's host-hashed tag (b3 or x3) over `pieces`, its object's bytes in order, on this thread
@@ -506,8 +510,9 @@ class BlockSeal:
         for i in range(n):
             if i in rows:  # a staged tail: its copy, in pieces
                 row = _host(rows[i][:self.block_bytes])
+                size = self._piece_bytes
                 out[i] = self._hash(bind(keys[i], nonces[i]),
-                                    (row[at:at + PIECE_BYTES] for at in range(0, self.block_bytes, PIECE_BYTES)))
+                                    (row[at:at + size] for at in range(0, self.block_bytes, size)))
             else:
                 self._check_part(parts_of[i])
                 out[i] = self._hash(bind(keys[i], nonces[i]), self._pieces(parts_of[i], int(block_ids[i])))

@@ -59,7 +59,7 @@ def test_the_tag_is_the_modules_definition_on_every_layout(layout: str, tmp_path
     n = FEW_BLOCKS + 3
     h, kv = _random_kv(store_config, tmp_path, layout, n + 1)
     plan = plan_block_copies(kv, layout=layout, block_size=h.block_size, num_blocks=n + 1)
-    monkeypatch.setattr(integrity, "PIECE_BYTES", 100)  # every run cut into pieces, none on a run's edge
+    monkeypatch.setattr(integrity, "PIECE_BYTES", {"x3": 100, "b3": 100})  # runs cut into pieces, none on an edge
     for ikey in KEYS:
         seal = BlockSeal(ikey, plan, kv, slots=1, max_keys=n)
         for ids in ([1, 4, 5], list(range(1, n + 1))):
