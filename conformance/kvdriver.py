@@ -83,7 +83,8 @@ from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import KVLedgerWorkerMetadata, LoadSpec, SaveSpec
 from kvledger_connector.config import ConnectorConfig, StoreConfig
 from kvledger_connector.scheduler.side import ask_store
-from kvledger_connector.scheduler.steps import SchedulerSteps, tail_hash
+from kvledger_connector.scheduler.plan import tail_hash
+from kvledger_connector.scheduler.steps import SchedulerSteps
 from testbed.faults import BATCH_OPS, FaultyMooncakeClient, ManualClock, RawFault, faulty_mooncake_store
 from testbed.kvcache import allocate, attention_specs, build_kv_cache_config
 
@@ -145,7 +146,7 @@ class Consts:
 
 @dataclass
 class DriverRequest:
-    """A request as vLLM's Scheduler would hold it, in plain values (`scheduler_steps.RequestLike`): the
+    """A request as vLLM's Scheduler would hold it, in plain values (`scheduler.plan.RequestLike`): the
     model's NumChunks chunks are its blocks. The prompt has BS * NumChunks + 1 tokens (a lookup never
     hits the whole prompt, so one extra token lets it hit every chunk), or with PartialTail
     BS * (NumChunks - 1) + 2 (chunk NumChunks is the 2-token partial tail). ``num_preemptions`` counts

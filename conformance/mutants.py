@@ -43,7 +43,7 @@ import kvledger_connector.worker.saves
 import kvledger_connector.shape.keys
 import kvledger_connector.shape.kvlayout
 import kvledger_connector.scheduler.reset
-import kvledger_connector.scheduler.steps
+import kvledger_connector.scheduler.plan
 from conformance import (kvprobes, probes_edge, probes_identity, probes_parts, probes_rules, probes_sched,
                          probes_specs)
 from conformance.engine import export as ex
@@ -524,7 +524,7 @@ MUTANTS: dict[str, list[Patch]] = {
                                (kvledger.worker, "put_positions", _every_replica_puts_all)],
     "replicas_share_distinct_heads": [(kvledger_connector.shape.engine_facts, "kv_replicas", _replicas_ignore_heads)],
     "tail_hash_without_tokens": [(kvledger_connector.shape.keys, "partial_tail_hash", _tail_hash_without_tokens),
-                                 (kvledger_connector.scheduler.steps, "partial_tail_hash",
+                                 (kvledger_connector.scheduler.plan, "partial_tail_hash",
                                   _tail_hash_without_tokens)],
     # integrity tags
     "integrity_mismatch_loaded": [(LoadSteps, "_verified", _mismatch_loaded)],
@@ -545,7 +545,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "sweep_ignores_liveness": [(rendezvous, "_alive", _sweep_ignores_liveness)],
     "liveness_ignores_start_time": [(rendezvous, "_start_time", _start_time_unread)],
 }
-# the scheduler side's steps (kvledger_connector/scheduler/steps.py): pin choice, tail, deferral, collect,
+# the scheduler side's steps (kvledger_connector/scheduler/): pin choice, tail, deferral, collect,
 # finish notices of a reused req_id, generations, loaded blocks, lookups
 MUTANTS.update(probes_sched.MUTANTS)
 # the edges only integration tests reached before (conformance/probes_edge.py): the integrity

@@ -21,18 +21,25 @@ from conformance.kvprobes import ProbeFailed, ProbeStore, check
 from kvledger.errors import LedgerInputError
 from kvledger.scheduler import SchedulerLedger
 from kvledger_connector.config import model as connector_config
-from kvledger_connector.scheduler import steps as scheduler_steps
+from kvledger_connector.scheduler import plan as scheduler_plan
 from kvledger_connector.config import ConnectorConfig, StoreConfig, max_job_blocks
 from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.metadata import DropNotice, SaveSpec
 from kvledger_connector.scheduler.side import ask_store
-from kvledger_connector.scheduler.steps import SchedulerSteps, _RequestTable, generation_of
+from kvledger_connector.scheduler.collect import CollectSteps
+from kvledger_connector.scheduler.held import HeldState
+from kvledger_connector.scheduler.lookup import LookupSteps
+from kvledger_connector.scheduler.plan import generation_of
+from kvledger_connector.scheduler.requests import _RequestTable
+from kvledger_connector.scheduler.saves import SaveSteps
+from kvledger_connector.scheduler.steps import SchedulerSteps
+from kvledger_connector.shape.group_kind import GroupKind, GroupKinds
 
 BS = 4  # tokens per block
 
 
 def Req(request_id: str, num_prompt_tokens: int) -> DriverRequest:
-    """A request in plain values (`scheduler_steps.RequestLike`), as vLLM counts generations (from 0);
+    """A request in plain values (`scheduler.plan.RequestLike`), as vLLM counts generations (from 0);
     blocks hashed by their index."""
     return DriverRequest(request_id, num_prompt_tokens, [7 + t for t in range(num_prompt_tokens)],
                          [f"{request_id}:{i}".encode() for i in range(num_prompt_tokens // BS)], num_preemptions=0)
@@ -924,7 +931,8 @@ def _sliding_saves_every_block(orig):  # a sliding-window group saves every bloc
 
 def _lone_group_as_full_attention(orig):  # one KV cache group is taken for full attention, whatever its window
     def emit_load(self, request, block_ids, num_external_tokens):
-        self.dense_table = self.num_groups == 1
+        if self.num_groups == 1:
+            self.kinds = GroupKinds((GroupKind.FULL_ATTENTION,))
         return orig(self, request, block_ids, num_external_tokens)
     return emit_load
 
@@ -995,11 +1003,13 @@ def _state_key_one_block_late(orig):  # the Mamba state key asked at block start
 
 def _state_load_fills_every_block(orig):  # a Mamba group loads every state block of the hit, as full attention
     def emit_load(self, request, block_ids, num_external_tokens):
-        groups, self.state_groups = self.state_groups, frozenset()
+        kinds = self.kinds
+        self.kinds = GroupKinds(tuple(GroupKind.FULL_ATTENTION if k is GroupKind.MAMBA_STATE else k
+                                      for k in kinds.kinds))
         try:
             return orig(self, request, block_ids, num_external_tokens)
         finally:
-            self.state_groups = groups
+            self.kinds = kinds
     return emit_load
 
 
@@ -1035,11 +1045,11 @@ def _held_free_not_delayed(orig):  # held, yet vLLM is told to free the blocks i
 
 def _held_bound_ignored(orig):  # every deferred finish held, past max_held_requests
     def request_finished(self, request):
-        bound, self.max_held_requests = self.max_held_requests, 1 << 30
+        bound, self.held.max_held = self.held.max_held, 1 << 30
         try:
             return orig(self, request)
         finally:
-            self.max_held_requests = bound
+            self.held.max_held = bound
     return request_finished
 
 
@@ -1051,41 +1061,42 @@ def _held_despite_an_error(orig):  # a request ended by an error held like any o
 
 def _held_released_once_opened(orig):  # released when its save's job opens, not when every rank reported it
     def held_release_due(self):
-        return [req_id for req_id, job in self._held.items() if job is not None]
+        return [req_id for req_id in self.held if self.held.state(req_id) in (HeldState.SAVING,
+                                                                                     HeldState.NOTHING_LEFT)]
     return held_release_due
 
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 MUTANTS: dict[str, list[Patch]] = {
-    "sched_pins_from_saved_offset": [(SchedulerSteps, "emit_store", _pins_from_saved_offset)],
-    "sched_tail_before_prompt_end": [(SchedulerSteps, "_due_tail", _tail_before_prompt_end)],
+    "sched_pins_from_saved_offset": [(SaveSteps, "emit_store", _pins_from_saved_offset)],
+    "sched_tail_before_prompt_end": [(SaveSteps, "_due_tail", _tail_before_prompt_end)],
     "sched_deferral_forgotten": [(_RequestTable, "set_deferred", _deferral_forgotten)],
-    "sched_collect_in_report_order": [(SchedulerSteps, "collect", _collect_in_report_order)],
+    "sched_collect_in_report_order": [(CollectSteps, "collect", _collect_in_report_order)],
     "sched_finish_notice_wipes_reused_id": [(SchedulerSteps, "notices", _finish_notice_wipes_reused_id)],
     "sched_generation_not_checked": [(_RequestTable, "current", _generation_not_checked)],
-    "sched_failed_load_counted_saved": [(SchedulerSteps, "load_done", _load_counted_whole)],
-    "sched_lookup_own_shard_only": [(SchedulerSteps, "ask", _lookup_own_shard_only),
-                                    (SchedulerSteps, "_hit", _lookup_own_shard_only)],
+    "sched_failed_load_counted_saved": [(SaveSteps, "load_done", _load_counted_whole)],
+    "sched_lookup_own_shard_only": [(LookupSteps, "ask", _lookup_own_shard_only),
+                                    (LookupSteps, "_hit", _lookup_own_shard_only)],
     "sched_preempt_notice_off_by_one": [(SchedulerSteps, "notices", _preempt_notice_off_by_one)],
-    "sched_sends_from_saved_offset": [(SchedulerSteps, "emit_store", _sends_from_saved_offset)],
-    "sched_save_during_sync_load": [(SchedulerSteps, "emit_store", _save_during_sync_load)],
-    "sched_sync_despite_pinned_load": [(SchedulerSteps, "load_is_async", _sync_despite_pinned_load)],
-    "sched_sync_under_recompute": [(SchedulerSteps, "load_is_async", _sync_under_recompute)],
-    "sched_save_reads_a_loading_block": [(SchedulerSteps, "emit_store", _save_reads_a_loading_block)],
-    "sched_state_rows_by_position": [(scheduler_steps, "_state_rows", _state_rows_by_position)],
-    "sched_state_hit_as_full": [(SchedulerSteps, "_hit_run", _state_hit_as_full)],
-    "sched_sliding_saves_every_block": [(scheduler_steps, "_reachable_rows", _sliding_saves_every_block)],
-    "sched_kept_block_unchecked": [(SchedulerSteps, "_kept_blocks", _kept_block_unchecked)],
-    "sched_deferral_keeps_no_block": [(SchedulerSteps, "_keep_blocks", _deferral_keeps_no_block)],
+    "sched_sends_from_saved_offset": [(SaveSteps, "emit_store", _sends_from_saved_offset)],
+    "sched_save_during_sync_load": [(SaveSteps, "emit_store", _save_during_sync_load)],
+    "sched_sync_despite_pinned_load": [(LookupSteps, "load_is_async", _sync_despite_pinned_load)],
+    "sched_sync_under_recompute": [(LookupSteps, "load_is_async", _sync_under_recompute)],
+    "sched_save_reads_a_loading_block": [(SaveSteps, "emit_store", _save_reads_a_loading_block)],
+    "sched_state_rows_by_position": [(scheduler_plan, "_state_rows", _state_rows_by_position)],
+    "sched_state_hit_as_full": [(LookupSteps, "_hit_run", _state_hit_as_full)],
+    "sched_sliding_saves_every_block": [(scheduler_plan, "_reachable_rows", _sliding_saves_every_block)],
+    "sched_kept_block_unchecked": [(SaveSteps, "_kept_blocks", _kept_block_unchecked)],
+    "sched_deferral_keeps_no_block": [(SaveSteps, "_keep_blocks", _deferral_keeps_no_block)],
     "sched_lone_group_as_full_attention": [(SchedulerSteps, "emit_load", _lone_group_as_full_attention)],
-    "sched_failed_load_never_requeued": [(SchedulerSteps, "requeue_after_failed_load", _failed_load_never_requeued)],
+    "sched_failed_load_never_requeued": [(LookupSteps, "requeue_after_failed_load", _failed_load_never_requeued)],
     "sched_refused_load_dropped": [(SchedulerSteps, "refuse_load", _refused_load_dropped)],
     "sched_finish_notices_resent": [(SchedulerSteps, "notices", _finish_notices_resent)],
     "sched_finish_outbox_never_cleared": [(SchedulerSteps, "notices", _finish_outbox_never_cleared)],
     "sched_load_outbox_never_drained": [(SchedulerSteps, "take_loads", _load_outbox_never_drained)],
     "sched_every_finish_counted_dropped": [(SchedulerSteps, "request_finished", _every_finish_counted_dropped)],
     "sched_deferred_finish_not_counted": [(SchedulerSteps, "request_finished", _deferred_finish_not_counted)],
-    "sched_state_key_one_block_late": [(SchedulerSteps, "_hit_run", _state_key_one_block_late)],
+    "sched_state_key_one_block_late": [(LookupSteps, "_hit_run", _state_key_one_block_late)],
     "sched_state_load_fills_every_block": [(SchedulerSteps, "emit_load", _state_load_fills_every_block)],
     "sched_state_load_fills_the_first_block": [(SchedulerSteps, "emit_load", _state_load_fills_the_first_block)],
     "sched_pin_cap_ignores_kv_groups": [(connector_config, "derive_pin_cap", _pin_cap_ignores_kv_groups)],

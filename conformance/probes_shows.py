@@ -17,7 +17,7 @@ import kvledger.codes as codes
 import kvledger_connector.worker.loads as loads
 import kvledger_connector.worker.sent as sent_blocks
 import kvledger_connector.shape.keys as keys
-import kvledger_connector.scheduler.steps as scheduler_steps
+import kvledger_connector.scheduler.plan as scheduler_plan
 from conformance import probes_edge, probes_identity, probes_rules, probes_sched, probes_specs
 from conformance.kvprobes import (io_of, HASHES, KEY_BYTES, ProbeFailed, ProbeStore, block_pool, check, drain, rank,
                                   tp_shared_rank)
@@ -278,7 +278,7 @@ def _() -> None:
 
 @shows("tail_hash_without_tokens")
 def _() -> None:
-    for where, f in (("keys", keys.partial_tail_hash), ("scheduler_steps", scheduler_steps.partial_tail_hash)):
+    for where, f in (("keys", keys.partial_tail_hash), ("scheduler.plan", scheduler_plan.partial_tail_hash)):
         check(f(HASH, [5, 6]) != f(HASH, [5, 7]), f"{where}.partial_tail_hash: tails [5, 6] and [5, 7] share a hash")
 
 

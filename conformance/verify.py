@@ -137,7 +137,10 @@ def _mooncake() -> Iterator[Any]:
 
 
 #: the connector's step functions the replay drives (and the adapter it does not: vLLM's objects)
-COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/worker/saves.py",
+COVERED = ("kvledger_connector/scheduler/steps.py", "kvledger_connector/scheduler/lookup.py",
+           "kvledger_connector/scheduler/saves.py", "kvledger_connector/scheduler/collect.py",
+           "kvledger_connector/scheduler/held.py", "kvledger_connector/scheduler/requests.py",
+           "kvledger_connector/scheduler/plan.py", "kvledger_connector/worker/saves.py",
            "kvledger_connector/worker/loads.py", "kvledger_connector/worker/sent.py",
            "kvledger_connector/scheduler/side.py")
 #: processes replaying side by side, each on its own loopback master (a behaviour's replay is independent

@@ -335,8 +335,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Held requests released this step (finished_sending: vLLM frees their blocks), finished async
-        loads; unless the model is one full-attention group (`WorkerSteps.dense_table`), also
-        the failed ones, per request (vLLM takes no block-level load error with several groups, and a cut
+        loads; unless failed loads are reported by block (`GroupKinds.fails_by_block`: one full-attention
+        group), also the failed ones, per request (vLLM takes no block-level load error with several groups, and a cut
         inside a sliding window would leave its older blocks null: a failed load's request recomputes or
         fails whole)."""
         report = self._report_part("transfers")

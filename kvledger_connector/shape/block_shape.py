@@ -10,20 +10,16 @@ Built once from the engine's facts (`EngineFacts.block_shape`), or from a driver
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.shape.keys import KeyBuilder, dense_table
+from kvledger_connector.shape.group_kind import GroupKind, GroupKinds
+from kvledger_connector.shape.keys import KeyBuilder
 from kvledger_connector.shape.kvlayout import BlockCopyPlan
 
-
-class GroupKind(enum.Enum):
-    """The kind of a KV cache group, by vLLM's manager for it."""
-    FULL_ATTENTION = "full_attention"  # every block of the request's table is its own
-    SLIDING_WINDOW = "sliding_window"  # blocks that left the window are vLLM's null block
-    MAMBA_STATE = "mamba_state"  # "align" mode: block p holds the state after (p + 1) * block_size tokens
+__all__ = ["BlockPart", "BlockShape", "GroupKind", "PartBuffers"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +34,7 @@ class BlockPart:
     def of(cls, builder: KeyBuilder) -> BlockPart:
         """The part its builder's key layout describes (`KeyLayout.group`, `window`, `is_state`)."""
         lay = builder.layout
-        kind = (GroupKind.MAMBA_STATE if lay.is_state else
-                GroupKind.SLIDING_WINDOW if lay.window is not None else GroupKind.FULL_ATTENTION)
-        return cls(lay.group, kind, lay.window, builder)
+        return cls(lay.group, GroupKind.of(lay), lay.window, builder)
 
 
 @dataclass(frozen=True)
@@ -97,11 +91,11 @@ class BlockShape:
         k = self.keys_per_block
         return range(group * k, (group + 1) * k)
 
-    @property
-    def dense_table(self) -> bool:
-        """One full-attention group (`keys.dense_table`, the scheduler side's rule too): a job's ids are its
-        every block and a failed load is reported by block."""
-        return dense_table(p.builder.layout for p in self.parts)
+    @cached_property
+    def kinds(self) -> GroupKinds:
+        """Its KV cache groups' kinds in order (kvledger_connector/shape/group_kind.py): how a job's ids are read
+        and how a failed load is reported, by the same rules as the scheduler side's."""
+        return GroupKinds(tuple(self.parts[i * self.keys_per_block].kind for i in range(self.num_groups)))
 
     @property
     def stripe(self) -> tuple[int, int]:

@@ -20,7 +20,8 @@ import torch
 
 from kvledger_connector.config import BY_NAME, ConfigError
 from kvledger_connector.shape.block_shape import BlockShape
-from kvledger_connector.shape.keys import KeyBuilder, KeyLayout, dense_table
+from kvledger_connector.shape.group_kind import GroupKind, GroupKinds
+from kvledger_connector.shape.keys import KeyBuilder, KeyLayout
 from kvledger_connector.shape.kvlayout import (LAYOUT_HNC_ORDER, BlockCopyPlan, KVLayoutError, plan_block_copies,
                                         plan_state_copies)
 from kvledger_connector.ownfile import read_own_file
@@ -48,6 +49,13 @@ class KVGroup:
     # a Mamba group in vLLM's "align" mode: block p of its table holds the whole recurrent state after
     # (p + 1) * block_size tokens (one page per layer), not KV of that block's tokens
     state: bool = False
+
+    @property
+    def kind(self) -> GroupKind:
+        """The group's kind, whose rules the connector reads it by (kvledger_connector/shape/group_kind.py)."""
+        if self.state:
+            return GroupKind.MAMBA_STATE
+        return GroupKind.SLIDING_WINDOW if self.window else GroupKind.FULL_ATTENTION  # as its key layout reads it
 
 
 def _group_spec(layer_names: Sequence[str], spec: Any) -> Any:
@@ -280,7 +288,7 @@ def _group_layouts(vllm_config: VllmConfig, groups: Sequence[KVGroup], kv_layout
                    pp_rank: int, weights_version: str = "", replicated_once: bool = True, integrity_tag: str = ""
                    ) -> list[KeyLayout]:
     """This rank's key layout per KV cache group, in the groups' order: each keyed by its layers, its window
-    or state, except a dense table's (`keys.dense_table`: one full-attention group)."""
+    or state, unless its kinds' keys name no group (`GroupKinds.keys_name_groups`: one full-attention group)."""
     has_state = any(g.state for g in groups)
     # a Mamba state is a rank's shard of the mixer: keys per rank for every group (ranks sharing an
     # attention group's keys would need a put stripe per group)
@@ -292,8 +300,8 @@ def _group_layouts(vllm_config: VllmConfig, groups: Sequence[KVGroup], kv_layout
         ("layers", hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16]))
         + ((("state", "align"),) if g.state else ()))
         for g, lay in zip(groups, layouts)]
-    # cannot go: a dense table's keys predate KV cache groups and name none, so stored keys keep their bytes
-    return layouts if dense_table(named) else named
+    # a lone full-attention group's keys predate KV cache groups and name none: stored keys keep their bytes
+    return named if GroupKinds(tuple(g.kind for g in groups)).keys_name_groups else layouts
 
 
 def key_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int,

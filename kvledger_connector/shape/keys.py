@@ -54,7 +54,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -172,17 +172,6 @@ class KeyLayout:
             fields.append(["integrity", self.integrity])
         canon = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-
-def dense_table(layouts: Iterable[KeyLayout]) -> bool:
-    """Whether these key layouts (a side's builders) store one full-attention KV cache group: then a request's
-    table is its every block (none null) and vLLM takes a failed load's blocks. Else (several groups, or one
-    sliding-window group, whose table holds vLLM's null block below the window) null ids are nothing to pin,
-    load or put, and a failed load is failed per request (vLLM recomputes it from its first token: a
-    block-level cut inside a window would leave the window's older blocks null). The scheduler side and
-    every rank decide by this one rule."""
-    lays = list(layouts)
-    return len({lay.group for lay in lays}) <= 1 and not any(lay.window is not None or lay.is_state for lay in lays)
 
 
 #: a reset epoch's length in hex characters (128 random bits: no two resets anywhere draw the same one)

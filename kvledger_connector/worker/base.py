@@ -12,6 +12,7 @@ from kvledger.load import LoadLedger
 from kvledger.worker import WorkerLedger, put_positions
 from kvledger_connector.config import ConnectorConfig
 from kvledger_connector.shape.block_shape import BlockShape
+from kvledger_connector.shape.group_kind import ONE_FULL_ATTENTION, GroupKinds
 from kvledger_connector.telemetry.stats import StatsRecorder
 from kvledger_connector.worker.cache import Buffers, RegisteredCache
 from kvledger_connector.worker.sent import SentBlocks
@@ -104,11 +105,10 @@ class StepsBase:
         return self.cache.num_blocks
 
     @property
-    def dense_table(self) -> bool:
-        """One full-attention group (`BlockShape.dense_table`, the scheduler side's rule too): a job's ids are
-        its every block and a failed load is reported by block; else null ids are nothing to put and a
-        failed load is reported per request."""
-        return self.shape is None or self.shape.dense_table
+    def kinds(self) -> GroupKinds:
+        """Its KV cache groups' kinds (`BlockShape.kinds`, the scheduler side's rules too): whether a job's ids
+        are one table's every block, and whether a failed load is reported by block or per request."""
+        return ONE_FULL_ATTENTION if self.shape is None else self.shape.kinds
 
     @property
     def num_groups(self) -> int:

@@ -144,7 +144,7 @@ class LoadSteps(StepsBase):
         self.loads.fail_pending(load_id, reason)
         result = self.loads.finish_load(load_id)
         (self.finished_sync_loads if sync else self.finished_loads).append(result.req_id)
-        if result.failed and not sync and not self.dense_table:  # taken each step with finished ones
+        if result.failed and not sync and not self.kinds.fails_by_block:  # taken each step with finished ones
             self.failed_loads.append(result.req_id)
         if result.failed:
             self.stats.add("load_errors_reported", len(result.failed))

@@ -77,7 +77,7 @@ class SaveSteps(StepsBase):
         released; a cache miss), unless its id is not a job id or another job's (that report would count
         twice: the spec is dropped, kept in ``errors``)."""
         try:
-            check_save_spec(spec, num_blocks=self.num_blocks, null_ok=not self.dense_table)
+            check_save_spec(spec, num_blocks=self.num_blocks, null_ok=not self.kinds.one_table)
             if spec.num_groups != self.num_groups:
                 raise LedgerInputError(f"SaveSpec job {spec.store_job_id} num_groups", spec.num_groups,
                                        f"this rank's blocks are of {self.num_groups} KV cache group(s)")
@@ -330,10 +330,10 @@ class SaveSteps(StepsBase):
     def _entries(self, pos: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[Any]
                  ) -> tuple[list[str], list[int], list[int], list[int]]:
         """(keys, block ids, parts, positions) of blocks ``pos``, part by part, each key its part's builder's.
-        A table that may hold vLLM's null block (`dense_table` false) has nothing to put there; in a dense
-        one a null id is an error the buffers report."""
+        A table that may hold vLLM's null block (`GroupKinds.one_table` false) has nothing to put there; in one
+        table read as it comes a null id is an error the buffers report."""
         shape = self.block_shape()
-        stride, sparse = shape.num_groups, not shape.dense_table
+        stride, sparse = shape.num_groups, not shape.kinds.one_table
         if len(block_ids) < len(block_hashes) * stride:
             raise LedgerInputError("block_ids", len(block_ids), f"an id per KV cache group ({stride}) of each of "
                                    f"{len(block_hashes)} blocks")

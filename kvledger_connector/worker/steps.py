@@ -94,13 +94,13 @@ class WorkerSteps(SaveSteps, LoadSteps):
 
     def take_report(self, released: Iterable[str] = ()) -> WorkerReport:
         """Collect and HandleLoadErrors of one step, as one value: the async loads finished (`take_finished_loads`)
-        with their failures, by block where the table is dense (`dense_table`: `take_load_errors`) else by
-        request (`take_failed_loads`); the jobs reported (`take_reports`) and the sync loads finished
+        with their failures, by block where the kinds allow it (`GroupKinds.fails_by_block`: `take_load_errors`)
+        else by request (`take_failed_loads`); the jobs reported (`take_reports`) and the sync loads finished
         (`take_finished_sync_loads`); ``released``: the held requests the side's notices released."""
         finished = self.take_finished_loads()
         errors: set[int] = set()
         failed: set[str] = set()
-        if self.dense_table:
+        if self.kinds.fails_by_block:
             errors = self.take_load_errors()
         else:
             failed = self.take_failed_loads(finished)

@@ -22,7 +22,7 @@ def test_one_group_is_the_shape_of_one_part():
     shape = BlockShape.of_keys([_kb()])
     assert [(p.group, p.kind, p.window) for p in shape.parts] == [(0, GroupKind.FULL_ATTENTION, None)]
     assert (shape.num_groups, shape.keys_per_block, list(shape.parts_of(0))) == (1, 1, [0])
-    assert shape.dense_table and shape.stripe == (0, 1)
+    assert shape.kinds.one_table and shape.kinds.fails_by_block and shape.stripe == (0, 1)
 
 
 def test_a_hybrid_shape_names_each_part_group_and_kind():
@@ -30,7 +30,7 @@ def test_a_hybrid_shape_names_each_part_group_and_kind():
     assert [(p.group, p.kind, p.window) for p in shape.parts] == [
         (0, GroupKind.FULL_ATTENTION, None), (1, GroupKind.SLIDING_WINDOW, 32), (2, GroupKind.MAMBA_STATE, None)]
     assert (shape.num_groups, shape.keys_per_block, list(shape.parts_of(2))) == (3, 1, [2])
-    assert not shape.dense_table
+    assert not shape.kinds.one_table and not shape.kinds.fails_by_block
 
 
 def test_head_shards_are_parts_of_their_group():

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import LedgerInputError
-from kvledger_connector.scheduler.steps import StoreRange, lookup_keys, plan_store, shard_answers
+from kvledger_connector.scheduler.plan import StoreRange, lookup_keys, plan_store, shard_answers
 
 BS = 4
 
 
-def _plan(rng: StoreRange, tables, *, sent: int = 0, dense: bool = False, state=frozenset(), offers=(),
+def _plan(rng: StoreRange, tables, *, sent: int = 0, one_table: bool = False, state=frozenset(), offers=(),
           kept=None, reachable=None):
-    return plan_store(rng, tables, sent_blocks=sent, block_size=BS, dense=dense, state_groups=frozenset(state),
+    return plan_store(rng, tables, sent_blocks=sent, block_size=BS, one_table=one_table, state_groups=frozenset(state),
                       offers=offers, kept=kept or {}, reachable=reachable or {})
 
 
 def test_one_full_attention_group_pins_its_table_and_sends_from_the_sent_offset():
-    plan = _plan(StoreRange(1, 3, b"t", 2), [[5, 6, 7, 8]], sent=1, dense=True)
+    plan = _plan(StoreRange(1, 3, b"t", 2), [[5, 6, 7, 8]], sent=1, one_table=True)
     assert plan.pins == (5, 6, 7) and plan.tail_pins == (8,)
     assert plan.sent_ids == (6, 7, 8) and plan.null_before == ()
     assert plan.rows == ((5, 6, 7, 8),)

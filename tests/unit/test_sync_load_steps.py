@@ -188,7 +188,7 @@ def _one_load(s, i: int, *, fail: bool, finished_first: bool = False) -> bool:
 def test_short_loads_turn_async_while_most_recent_loads_fail_and_sync_again_once_they_succeed():
     """A failed sync load spends its get inside the step: while more than half of the last
     LOAD_OUTCOME_WINDOW loads failed, short loads are async; async outcomes count, so the rule recovers."""
-    from kvledger_connector.scheduler.steps import LOAD_OUTCOME_WINDOW
+    from kvledger_connector.scheduler.lookup import LOAD_OUTCOME_WINDOW
     s = sched(sync_load_max_tokens=1 << 10)
     assert _one_load(s, 0, fail=True, finished_first=True) is True  # no outcome yet: sync
     assert s.steps.loads_mostly_fail()
