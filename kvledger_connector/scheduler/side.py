@@ -66,7 +66,7 @@ class SchedulerSide:
                                           max_inflight_jobs=self.config.max_inflight_jobs,
                                           max_pinned_blocks=steps.max_pinned_blocks, trace=steps.trace,
                                           counts=steps.stats))
-        if steps.state_groups or steps.sliding_groups:  # blocks vLLM may give back while a job is deferred
+        if steps.kinds.groups(may_give_back=True):  # blocks vLLM may give back while a job is deferred
             steps.block_hash_of = vllm_block_hash_of(block_pool)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -179,8 +179,9 @@ class SchedulerSteps(LookupSteps, SaveSteps, CollectSteps):
         """EmitLoad: the destination blocks of the lookup's external hit (``block_ids``: the request's tables
         as allocated for it, one per KV cache group), pinned in the ledger before any worker can be told (S9
         LoadsPinned); the LoadSpec waits in the outbox for the step's metadata. None when there is nothing to
-        load. With several groups every non-null block of the hit's positions loads
-        (a sliding-window group's blocks below its window are vLLM's null block: nothing to load)."""
+        load. Unless the tables are one read as it comes (`GroupKinds.one_table`), each group's table is read
+        by its kind (`GroupKind.load_positions`); a null id (a sliding-window group's blocks below its window)
+        is nothing to load."""
         if num_external_tokens <= 0:
             return None
         req_id = request.request_id
@@ -270,6 +271,7 @@ class SchedulerSteps(LookupSteps, SaveSteps, CollectSteps):
         """The loads pinned since the last step, for this step's metadata."""
         out, self._loads_out = self._loads_out, []
         return out
+
     # ------------------------------------------------------------------ Preempt / Finish
     def notices(self, finished_req_ids: Sequence[str], preempted_req_ids: Sequence[str]) -> list[DropNotice]:
         """This step's DropGeneration notices, in the order they happened (the finishes since the last
