@@ -18,12 +18,9 @@ on the other's objects):
 * ``b3``, KV in host memory: ``tag = BLAKE3-keyed_hash(K, bind(key, nonce) || block bytes)``, 64 bytes of
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
   so a MAC under K. `BlockSeal` computes it where the block lies, run by run from numpy views of the KV
-  cache, on the calling thread, no torch call and no copy: the tag is one stretch of GIL time, never a
-  release per update (PIECE_BYTES). On vLLM's CPU backend every release is a wait: the engine
-  thread runs Python between its steps and takes the GIL whenever it is free, and a torch call from a second
-  thread shares the engine's OpenMP threads. In updates of under 2 KiB, where `blake3` keeps the GIL, it
-  hashes at about 1 GB/s (measured in the engine: 0.11 s of CPU for a pass's 394 blocks, 0.12 s of wall);
-  in larger ones at 2-4 GB/s, but each then waits for the GIL back (1.2 s of wall for the same pass).
+  cache, on the calling thread: no torch call (it would share the engine's OpenMP threads), no copy, and
+  no GIL release (PIECE_BYTES: each would wait for vLLM's engine thread, which takes the GIL whenever it is
+  free). In the small updates that keep the GIL, `blake3` hashes at about 1 GB/s.
 * ``x3``, KV in host memory under ``checksum`` (which has no secret, so needs no MAC): ``tag =
   XXH3-128(bind(key, nonce) || block bytes)`` (PyPI `xxhash`), its 16 bytes then 48 zero bytes (the trailer
   keeps one size). A fast non-cryptographic hash, enough for what ``checksum`` promises (bytes changed by
