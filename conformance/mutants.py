@@ -44,6 +44,7 @@ import kvledger_connector.shape.keys
 import kvledger_connector.shape.kvlayout
 import kvledger_connector.scheduler.reset
 import kvledger_connector.scheduler.plan
+from conformance.surface import PATCHED, surface_name
 from conformance import (kvprobes, probes_edge, probes_identity, probes_parts, probes_rules, probes_sched,
                          probes_specs)
 from conformance.engine import export as ex
@@ -84,6 +85,10 @@ REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 
 @contextlib.contextmanager
 def patched(obj: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """`obj.name` replaced by `make(original)` for the block; only a name of the stated surface
+    (conformance/surface.py), so a refactor knows what it must keep."""
+    if surface_name(obj, name) not in PATCHED:
+        raise LookupError(f"{surface_name(obj, name)} is not on the patched surface (conformance/surface.py)")
     orig = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
     setattr(obj, name, make(orig))
     try:
