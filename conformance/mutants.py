@@ -87,9 +87,9 @@ REPLAY_CHECKS: tuple[type[BaseException], ...] = (LedgerInvariantError,)
 def patched(obj: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
     """`obj.name` replaced by `make(original)` for the block; only a name of the stated surface
     (conformance/surface.py), so a refactor knows what it must keep."""
+    orig = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)  # a gone target: KeyError here
     if surface_name(obj, name) not in PATCHED:
         raise LookupError(f"{surface_name(obj, name)} is not on the patched surface (conformance/surface.py)")
-    orig = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
     setattr(obj, name, make(orig))
     try:
         yield
