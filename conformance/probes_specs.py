@@ -95,9 +95,10 @@ WORKER_BLOCK_SIZE = 4
 
 
 def worker_side(store: Any, *, num_blocks: int = NUM_BLOCKS, secret: bytes | None = None, model: str = "specs",
-                load_sub_batch_keys: int = 64) -> tuple[Any, dict[str, Any]]:
+                load_sub_batch_keys: int = 64, **side: Any) -> tuple[Any, dict[str, Any]]:
     """(a started `WorkerSide` of rank 0 over ``store``, its KV cache): one layer of vLLM's own LBNHC cache of
-    ``num_blocks`` blocks, every byte from a fixed seed; ``secret``: integrity 'mac' under it (else off)."""
+    ``num_blocks`` blocks, every byte from a fixed seed; ``secret``: integrity 'mac' under it (else off);
+    ``side``: further `WorkerSide` arguments."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
@@ -121,7 +122,7 @@ def worker_side(store: Any, *, num_blocks: int = NUM_BLOCKS, secret: bytes | Non
                                 kv_layout="LBNHC", num_layers=1, num_kv_heads=1, head_size=4))
     cfg = ConnectorConfig(store=StoreConfig(load_sub_batch_keys=load_sub_batch_keys), block_size=bs)
     ws = WorkerSide(cfg, store=store, shape=BlockShape.of_keys([keys]), tp_rank=0, max_requests=16,
-                    integrity=IntegrityKey("mac", secret) if secret is not None else None)
+                    integrity=IntegrityKey("mac", secret) if secret is not None else None, **side)
     ws.register_kv_caches(plan_block_copies(kv, layout="LBNHC", block_size=bs, num_blocks=num_blocks), kv)
     return ws, kv
 

@@ -258,6 +258,9 @@ class KVLedgerConnectorMetadata(KVConnectorMetadata):
     drops: list[DropNotice] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # vLLM scheduled no token in this step (no forward: every request waits for a load or a save): a rank
+    # waits, bounded, for its threads' next result before it reports (`WorkerSide.take_report`)
+    idle: bool = False
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):

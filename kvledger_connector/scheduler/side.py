@@ -119,7 +119,8 @@ class SchedulerSide:
         steps = self.steps
         self._step += 1
         meta = KVLedgerConnectorMetadata(step=self._step, weights_version=steps.weights_version,
-                                         reset_epoch=steps.reset_epoch)
+                                         reset_epoch=steps.reset_epoch,
+                                         idle=scheduler_output.total_num_scheduled_tokens == 0)
         meta.drops = steps.notices(sorted(scheduler_output.finished_req_ids),
                                    sorted(scheduler_output.preempted_req_ids or ())) + steps.releases()
         meta.loads = steps.take_loads()

@@ -18,9 +18,8 @@ on the other's objects):
 * ``b3``, KV in host memory: ``tag = BLAKE3-keyed_hash(K, bind(key, nonce) || block bytes)``, 64 bytes of
   its extended output, ``K = BLAKE3-derive_key(B3_CONTEXT, mode || 0x00 || secret)``. Keyed BLAKE3 is a PRF,
   so a MAC under K. `BlockSeal` computes it where the block lies, run by run from numpy views of the KV
-  cache, on the calling thread: no torch call (it would share the engine's OpenMP threads), no copy, and
-  no GIL release (PIECE_BYTES: each would wait for vLLM's engine thread, which takes the GIL whenever it is
-  free). In the small updates that keep the GIL, `blake3` hashes at about 1 GB/s.
+  cache, on the calling thread: no torch call (it would share the engine's OpenMP threads) and no copy, in
+  updates of at most PIECE_BYTES (a run of a block, usually), where `blake3` hashes at 4-5 GB/s.
 * ``x3``, KV in host memory under ``checksum`` (which has no secret, so needs no MAC): ``tag =
   XXH3-128(bind(key, nonce) || block bytes)`` (PyPI `xxhash`), its 16 bytes then 48 zero bytes (the trailer
   keeps one size). A fast non-cryptographic hash, enough for what ``checksum`` promises (bytes changed by
@@ -113,13 +112,13 @@ CHECKSUM_ONLY = ("integrity 'checksum': a stored block's tag detects corruption 
                  "(32-4096 random bytes, mode 0600, the same file on every engine sharing the store) to run 'mac'")
 
 
-#: b3, x3: the most bytes one hash update is given: the most each package hashes without releasing the GIL
-#: (measured in vLLM's CPU engine: `xxhash` releases it past 64 KiB, `blake3` from 2 KiB on; a load's
-#: verification of 394 blocks waited 1.1 s for the GIL with 16 KiB updates against 0.05 s of hashing, none
-#: with 2047-byte ones). A tag is then one stretch of GIL time at the hash's rate, never a release per
-#: update, each of which waits for the GIL back while vLLM's engine thread runs Python; the interpreter still
-#: hands the GIL to the engine between updates at its switch interval, so a long tag delays it that much only
-PIECE_BYTES = {"x3": 64 << 10, "b3": 2047}
+#: b3, x3: the most bytes one hash update is given. `blake3` releases the GIL from 2 KiB on, `xxhash` past
+#: 64 KiB; a release waits for the GIL back only while another thread runs Python without letting go, which
+#: vLLM's engine thread did when it spun through empty steps while every request waited for its load (a
+#: load's 394 blocks waited 1.1 s for the GIL in 16 KiB updates). Such a step now sleeps until a result comes
+#: (kvledger_connector/worker/side.py `IDLE_WAIT_S`), so updates are as large as a run: `blake3` hashes at
+#: about 1 GB/s in 2047-byte updates, 4-5 GB/s in 16-64 KiB ones, which is what `mac` costs on host KV
+PIECE_BYTES = {"x3": 64 << 10, "b3": 64 << 10}
 
 
 class IntegrityError(LedgerError):
@@ -466,7 +465,7 @@ class BlockSeal:
 
     def _hash(self, bound: bytes, pieces: Iterable[Any]) -> bytes:
         """One block's host-hashed tag (b3 or x3) over `pieces`, its object's bytes in order, on this thread
-        with the GIL held throughout (PIECE_BYTES)."""
+        in updates of at most PIECE_BYTES."""
         if self.ikey.construction == "x3":
             x = xxhash.xxh3_128(bound)
             for piece in pieces:

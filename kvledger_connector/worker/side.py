@@ -71,24 +71,40 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 _REMOVE = object()  # wakes the store thread for `_remove_mismatched` alone
 
+# longest wait of a step with no forward for this rank's next load or save result (`take_report`): a
+# request arriving meanwhile waits at most this long to be scheduled. The interpreter's switch interval: a
+# model runner thread spinning through empty steps holds the GIL for that long each time a load or store
+# thread hands it back (after a store call, a hash update), so a shorter wait would buy nothing
+IDLE_WAIT_S = 0.005
+
 
 class WorkerSide:
     def __init__(self, connector_config: ConnectorConfig, *, store: KVStore, shape: BlockShape, tp_rank: int,
                  max_requests: int, stats: StatsRecorder | None = None, trace: TraceSink | None = None,
                  integrity: IntegrityKey | None = None, weights_version: str = "",
-                 rekey: Callable[[str, str], Sequence[KeyBuilder]] | None = None, readers: int = 1) -> None:
+                 rekey: Callable[[str, str], Sequence[KeyBuilder]] | None = None, readers: int = 1,
+                 idle_wait_s: float = IDLE_WAIT_S) -> None:
         """``shape``: this rank's block (`EngineFacts.block_shape`): its parts in order, per KV cache group and,
         in the TP-shared layout, per head shard, each with its key builder. ``integrity``: how stored objects
         are tagged (kvledger_connector/shape/integrity.py); None: no trailer. ``weights_version``: the one
         ``shape``'s builders build under; ``rekey``: the parts' key builders under another version and reset
         epoch, for when a step's metadata names them (a reset_cache switched it, see kvledger_connector/scheduler/reset.py).
-        ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`)."""
+        ``readers``: the engine's ranks, which may read one store client's disk tier at once (`load_batch_keys`).
+        ``idle_wait_s``: how long a step with no forward waits for a load or save result (`take_report`)."""
         if not isinstance(connector_config, ConnectorConfig):
             raise LedgerInputError("connector_config", type(connector_config).__name__, "must be a ConnectorConfig")
         config = connector_config.store
         if not isinstance(readers, int) or readers < 1:
             raise LedgerInputError("readers", readers, "must be an int >= 1")
         self._readers = readers
+        if isinstance(idle_wait_s, bool) or not isinstance(idle_wait_s, (int, float)) or not 0 <= idle_wait_s <= 1:
+            raise LedgerInputError("idle_wait_s", idle_wait_s, "must be a number of seconds in [0, 1]")
+        self._idle_wait_s = float(idle_wait_s)
+        self._idle = False  # this step has no forward (`KVLedgerConnectorMetadata.idle`), until its report
+        # notified by a load or store thread when a load finishes or a job is reported; an idle step's report
+        # waits on it. Never taken while holding ``_lock``
+        self._results = threading.Condition()
+        self._num_results = 0  # results the threads produced since the last report was taken
         num_load_threads = connector_config.load_threads
         self.tp_rank = tp_rank
         self.connector_config = connector_config
@@ -199,6 +215,9 @@ class WorkerSide:
             return
         steps = self._registered()
         self._last_meta_step = meta.step
+        if meta.idle.__class__ is not bool:
+            raise LedgerInputError("idle", meta.idle, "must be a bool")
+        self._idle = meta.idle
         if meta.weights_version != self.weights_version or meta.reset_epoch != self.reset_epoch:
             self._switch_keys(meta.weights_version, meta.reset_epoch)
         with self._lock:
@@ -293,9 +312,30 @@ class WorkerSide:
         """Everything this rank reports since the last call, as one value (`WorkerSteps.take_report`): the
         held requests this side's notices released (finished_sending), finished loads with their failures,
         the jobs reported and the sync loads finished."""
+        if self._idle:
+            self._idle = False
+            self._wait_for_result()
+        with self._results:
+            self._num_results = 0
         released, self._released = self._released, set()
         with self._lock:
             return self._registered().take_report(released)
+
+    def _wait_for_result(self) -> None:
+        """A step with no forward: blocks, the GIL released, until a thread finishes a load or reports a job,
+        at most ``idle_wait_s``; at once when one is waiting or none is in flight. Handed back at once, vLLM
+        steps again straight away: its thread, spinning through empty steps, would hold the GIL each time the
+        load threads hand it back, and every request waits on them."""
+        if not self.busy():
+            return
+        with self._results:
+            self._results.wait_for(lambda: self._num_results > 0, self._idle_wait_s)
+
+    def _result(self) -> None:
+        """A load finished or a job was reported: wakes an idle step's wait."""
+        with self._results:
+            self._num_results += 1
+            self._results.notify_all()
 
     def _note_error(self, msg: str) -> None:
         with self._lock:
@@ -318,6 +358,7 @@ class WorkerSide:
                 self._handle_save(job, event)
             except Exception as e:
                 self._note_error(f"store thread: save job {job.job_id}: {type(e).__name__}: {e}")
+            self._result()
 
     def _handle_save(self, job: SaveJob, event: Any) -> None:
         """DmaRead, Put, Report of one job (`WorkerSteps.save_steps`, drained); the put waits for the
@@ -336,6 +377,7 @@ class WorkerSide:
                 self._remove_mismatched()  # objects this load found tampered, on this store thread
             except Exception as e:
                 self._note_error(f"load thread: load {spec.req_id}: {type(e).__name__}: {e}")
+            self._result()
 
     def _handle_load(self, spec: LoadSpec) -> None:
         """Load: every sub-batch is tried; a block not loaded is reported (`WorkerSteps.load_steps`)."""
