@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import loadtrace
 from bench.engine import run_engine
 
 WAYS = ("none", "upstream", "ours", "embedded")
@@ -55,6 +56,7 @@ class Workload:
     kv_cache_bytes: int
     what: str
     tp: int = 1  # tensor parallel size: above 1, one worker process per rank (vLLM's "mp" executor)
+    rate: float | None = None  # open loop: requests arrive at this rate (per second); None: all at once
 
     def make_prompts(self, seed: int = 5) -> list[list[int]]:
         """`prompts` prompts on `prefixes` shared prefixes, each with a 20-39 token suffix of its own."""
@@ -69,6 +71,12 @@ WORKLOADS = {
                         "8 layers x hidden 1024 (16 heads, 4 KV heads), 8 prompts of ~800 tokens on 4 prefixes"),
     "light": Workload("llama-gqa", 48, 4, 160, 512, 64 << 20,
                       "2 layers x hidden 128 (4 heads, 2 KV heads), 48 prompts of ~190 tokens on 4 prefixes"),
+    "open-low": Workload("llama-8l-1024", 24, 8, 768, 1024, 160 << 20,
+                         "the prefill model, 24 prompts on 8 prefixes arriving at 6 per second (open loop)",
+                         rate=6.0),
+    "open-near": Workload("llama-8l-1024", 24, 8, 768, 1024, 160 << 20,
+                          "the prefill model, 24 prompts on 8 prefixes arriving at 12 per second (open loop)",
+                          rate=12.0),
     "prefill-tp2": Workload("llama-8l-1024", 8, 4, 768, 1024, 160 << 20,
                             "the prefill workload at TP 2 (a worker process per rank, each half the KV heads)",
                             tp=2),
@@ -97,7 +105,8 @@ def _spec(wl: Workload, workdir: Path, connector: dict[str, Any] | None, passes:
             "block_size": 32, "max_model_len": wl.max_len,
             "max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_bytes": wl.kv_cache_bytes,
             "connector": connector, "request_ids": "per_pass", "step_times": True, "stall_timeout_s": 120,
-            "reset_between_passes": True, "settle_timeout_s": 60, "preload": preload}
+            "reset_between_passes": True, "settle_timeout_s": 60, "preload": preload,
+            **({"arrival_rate": wl.rate} if wl.rate else {})}
 
 
 def _problems(way: str, res: dict[str, Any], want: list[list[int]] | None) -> list[str]:
@@ -133,6 +142,62 @@ def _pass_figures(res: dict[str, Any], way: str) -> dict[str, list[float]]:
     return {"p1": [p["seconds"] for p in first], "p2": [p["seconds"] for p in ps[1:]],
             "steps1": [ps[0].get("steps", 0)], "steps2": [p.get("steps", 0) for p in ps[1:]],
             "hit2": [b - a for a, b in zip(hits, hits[1:])]}
+
+
+def _request_figures(res: dict[str, Any], way: str, trace: dict[str, dict[str, float]]) -> dict[str, list[float]]:
+    """Open loop, per request (ms): time to first token from its arrival and time per output token after it,
+    in pass 1 (the store has nothing: `ttft1`) and in the store passes (`ttft2`); from ours' load trace
+    (bench/loadtrace.py), each store-pass request's load-path stages (`stage <from>-><to>`). Without a
+    connector pass 1's figures are its warm passes' (`_pass_figures` says why)."""
+    out: dict[str, list[float]] = {"ttft1": [], "ttft2": [], "tpot1": [], "tpot2": []}
+    for n, ps in enumerate(res["passes"]):
+        tl = ps.get("timeline") or {}
+        keys = ("1", "2") if way == "none" and n else ("2",) if n else () if way == "none" else ("1",)
+        for i, r in enumerate(tl.get("requests", [])):
+            for k in keys:
+                out["ttft" + k].append((r["first_s"] - r["arrival_s"]) * 1e3)
+                if r["tokens"] > 1:
+                    out["tpot" + k].append((r["finish_s"] - r["first_s"]) / (r["tokens"] - 1) * 1e3)
+            if n and trace:
+                got = loadtrace.stages(trace.get(ps["request_ids"][i], {}), tl["t0"] + r["arrival_s"],
+                                       tl["t0"] + r["first_s"])
+                for k, v in (got or {}).items():
+                    out.setdefault(f"stage {k}", []).append(v * 1e3)
+    return out
+
+
+def _pct(xs: list[float] | None, q: float) -> float | None:
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _print_open_loop(wname: str, ways: list[str], figures: dict[tuple[str, str], dict[str, list[float]]]) -> None:
+    """TTFT p50/p90/p99 and TPOT p50 (ms, over every request of every round) in pass 1 and in the store
+    passes, with ratios to upstream; then, for ours, where a store pass's time to first token goes."""
+    def f(v: float | None, w: int = 7) -> str:
+        return f"{v:{w}.0f}" if v is not None else f"{'n/a':>{w}}"
+    for k, what in (("1", "pass 1 (the store has nothing)"), ("2", "store passes (prefixes from the store)")):
+        print(f"\n{wname}, open loop, {what}: ms")
+        print(f"{'way':<9} {'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8}   {'p50/upstr':>9} {'p90/upstr':>9}"
+              f" {'p50/none':>8} {'p90/none':>8}")
+        up = figures.get((wname, "upstream"), {}).get("ttft" + k)
+        nn = figures.get((wname, "none"), {}).get("ttft" + k)
+        for way in ways:
+            xs = figures.get((wname, way), {}).get("ttft" + k)
+            tp = figures.get((wname, way), {}).get("tpot" + k)
+            print(f"{way:<9} {f(_pct(xs, .5), 8)} {f(_pct(xs, .9))} {f(_pct(xs, .99))} {f(_pct(tp, .5), 8)}   "
+                  f"{_ratio(_pct(xs, .5), _pct(up, .5)):>9} {_ratio(_pct(xs, .9), _pct(up, .9)):>9} "
+                  f"{_ratio(_pct(xs, .5), _pct(nn, .5)):>8} {_ratio(_pct(xs, .9), _pct(nn, .9)):>8}")
+    for way in ways:
+        got = figures.get((wname, way), {})
+        names = [k for k in got if k.startswith("stage ")]
+        if not names:
+            continue
+        print(f"\n{wname}, {way}: a store pass's load path, per request (ms; p50 / p90 over requests that loaded)")
+        for k in names:
+            print(f"  {k[6:]:<26} {f(_pct(got[k], .5), 6)} / {f(_pct(got[k], .9), 6)}")
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -180,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                 for way in order:
                     conn, env = connectors[way]
                     preload = ["testbed.cuda_event_stub:install"] if way == "upstream" else []
+                    trace_file = work / f"{wname}-{way}-{r}.loadtrace"
+                    if wl.rate and way in ("ours", "embedded", "ours-off") and wl.tp == 1:
+                        preload.append("bench.loadtrace:install")  # instrumentation of ours' load path
+                        env = {**env, loadtrace.ENV: str(trace_file)}
                     # a fresh model dir per run: the model path is part of every key, no run reads another's
                     wd = work / f"{wname}-{way}-{r}"
                     t = time.monotonic()
@@ -200,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                     got = figures.setdefault((wname, way), {})
                     for k, v in _pass_figures(res, way).items():
                         got.setdefault(k, []).extend(v)
+                    if wl.rate:
+                        for k, v in _request_figures(res, way, loadtrace.read(trace_file)).items():
+                            got.setdefault(k, []).extend(v)
                     print(f"[bench.real] {wname} round {r + 1}/{args.rounds} {way}: {time.monotonic() - t:.0f} s",
                           flush=True)
     finally:
@@ -227,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{way:<9} " + " ".join(cells) + "   "
                   f"  {_ratio(p1, med(wname, 'none', 'p1'))}   {_ratio(p2, med(wname, 'none', 'p2'))}"
                   f"    {_ratio(p1, med(wname, 'upstream', 'p1'))}    {_ratio(p2, med(wname, 'upstream', 'p2'))}")
+        if wl.rate:
+            _print_open_loop(wname, ways, figures)
     print("\n(pass 2: the store passes, vLLM's own cache emptied before each; none's pass 1: its warm passes; "
           "every output equal to the no-connector run's)")
     for (wname, way), why in problems.items():

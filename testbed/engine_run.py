@@ -48,6 +48,10 @@ The spec (all keys but `workdir` and `prompts` optional):
     progress       with request_ids "fixed" or "per_pass" (both meant by "fixed" below): print
                    `ENGINE_RUN_PROGRESS pass <n>: <done>/<total> requests` to stdout (flushed) whenever a
                    request finishes
+    arrival_rate   with request_ids "fixed": open loop, request i of a pass arrives i / rate seconds after the
+                   pass starts (added at the first step boundary from then on). Every pass reports its
+                   `timeline`: its start "t0" (`time.monotonic()`) and per request its arrival, first token
+                   and finish (seconds after t0) and tokens
     step_times     with request_ids "fixed": record every engine step's wall time (`llm_engine.step()`, the
                    whole EngineCore step when mp=0) per pass: `steps`, `step_s` {"sum", "median", "mean", "p90"}
     stall_timeout_s  with request_ids "fixed": raise when no request finished for this long (mp=0: the
@@ -187,17 +191,38 @@ PROGRESS_PREFIX = "ENGINE_RUN_PROGRESS "
 
 def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any, *, pass_no: int = 0,
                         progress: bool = False, step_times: list[float] | None = None,
-                        stall_timeout_s: float | None = None, id_prefix: str = "") -> list[Any]:
+                        stall_timeout_s: float | None = None, id_prefix: str = "",
+                        arrival_rate: float | None = None, timeline: dict[str, Any] | None = None
+                        ) -> list[Any]:
     """Adds "<id_prefix>req-<i>" itself and steps until every one finished (with no prefix the ids come back
     in the next pass). `progress`: a progress line per finished request; `step_times`: every step's wall
-    time appended."""
+    time appended. `arrival_rate` (requests/s): open loop, request i arrives i / rate seconds after the
+    pass starts and is added at the first step boundary from then on (the engine sleeps while nothing runs
+    and the next has not arrived); `timeline`: filled with the pass's start ("t0", `time.monotonic()`) and
+    per request ("requests", in order) its arrival, first token and finish (seconds after t0) and tokens."""
     engine = llm.llm_engine
     ids = [f"{id_prefix}req-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    t0 = time.monotonic()
+    due = [i / arrival_rate for i in range(len(ids))] if arrival_rate else [0.0] * len(ids)
+    first: dict[str, float] = {}
+    added = 0
+
+    def admit() -> None:
+        nonlocal added
+        now = time.monotonic() - t0
+        while added < len(ids) and due[added] <= now:
+            engine.add_request(ids[added], {"prompt_token_ids": prompts[added]}, sp)
+            added += 1
+
+    admit()
     done: dict[str, Any] = {}
+    finish: dict[str, float] = {}
     last = time.monotonic()
-    while engine.has_unfinished_requests():
+    while added < len(ids) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, due[added] - (time.monotonic() - t0)))
+            admit()
+            continue
         if stall_timeout_s and time.monotonic() - last > stall_timeout_s:
             core = getattr(engine.engine_core, "engine_core", None)
             states = None if core is None else {
@@ -209,15 +234,25 @@ def _generate_fixed_ids(llm: Any, prompts: list[list[int]], sp: Any, *, pass_no:
         outs = engine.step()
         if step_times is not None:
             step_times.append(time.perf_counter() - t)
+        now = time.monotonic() - t0
         for out in outs:
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = now
             if out.finished:
                 done[out.request_id] = out
+                finish[out.request_id] = now
                 last = time.monotonic()
                 if progress:
                     print(f"{PROGRESS_PREFIX}pass {pass_no}: {len(done)}/{len(ids)} requests", flush=True)
+        admit()
     missing = [r for r in ids if r not in done]
     if missing:
         raise RuntimeError(f"requests {missing} never finished")
+    if timeline is not None:
+        timeline["t0"] = t0
+        timeline["requests"] = list({"arrival_s": round(due[i], 6), "first_s": round(first.get(r, finish[r]), 6),
+                         "finish_s": round(finish[r], 6), "tokens": len(done[r].outputs[0].token_ids)}
+                        for i, r in enumerate(ids))
     return [done[r] for r in ids]
 
 
@@ -336,9 +371,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         t1 = time.monotonic()
         if fixed_ids:
             steps: list[float] | None = [] if spec.get("step_times") else None
+            timeline: dict[str, Any] = {}
             outs = _generate_fixed_ids(llm, prompts, sp, pass_no=n, progress=bool(spec.get("progress")),
                                        step_times=steps, stall_timeout_s=spec.get("stall_timeout_s"),
-                                       id_prefix=f"p{n}-" if per_pass else "")
+                                       id_prefix=f"p{n}-" if per_pass else "",
+                                       arrival_rate=spec.get("arrival_rate"), timeline=timeline)
+            entry["timeline"] = timeline
             if steps:
                 ordered = sorted(steps)
                 entry["steps"] = len(steps)
