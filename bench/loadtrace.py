@@ -5,6 +5,8 @@ no decision is made here. Each event is appended to the file named by $KVLEDGER_
 {"req": req_id, "ev": event, "t": time.monotonic()} (the engine_run timeline's clock):
 
   lookup       vLLM asks the connector how many tokens the store has (the first time, per request)
+  allocated    vLLM allocated its blocks for the load (`SchedulerSide.update_state_after_alloc`)
+  in_meta      its load went into a step's metadata (`SchedulerSide.build_connector_meta`)
   issued       the worker side queues the request's load for a load thread (`WorkerSide._enqueue_load`)
   load_start   a load thread takes it (`WorkerSide._handle_load`)
   bytes_in     a batch get of the load returned (the last one counts)
@@ -24,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-EVENTS = ("lookup", "issued", "load_start", "bytes_in", "tag_checked", "load_done", "reported")
+EVENTS = ("lookup", "allocated", "in_meta", "issued", "load_start", "bytes_in", "tag_checked", "load_done", "reported")
 ENV = "KVLEDGER_LOADTRACE"
 
 _local = threading.local()  # the load a load thread is running (its req_id)
@@ -69,6 +71,21 @@ def install() -> dict[str, Any]:
             return f(self, request, num_computed_tokens)
         return wrapped
 
+    def alloc(f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            if num_external_tokens:
+                sink.note(request.request_id, "allocated")
+            return f(self, request, blocks, num_external_tokens)
+        return wrapped
+
+    def meta(f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, scheduler_output: Any) -> Any:
+            m = f(self, scheduler_output)
+            for spec in m.loads:
+                sink.note(spec.req_id, "in_meta")
+            return m
+        return wrapped
+
     def enqueue(f: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(self: Any, spec: Any) -> Any:
             sink.note(spec.req_id, "issued")
@@ -110,6 +127,8 @@ def install() -> dict[str, Any]:
         return wrapped
 
     _wrap(SchedulerSide, "get_num_new_matched_tokens", lookup)
+    _wrap(SchedulerSide, "update_state_after_alloc", alloc)
+    _wrap(SchedulerSide, "build_connector_meta", meta)
     _wrap(WorkerSide, "_enqueue_load", enqueue)
     _wrap(WorkerSide, "_handle_load", handle)
     _wrap(StoreIO, "__call__", call)
@@ -126,20 +145,22 @@ def read(path: Path) -> dict[str, dict[str, float]]:
     for line in path.read_text().splitlines():
         e = json.loads(line)
         evs = out.setdefault(e["req"], {})
-        if e["ev"] in ("lookup", "reported", "issued", "load_start") and e["ev"] in evs:
+        if e["ev"] in ("lookup", "allocated", "in_meta", "reported", "issued", "load_start") and e["ev"] in evs:
             continue
         evs[e["ev"]] = float(e["t"])
     return out
 
 
 def stages(trace: dict[str, float], arrival: float, first_token: float) -> dict[str, float] | None:
-    """One request's stage durations (seconds), arrival -> lookup -> issued -> load_start -> bytes_in ->
+    """One request's stage durations (seconds), arrival -> lookup -> allocated -> in_meta -> issued -> load_start -> bytes_in ->
     tag_checked (bytes_in, where no tag is checked) -> load_done -> reported -> first token; None when
     it has no load."""
     if not all(k in trace for k in ("lookup", "issued", "load_start", "bytes_in", "load_done", "reported")):
         return None
     order: Sequence[tuple[str, float]] = (
-        ("arrival", arrival), ("lookup", trace["lookup"]), ("issued", trace["issued"]),
+        ("arrival", arrival), ("lookup", trace["lookup"]),
+        ("allocated", trace.get("allocated", trace["lookup"])), ("in_meta", trace.get("in_meta", trace["issued"])),
+        ("issued", trace["issued"]),
         ("load_start", trace["load_start"]), ("bytes_in", trace["bytes_in"]),
         ("tag_checked", trace.get("tag_checked", trace["bytes_in"])), ("load_done", trace["load_done"]),
         ("reported", trace["reported"]), ("first_token", first_token))

@@ -305,6 +305,15 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             raise TypeError(f"connector metadata is {type(meta).__name__}, expected KVLedgerConnectorMetadata")
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds a step's metadata before its forward, but calls start_load_kv before it only when the
+        step has a sync load: otherwise after the forward, which on a CPU backend has then run to the end.
+        The step begins here (`WorkerSide.start_step`: drops, then loads), so an async load's bytes travel
+        during the forward, not after it; start_load_kv then finds the step begun (once per step)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.start_step(self._meta())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_step(self._meta())
 
