@@ -34,6 +34,20 @@ kv_load_failure_policy "fail":
   loadbound28  200 prompts x 2 passes, 28-block pool, prompts of 4-24 blocks (up to ~85% of the pool) over the
                4 prefixes: a pass-2 request finds room for little besides itself, so it waits for its own
                load and load latency sets the wall time; ways none, ours, ours-mac, ours-off, upstream
+  ttft28       60 prompts, 28-block pool, pass 2 open loop at 12.5 requests/s (below)
+  ttft48       60 prompts, 48-block pool, pass 2 open loop at 20 requests/s
+
+Open loop (a workload's `rate`): pass 1 runs closed loop as above (it fills the store), then after the
+reset pass 2's request i ARRIVES i/rate seconds after the pass starts (a fixed schedule, the same for
+every way): the driver adds each request between engine steps once its time has come, and sleeps until the
+next arrival when the engine has nothing to do. Per request: TTFT (arrival -> the end of the step after
+which the harness holds its first output token; the wait for the step in progress counts, as in an engine
+that takes new requests between steps) and time per output token ((finish - first token) / (tokens - 1)),
+their p50/p90/p99 over every round's requests pooled, for all requests, store hits (vLLM accepted
+external tokens at admission) and misses, with ratios to upstream; beside them where the time goes: arrival
+-> admission (the step that gives the request blocks), admission -> first token (ms and steps), the hits
+loaded inside their admitting step (sync) and the steps a request waited for remote KV, and the mean step
+time of pass 2.
 
 Per way: engine steps, wall time (both passes' step loops), steps in which requests waited while blocks were
 held only by save pins ("pin-wait steps"; with the mean of such blocks), store jobs and their pin hold time
@@ -97,6 +111,7 @@ class Workload:
     seed: int = 0
     prompt_blocks: tuple[int, int] | None = None  # prompts of lo..hi blocks (default: PROMPT's fixed length)
     ways: tuple[str, ...] = DEFAULT_WAYS
+    rate: float | None = None  # pass 2 open loop at this many requests/s (None: closed loop)
 
 
 WORKLOADS = (
@@ -106,6 +121,8 @@ WORKLOADS = (
     Workload("slow-put", 120, 24, 48, fault="slow", seed=4),
     Workload("loadbound28", 200, 24, 28, seed=5, prompt_blocks=(4, 24),
              ways=("none", "ours", "ours-mac", "ours-off", "upstream")),
+    Workload("ttft28", 60, 20, 28, seed=6, rate=12.5),
+    Workload("ttft48", 60, 20, 48, seed=7, rate=20.0),
 )
 SLOW_PUT_S = 0.020
 
@@ -171,6 +188,8 @@ class Probe:
     hits: int = 0
     hit_tokens: int = 0
     p2_first_tokens: dict[str, int] = field(default_factory=dict)  # pass-2 request -> tokens at its admission
+    admit_step: dict[str, int] = field(default_factory=dict)  # request -> the first step that gave it blocks
+    remote_steps: Counter = field(default_factory=Counter)  # request -> steps it spent in WAITING_FOR_REMOTE_KVS
     jobs_by_req: Counter = field(default_factory=Counter)
 
     def install(self) -> Probe:
@@ -250,12 +269,16 @@ class Probe:
         from vllm.v1.request import RequestStatus
         if not out.num_scheduled_tokens:
             self.empty_steps += 1
+        for rid in out.num_scheduled_tokens:
+            self.admit_step.setdefault(rid, self.step)
         waiting = remote = 0
         for req in self.h.scheduler.requests.values():
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 waiting += 1
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 remote += 1
+                self.remote_steps[req.request_id] += 1
+                self.admit_step.setdefault(req.request_id, self.step)  # its blocks came with an async load
         self.remote_wait += remote
         pins = getattr(self, "pins", None)
         if not pins:
@@ -294,6 +317,89 @@ class Probe:
             if ends:
                 out.append((t1 - max(ends)) * 1e3)
         return out
+
+
+def arrival_schedule(n: int, rate: float) -> list[float]:
+    """Open loop: request i arrives i/rate seconds after its pass starts (fixed, so every way and round sees
+    the same arrivals)."""
+    if not rate > 0:
+        raise ValueError(f"Workload.rate must be a positive number of requests/s, got {rate!r}")
+    return [i / rate for i in range(n)]
+
+
+@dataclass
+class RequestTimes:
+    """One open-loop request: its times (s after its pass started) and the engine steps around them."""
+    arrival: float  # its scheduled arrival
+    arrival_step: int  # steps the engine had taken when it was added
+    first: float | None = None  # end of the step after which it had its first output token
+    first_step: int | None = None
+    finish: float | None = None  # end of the step after which it had finished
+    tokens: int = 0
+    hit: bool = False  # took tokens from the store at admission (vLLM's accepted external tokens)
+    admit: float | None = None  # start of the step that first gave it blocks
+    admit_step: int | None = None
+    remote_steps: int = 0  # steps in WAITING_FOR_REMOTE_KVS (0 for a hit: loaded inside its admitting step)
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.first - self.arrival) * 1e3  # type: ignore[operator]
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.tokens < 2:
+            return None
+        return (self.finish - self.first) / (self.tokens - 1) * 1e3  # type: ignore[operator]
+
+
+def run_open_loop(h: Any, probe: Probe, reqs: list[tuple[str, list[int]]], rate: float, *,
+                  timeout_s: float = 900.0) -> tuple[dict[str, RequestTimes], list[float]]:
+    """Run ``reqs`` to the end, each added between steps once its arrival (`arrival_schedule`) has come,
+    sleeping until the next arrival while the engine has nothing (`Harness.step` False). Returns each
+    request's times (first token and finish read from the harness's outputs after every step) and every
+    step's wall time (ms)."""
+    arrivals = arrival_schedule(len(reqs), rate)
+    times: dict[str, RequestTimes] = {}
+    no_token: set[str] = set()  # added, no output token yet
+    running: set[str] = set()  # added, not finished
+    step_ms: list[float] = []
+    step_start: dict[int, float] = {}  # probe step number -> its start (s after the pass started)
+    nxt = 0
+    t0 = time.perf_counter()
+    while True:
+        now = time.perf_counter() - t0
+        while nxt < len(reqs) and arrivals[nxt] <= now:
+            rid, prompt = reqs[nxt]
+            h.add_request(rid, prompt, MAX_TOKENS)
+            times[rid] = RequestTimes(arrivals[nxt], probe.step)
+            no_token.add(rid)
+            running.add(rid)
+            nxt += 1
+        before, start = probe.step, time.perf_counter() - t0
+        if not h.step():  # nothing left in the engine
+            if nxt == len(reqs):
+                break
+            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+            continue
+        end = time.perf_counter() - t0
+        if probe.step > before:
+            step_start[probe.step] = start
+            step_ms.append((end - start) * 1e3)
+        for rid in [r for r in no_token if h.stats.outputs.get(r)]:
+            times[rid].first, times[rid].first_step = end, probe.step
+            no_token.discard(rid)
+        for rid in [r for r in running if r in h.stats.finished]:
+            times[rid].finish = end
+            times[rid].tokens = len(h.stats.outputs[rid])
+            running.discard(rid)
+        if end > timeout_s:
+            raise TimeoutError(f"open loop still busy after {timeout_s:.0f} s: {len(running)} requests running")
+    for rid, rt in times.items():
+        rt.hit = probe.p2_first_tokens.get(rid, 0) > 0
+        rt.admit_step = probe.admit_step.get(rid)
+        rt.admit = step_start.get(rt.admit_step) if rt.admit_step is not None else None
+        rt.remote_steps = probe.remote_steps.get(rid, 0)
+    return times, step_ms
 
 
 def _wrap_raw(h: Any, **kw: Any) -> list[Any]:
@@ -350,10 +456,16 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
                     keys, evicted = now[0] - keys0[0], now[1] - keys0[1]
                 if wl.fault == "evict" and way != "none":
                     raws = _wrap_raw(h, evict_before_get=True)
-            for i, pr in enumerate(prompts):
-                h.add_request(f"req-{i}" if reuse_ids else f"p{p}-req-{i}", pr, MAX_TOKENS)
+            ids = [f"req-{i}" if reuse_ids else f"p{p}-req-{i}" for i in range(len(prompts))]
             t = time.perf_counter()
-            h.run(max_steps=200_000, timeout_s=900)
+            if p == 2 and wl.rate is not None:
+                times, step_ms = run_open_loop(h, probe, list(zip(ids, prompts)), wl.rate)
+                res["open_loop"], res["step_ms"] = list(times.values()), step_ms
+            else:
+                for rid, pr in zip(ids, prompts):
+                    h.add_request(rid, pr, MAX_TOKENS)
+                t = time.perf_counter()
+                h.run(max_steps=200_000, timeout_s=900)
             wall += time.perf_counter() - t
         wrong_out = errors = 0
         for p in ((2,) if reuse_ids else (1, 2)):
@@ -417,6 +529,11 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for k in ("wrong_kv", "wrong_out", "leaked", "errors"):  # worst round: a fault in any round shows
         row[k] = max(r[k] for r in runs)
     row["at_rest"] = next((r["at_rest"] for r in runs if r["at_rest"]), [])
+    if "open_loop" in row:  # open loop: every round's requests and steps pooled
+        row["ttft_p50_rounds"] = [_pct([rt.ttft_ms for rt in r["open_loop"] if rt.first is not None], .5)
+                                  for r in runs]
+        row["open_loop"] = [rt for r in runs for rt in r["open_loop"]]
+        row["step_ms"] = [ms for r in runs for ms in r["step_ms"]]
     return row
 
 
@@ -425,7 +542,8 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
     lengths = ("prompts of %d-%d blocks" % wl.prompt_blocks if wl.prompt_blocks else
                f"prompts of {PROMPT['prefix_len'] + PROMPT['suffix_len']} tokens")
     print(f"\n{wl.name}: {n} prompts x 2 passes, {wl.num_blocks}-block pool, {lengths}, policy {wl.policy}"
-          + (f", fault {wl.fault}" if wl.fault else "") + f" (2 ranks, max_num_seqs 8, 128 tokens/step; "
+          + (f", fault {wl.fault}" if wl.fault else "") + (f", pass 2 open loop at {wl.rate:g}/s" if wl.rate else "")
+          + f" (2 ranks, max_num_seqs 8, 128 tokens/step; "
           f"steps and wall: medians of {rounds} rounds)")
     hdr = (f"{'way':<11}{'steps':>7}{'wall s':>8}{'empty':>7}{'pinwait':>8}{'blk':>5}{'jobs':>6}{'j/req':>6}"
            f"{'hold ms p50':>12}{'p99':>8}{'hold st p50':>12}{'p99':>6}{'queue ms p50':>13}{'p99':>8}"
@@ -474,6 +592,70 @@ def print_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
                   + (f"; ours pin cap {o['pin_cap']} blocks" if name == "ours" else ""))
 
 
+def ttft_summary(recs: list[RequestTimes]) -> dict[str, Any]:
+    """Percentiles of one group of open-loop requests (ms; a request with no first token, e.g. one that
+    ended in an error, is counted apart)."""
+    done = [r for r in recs if r.first is not None]
+    ttft = [r.ttft_ms for r in done]
+    tpot = [x for x in (r.tpot_ms for r in done if r.finish is not None) if x is not None]
+    wait = [(r.admit - r.arrival) * 1e3 for r in done if r.admit is not None]
+    load = [(r.first - r.admit) * 1e3 for r in done if r.admit is not None]  # type: ignore[operator]
+    load_steps = [float(r.first_step - r.admit_step) for r in done  # type: ignore[operator]
+                  if r.admit_step is not None]
+    hits = [r for r in done if r.hit]
+    return {"n": len(recs), "no_token": len(recs) - len(done),
+            **{f"ttft{q}": _pct(ttft, q / 100) for q in (50, 90, 99)},
+            **{f"tpot{q}": _pct(tpot, q / 100) for q in (50, 90)},
+            "wait50": _pct(wait, .5), "wait90": _pct(wait, .9), "load50": _pct(load, .5), "load90": _pct(load, .9),
+            "load_steps50": _pct(load_steps, .5),
+            "sync": sum(1 for r in hits if r.remote_steps == 0) if hits else None,
+            "remote": statistics.mean(r.remote_steps for r in done) if done else None}
+
+
+def _groups(recs: list[RequestTimes]) -> dict[str, list[RequestTimes]]:
+    """All requests, store hits and misses (a group left out when empty)."""
+    g = {"all": recs, "hit": [r for r in recs if r.hit], "miss": [r for r in recs if not r.hit]}
+    return {k: v for k, v in g.items() if v}
+
+
+def print_ttft_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> None:
+    """The open-loop figures of pass 2 per way and group, and their ratios to upstream."""
+    rounds = max((r.get("rounds", 1) for r in rows.values()), default=1)
+    print(f"\n{wl.name} open loop: pass 2's {n} requests arriving at {wl.rate:g}/s (request i at i/rate s), "
+          f"{wl.num_blocks}-block pool; percentiles over {rounds} rounds' requests pooled, ms")
+    print(f"{'way':<11}{'group':<6}{'n':>5}{'TTFT p50':>9}{'p90':>7}{'p99':>7}{'TPOT p50':>9}{'p90':>6}"
+          f"{'arr->adm p50':>13}{'p90':>7}{'adm->1st p50':>13}{'p90':>7}{'steps':>6}{'sync':>6}{'remote/req':>11}"
+          f"{'no tok':>7}")
+    summaries: dict[str, dict[str, dict[str, Any]]] = {}
+    for way in WAYS:
+        r = rows.get(way)
+        if r is None or "failed" in r:
+            continue
+        summaries[way] = {g: ttft_summary(recs) for g, recs in _groups(r["open_loop"]).items()}
+        for g, m in summaries[way].items():
+            print(f"{way:<11}{g:<6}{m['n']:>5}{_f(m['ttft50'], '.1f', 9)}{_f(m['ttft90'], '.1f', 7)}"
+                  f"{_f(m['ttft99'], '.1f', 7)}{_f(m['tpot50'], '.2f', 9)}{_f(m['tpot90'], '.2f', 6)}"
+                  f"{_f(m['wait50'], '.1f', 13)}{_f(m['wait90'], '.1f', 7)}{_f(m['load50'], '.1f', 13)}"
+                  f"{_f(m['load90'], '.1f', 7)}{_f(m['load_steps50'], '.0f', 6)}{_f(m['sync'], 'd', 6)}"
+                  f"{_f(m['remote'], '.2f', 11)}{m['no_token']:>7}")
+        sm = r["step_ms"]
+        print(f"   {way}: pass-2 step ms mean {statistics.mean(sm):.2f} p50 {_pct(sm, .5):.2f} p90 "
+              f"{_pct(sm, .9):.2f} ({len(sm)} steps over {r.get('rounds', 1)} rounds); TTFT p50 per round "
+              + " ".join("-" if x is None else f"{x:.1f}" for x in r.get("ttft_p50_rounds", [])))
+    u = summaries.get("upstream")
+    for way, m in summaries.items():
+        if way == "upstream" or u is None:
+            continue
+        parts = []
+        for g in ("all", "hit"):
+            if g in m and g in u:
+                ratios = [(k, m[g][k], u[g][k]) for k in ("ttft50", "ttft90", "ttft99", "tpot50")]
+                parts.append(f"{g}: " + ", ".join(f"{k.replace('ttft', 'TTFT p').replace('tpot', 'TPOT p')} "
+                                                  + (f"{a / b:.2f}" if a is not None and b else "-")
+                                                  for k, a, b in ratios))
+        print(f"{way}/upstream: " + "; ".join(parts))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -512,7 +694,10 @@ def main(argv: list[str] | None = None) -> int:
                             rc = 1 if way != "upstream" else rc
                     runs.setdefault(way, []).append(res)
                     print(f"[bench.scheduler] {wl.name} round {rnd + 1} {way}: done", flush=True)
-            print_table(wl, n, {way: median_row(rs) for way, rs in runs.items()})
+            rows = {way: median_row(rs) for way, rs in runs.items()}
+            print_table(wl, n, rows)
+            if wl.rate is not None:
+                print_ttft_table(wl, n, rows)
     return rc
 
 
