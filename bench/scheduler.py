@@ -190,6 +190,7 @@ class Probe:
     p2_first_tokens: dict[str, int] = field(default_factory=dict)  # pass-2 request -> tokens at its admission
     admit_step: dict[str, int] = field(default_factory=dict)  # request -> the first step that gave it blocks
     remote_steps: Counter = field(default_factory=Counter)  # request -> steps it spent in WAITING_FOR_REMOTE_KVS
+    load_ms: dict[int, float] = field(default_factory=dict)  # step -> ms in the ranks' start_load_kv (sync loads wait there)
     jobs_by_req: Counter = field(default_factory=Counter)
 
     def install(self) -> Probe:
@@ -206,6 +207,15 @@ class Probe:
         conn = h.scheduler_connector
         if conn is None:
             return self
+        orig_start_loads = h._start_loads
+
+        def _start_loads() -> None:
+            t = time.perf_counter()
+            try:
+                orig_start_loads()
+            finally:
+                self.load_ms[self.step] = (time.perf_counter() - t) * 1e3
+        h._start_loads = _start_loads
         orig_alloc = conn.update_state_after_alloc
 
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
@@ -353,16 +363,16 @@ class RequestTimes:
 
 
 def run_open_loop(h: Any, probe: Probe, reqs: list[tuple[str, list[int]]], rate: float, *,
-                  timeout_s: float = 900.0) -> tuple[dict[str, RequestTimes], list[float]]:
+                  timeout_s: float = 900.0) -> tuple[dict[str, RequestTimes], dict[int, float]]:
     """Run ``reqs`` to the end, each added between steps once its arrival (`arrival_schedule`) has come,
     sleeping until the next arrival while the engine has nothing (`Harness.step` False). Returns each
     request's times (first token and finish read from the harness's outputs after every step) and every
-    step's wall time (ms)."""
+    step's wall time (probe step number -> ms)."""
     arrivals = arrival_schedule(len(reqs), rate)
     times: dict[str, RequestTimes] = {}
     no_token: set[str] = set()  # added, no output token yet
     running: set[str] = set()  # added, not finished
-    step_ms: list[float] = []
+    step_ms: dict[int, float] = {}
     step_start: dict[int, float] = {}  # probe step number -> its start (s after the pass started)
     nxt = 0
     t0 = time.perf_counter()
@@ -384,7 +394,7 @@ def run_open_loop(h: Any, probe: Probe, reqs: list[tuple[str, list[int]]], rate:
         end = time.perf_counter() - t0
         if probe.step > before:
             step_start[probe.step] = start
-            step_ms.append((end - start) * 1e3)
+            step_ms[probe.step] = (end - start) * 1e3
         for rid in [r for r in no_token if h.stats.outputs.get(r)]:
             times[rid].first, times[rid].first_step = end, probe.step
             no_token.discard(rid)
@@ -460,7 +470,10 @@ def run_way(way: str, wl: Workload, n: int, store_config: Any, workdir: str, *,
             t = time.perf_counter()
             if p == 2 and wl.rate is not None:
                 times, step_ms = run_open_loop(h, probe, list(zip(ids, prompts)), wl.rate)
-                res["open_loop"], res["step_ms"] = list(times.values()), step_ms
+                admitting = {rt.admit_step for rt in times.values()}
+                res["open_loop"], res["step_ms"] = list(times.values()), list(step_ms.values())
+                res["admit_step_ms"] = [ms for k, ms in step_ms.items() if k in admitting]
+                res["admit_load_ms"] = [probe.load_ms[k] for k in step_ms if k in admitting and k in probe.load_ms]
             else:
                 for rid, pr in zip(ids, prompts):
                     h.add_request(rid, pr, MAX_TOKENS)
@@ -534,6 +547,8 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                   for r in runs]
         row["open_loop"] = [rt for r in runs for rt in r["open_loop"]]
         row["step_ms"] = [ms for r in runs for ms in r["step_ms"]]
+        row["admit_step_ms"] = [ms for r in runs for ms in r["admit_step_ms"]]
+        row["admit_load_ms"] = [ms for r in runs for ms in r["admit_load_ms"]]
     return row
 
 
@@ -638,9 +653,12 @@ def print_ttft_table(wl: Workload, n: int, rows: dict[str, dict[str, Any]]) -> N
                   f"{_f(m['wait50'], '.1f', 13)}{_f(m['wait90'], '.1f', 7)}{_f(m['load50'], '.1f', 13)}"
                   f"{_f(m['load90'], '.1f', 7)}{_f(m['load_steps50'], '.0f', 6)}{_f(m['sync'], 'd', 6)}"
                   f"{_f(m['remote'], '.2f', 11)}{m['no_token']:>7}")
-        sm = r["step_ms"]
+        sm, am = r["step_ms"], r["admit_step_ms"]
         print(f"   {way}: pass-2 step ms mean {statistics.mean(sm):.2f} p50 {_pct(sm, .5):.2f} p90 "
-              f"{_pct(sm, .9):.2f} ({len(sm)} steps over {r.get('rounds', 1)} rounds); TTFT p50 per round "
+              f"{_pct(sm, .9):.2f} ({len(sm)} steps over {r.get('rounds', 1)} rounds), the {len(am)} steps that "
+              f"admitted a request p50 {_f(_pct(am, .5), '.2f', 0)} p90 {_f(_pct(am, .9), '.2f', 0)} (their "
+              f"start_load_kv p50 {_f(_pct(r['admit_load_ms'], .5), '.2f', 0)} p90 {_f(_pct(r['admit_load_ms'], .9), '.2f', 0)})"
+              "; TTFT p50 per round "
               + " ".join("-" if x is None else f"{x:.1f}" for x in r.get("ttft_p50_rounds", [])))
     u = summaries.get("upstream")
     for way, m in summaries.items():
