@@ -46,8 +46,9 @@ that takes new requests between steps) and time per output token ((finish - firs
 their p50/p90/p99 over every round's requests pooled, for all requests, store hits (vLLM accepted
 external tokens at admission) and misses, with ratios to upstream; beside them where the time goes: arrival
 -> admission (the step that gives the request blocks), admission -> first token (ms and steps), the hits
-loaded inside their admitting step (sync) and the steps a request waited for remote KV, and the mean step
-time of pass 2.
+loaded inside their admitting step (sync) and the steps a request waited for remote KV, pass 2's step
+times, and those of the steps that admitted a request with the ranks' start_load_kv time in them (where a
+sync load runs, on the model runner's thread).
 
 Per way: engine steps, wall time (both passes' step loops), steps in which requests waited while blocks were
 held only by save pins ("pin-wait steps"; with the mean of such blocks), store jobs and their pin hold time
