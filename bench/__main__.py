@@ -7,7 +7,7 @@ SUITES = ("bench.ledger", "bench.metadata", "bench.connector", "bench.datapath",
           "bench.scheduler", "bench.outage", "bench.replicas", "bench.hybrid",
           "bench.tpshared", "bench.tier", "bench.tier_harness", "bench.tier_promotion", "bench.real")
 # arguments of a suite's main() here (its own command's defaults measure more)
-ARGS = {"bench.real": ["--rounds", "1"]}
+ARGS = {"bench.real": ["--rounds", "1", "--workloads", "prefill,light,open-low"]}
 
 
 def main() -> int:

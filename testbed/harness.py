@@ -7,8 +7,8 @@
         └─ step(): schedule → per rank: bind meta, then GPUModelRunner's order: start_load_kv before the
                    "forward" when the step has sync loads (`SchedulerOutput.has_sync_kv_loads`), else after
                    it; wait_for_save, get_finished, load errors, worker meta → vLLM's KVOutputAggregator →
-                   update_from_output. The ranks' start_load_kv run in parallel (threads: in vLLM each rank
-                   is its own process)
+                   update_from_output. The ranks' bind and start_load_kv run in parallel (threads: in vLLM
+                   each rank is its own process)
 
 No model weights: the model is a hand-written tiny Llama config written to a temp dir at run time
 (`skip_tokenizer_init=True`). The "forward" stands in for attention: it writes into the request's blocks
@@ -57,7 +57,7 @@ import dataclasses
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -493,8 +493,7 @@ class Harness:
         meta = out.kv_connector_metadata
         req_ids = list(out.num_scheduled_tokens)
         loads_first = bool(getattr(out, "has_sync_kv_loads", False))  # vLLM's flag: GPUModelRunner's order
-        for w in self.workers:
-            w.bind_connector_metadata(meta)
+        self._each_rank(lambda w: w.bind_connector_metadata(meta))  # ours begins the step here (its loads)
         early: list[set[int]] = [set() for _ in self.workers]
         if loads_first:
             self._start_loads()
@@ -538,15 +537,19 @@ class Harness:
         return True
 
     def _start_loads(self) -> None:
-        """Every rank's start_load_kv, the ranks in parallel (vLLM runs each rank in its own process)."""
+        self._each_rank(lambda w: w.start_load_kv(None))
+
+    def _each_rank(self, call: Callable[[Any], None]) -> None:
+        """``call`` on every rank's worker connector, the ranks in parallel (vLLM runs each rank in its own
+        process)."""
         if len(self.workers) < 2:
             for w in self.workers:
-                w.start_load_kv(None)
+                call(w)
             return
         if self._rank_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._rank_pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="harness-rank")
-        for f in [self._rank_pool.submit(w.start_load_kv, None) for w in self.workers]:
+        for f in [self._rank_pool.submit(call, w) for w in self.workers]:
             f.result()  # re-raises a rank's exception here
 
     def _check_progress(self, scheduled: bool) -> None:
