@@ -15,20 +15,28 @@ engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-p
   embedded   KVLedgerConnector with no store settings: the embedded default (its own master, integrity mac)
   ours-off   (only when named in --ways) ours on the same master with `integrity: off`: what the tag costs
 
-Two workloads: `prefill`, where computing a prompt costs (8 layers, hidden 1024: pass 2 is the load path's
+Workloads: `prefill`, where computing a prompt costs (8 layers, hidden 1024: pass 2 is the load path's
 wall), and `light`, a model that costs nothing (2 layers, hidden 128, 48 prompts: the walls are per-step
-overhead). Each round runs the ways in a rotating order; a cell is the median over rounds (and over the store
+overhead); `open-low` and `open-near`, the prefill model with 24 prompts on 8 prefixes arriving at a fixed
+rate (open loop: testbed/engine_run.py `arrival_rate`), below and near what it serves; `prefill-tp2`, the
+prefill workload at TP 2. Per request: time to first token from its arrival (closed loop: from its pass's
+start) and time per output token, p50/p90/p99 over every request of every round, in pass 1 (the store has
+nothing) and in the store passes; at TP 1, ours' load path per request (bench/loadtrace.py: lookup,
+allocation, the step's metadata, load queued, started, bytes in, tag checked, load done, reported to vLLM,
+first token). Each round runs the ways in a rotating order; a cell is the median over rounds (and over the store
 passes 2..`passes` of each run: pass 2's figure). Every output of every pass of every way must equal the
 no-connector run's first pass token for token, and every store pass of a connector must take tokens from
 the store: a run that fails either is reported and makes the exit status 1 (a bench that loses tokens or
 never loads measures nothing).
 
-    python -m bench.real [--rounds N] [--passes P] [--workloads prefill,light] [--ways none,upstream,...]
+    python -m bench.real [--rounds N] [--passes P] [--workloads prefill,light,...] [--ways none,upstream,...]
+                         [--omp-bind]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -96,6 +104,20 @@ def _connectors(master: str, metadata: str, config_path: Path) -> dict[str, tupl
         "embedded": ({"module_path": None, "policy": "recompute", "extra": {}}, {}),
         "ours-off": ({"module_path": None, "policy": "recompute", "extra": {**ours, "integrity": "off"}}, {}),
     }
+
+
+def omp_binding(tp: int) -> dict[str, str]:
+    """Above TP 1: each rank's OpenMP threads bound to its own share of this process's cores
+    (VLLM_CPU_OMP_THREADS_BIND, "<cpus of rank 0>|<cpus of rank 1>|..."), as vLLM's own `auto` binding gives
+    each rank a NUMA node's cores; left to float (testbed/engine_run.py's default `nobind`, which a machine
+    with one NUMA node needs), every rank's threads spread over every core and the ranks' forwards wait on
+    each other's threads. Nothing where the cores do not divide among the ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if tp < 2 or len(cpus) < tp:
+        return {}
+    n = len(cpus) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(c) for c in cpus[r * n:(r + 1) * n])
+                                                  for r in range(tp))}
 
 
 def _spec(wl: Workload, workdir: Path, connector: dict[str, Any] | None, passes: int,
@@ -173,13 +195,16 @@ def _pct(xs: list[float] | None, q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _print_open_loop(wname: str, ways: list[str], figures: dict[tuple[str, str], dict[str, list[float]]]) -> None:
+def _print_requests(wname: str, wl: Workload, ways: list[str],
+                    figures: dict[tuple[str, str], dict[str, list[float]]]) -> None:
     """TTFT p50/p90/p99 and TPOT p50 (ms, over every request of every round) in pass 1 and in the store
-    passes, with ratios to upstream; then, for ours, where a store pass's time to first token goes."""
+    passes, with ratios to upstream; then, for ours, where a store pass's time to first token goes. Closed
+    loop: every request arrives when its pass starts."""
+    loop = f"open loop at {wl.rate:g}/s" if wl.rate else "closed loop"
     def f(v: float | None, w: int = 7) -> str:
         return f"{v:{w}.0f}" if v is not None else f"{'n/a':>{w}}"
     for k, what in (("1", "pass 1 (the store has nothing)"), ("2", "store passes (prefixes from the store)")):
-        print(f"\n{wname}, open loop, {what}: ms")
+        print(f"\n{wname}, {loop}, {what}: ms")
         print(f"{'way':<9} {'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8}   {'p50/upstr':>9} {'p90/upstr':>9}"
               f" {'p50/none':>8} {'p90/none':>8}")
         up = figures.get((wname, "upstream"), {}).get("ttft" + k)
@@ -210,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="engine runs per way and workload (default 2)")
     ap.add_argument("--passes", type=int, default=3, help="passes per run: 1 computes, the rest load (default 3)")
     ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)} (default prefill,light)")
+    ap.add_argument("--omp-bind", action="store_true",
+                    help="above TP 1, bind each rank's OpenMP threads to its share of the cores (`omp_binding`)")
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"of {','.join(WAYS + EXTRA_WAYS)} (none is always run)")
     args = ap.parse_args([] if argv is None else argv)
@@ -244,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                     order.insert(0, "none")
                 for way in order:
                     conn, env = connectors[way]
+                    if args.omp_bind:
+                        env = {**env, **omp_binding(wl.tp)}
                     preload = ["testbed.cuda_event_stub:install"] if way == "upstream" else []
                     trace_file = work / f"{wname}-{way}-{r}.loadtrace"
-                    if wl.rate and way in ("ours", "embedded", "ours-off") and wl.tp == 1:
+                    if way in ("ours", "embedded", "ours-off") and wl.tp == 1:
                         preload.append("bench.loadtrace:install")  # instrumentation of ours' load path
                         env = {**env, loadtrace.ENV: str(trace_file)}
                     # a fresh model dir per run: the model path is part of every key, no run reads another's
@@ -269,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     got = figures.setdefault((wname, way), {})
                     for k, v in _pass_figures(res, way).items():
                         got.setdefault(k, []).extend(v)
-                    if wl.rate:
-                        for k, v in _request_figures(res, way, loadtrace.read(trace_file)).items():
-                            got.setdefault(k, []).extend(v)
+                    for k, v in _request_figures(res, way, loadtrace.read(trace_file)).items():
+                        got.setdefault(k, []).extend(v)
                     print(f"[bench.real] {wname} round {r + 1}/{args.rounds} {way}: {time.monotonic() - t:.0f} s",
                           flush=True)
     finally:
@@ -299,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{way:<9} " + " ".join(cells) + "   "
                   f"  {_ratio(p1, med(wname, 'none', 'p1'))}   {_ratio(p2, med(wname, 'none', 'p2'))}"
                   f"    {_ratio(p1, med(wname, 'upstream', 'p1'))}    {_ratio(p2, med(wname, 'upstream', 'p2'))}")
-        if wl.rate:
-            _print_open_loop(wname, ways, figures)
+        _print_requests(wname, wl, ways, figures)
     print("\n(pass 2: the store passes, vLLM's own cache emptied before each; none's pass 1: its warm passes; "
           "every output equal to the no-connector run's)")
     for (wname, way), why in problems.items():
