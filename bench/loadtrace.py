@@ -152,9 +152,9 @@ def read(path: Path) -> dict[str, dict[str, float]]:
 
 
 def stages(trace: dict[str, float], arrival: float, first_token: float) -> dict[str, float] | None:
-    """One request's stage durations (seconds), arrival -> lookup -> allocated -> in_meta -> issued -> load_start -> bytes_in ->
-    tag_checked (bytes_in, where no tag is checked) -> load_done -> reported -> first token; None when
-    it has no load."""
+    """One request's stage durations (seconds), arrival -> lookup -> allocated -> in_meta -> issued ->
+    load_start -> bytes_in -> tag_checked (bytes_in, where no tag is checked) -> load_done -> reported ->
+    first token; None when it has no load."""
     if not all(k in trace for k in ("lookup", "issued", "load_start", "bytes_in", "load_done", "reported")):
         return None
     order: Sequence[tuple[str, float]] = (

@@ -222,6 +222,7 @@ def probe_short_read_is_a_load_error() -> None:
     st.data.update({keys[0]: 201, keys[1]: 202, keys[2]: 203})
     st.get_codes[keys[1]] = KEY_BYTES // 2
     res = w.run_load(io_of(w), "r", [4, 5, 6], HASHES[:3])
+    check(res is not None, "the load ended without a result (never finished)")
     check(res.failed == {5}, f"short read: failed blocks {sorted(res.failed)}, expected [5]")
     check(w.take_load_errors() == {5}, "the short read's block was not reported to vLLM")
 

@@ -86,8 +86,8 @@ class LoadSpec:
     The blocks are the request's external-hit range, already allocated by vLLM; every block of this list
     that is not loaded must come back through `get_block_ids_with_load_errors` (S8). `sync`: vLLM
     schedules the request in this very step (the connector answered ``load_kv_async=False``), so every
-    rank loads it in ``start_load_kv``, before the forward, and reports it in `completed_loads`; otherwise
-    a load thread runs it and vLLM's ``finished_recving`` reports it.
+    rank loads it when the step begins (vLLM binds the metadata), before the forward, and reports it in
+    `completed_loads`; otherwise a load thread runs it and vLLM's ``finished_recving`` reports it.
     """
 
     req_id: str

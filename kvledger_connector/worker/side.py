@@ -2,7 +2,7 @@
 
     model runner thread                          store thread                   load thread(s)
     ───────────────────                          ────────────                   ──────────────
-    start_load_kv / wait_for_save:
+    bind_connector_metadata (start_load_kv) / wait_for_save:
       DropGeneration (the step's drops, in order)
       EmitLoad  → load queue (bounded) ───────────────────────────────────────▶ Load: batch_get per
       (a sync load runs here instead, before the forward: vLLM scheduled its request in this step)
@@ -11,7 +11,8 @@
                 (CUDA: one event per step)     DmaRead: begin → RUN|STALE|SKIP
                                                Put: exist? → put missing keys
                                                Report: finish(job) in `finally`
-    take_report             ◀── one `WorkerReport`: released held requests, finished loads with their
+    take_report             ◀── one `WorkerReport` (a step with no forward first waits, bounded, for a
+                                thread's next result): released held requests, finished loads with their
                                 failed blocks (or requests), WorkerLedger.take_completed(), finished sync
                                 loads; vLLM reads it through get_transfer_results,
                                 get_block_ids_with_load_errors, build_connector_worker_meta
@@ -209,8 +210,9 @@ class WorkerSide:
     def start_step(self, meta: KVLedgerConnectorMetadata) -> None:
         """Drops first (a req_id preempted and re-admitted in one step must not keep its old generation),
         then this step's loads: the async ones queued for the load threads, then the sync ones run here,
-        before the forward reads them (vLLM calls start_load_kv before the forward in a step with sync
-        loads; the store's batch get returns once the bytes landed)."""
+        before the forward reads them (the connector calls this when vLLM binds the step's metadata, before
+        the forward; the store's batch get returns once the bytes landed). Once per step: a second call
+        (start_load_kv, wait_for_save) returns at once."""
         if meta.step == self._last_meta_step:
             return
         steps = self._registered()
