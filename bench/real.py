@@ -5,7 +5,9 @@ Same-run ratios only; outputs are checked, timings are not asserted.
 The same prompts (shared prefixes, greedy, `passes` passes with `reset_prefix_cache()` between them: pass 1
 computes and saves, every later pass finds vLLM's own cache empty and loads from the store) go through one
 engine per way and round (testbed/engine_run.py, `request_ids: "per_pass"`, in-process EngineCore, TP 1; the
-`prefill-tp2` workload at TP 2, a worker process per rank):
+`prefill-tp2` workload at TP 2, a worker process per rank). Each engine first runs a warm-up (the
+workload's shapes on prefixes of their own, then `reset_prefix_cache()`): every way's pass 1 finds vLLM's CPU
+kernels warm and the store holding nothing of its prompts:
 
   none       no kv_transfer_config: every pass recomputes
   upstream   vLLM 0.32's MooncakeStoreConnector as its docs configure it (a MOONCAKE_CONFIG_PATH file) on the
@@ -50,6 +52,8 @@ from bench import loadtrace
 from bench.engine import run_engine
 
 WAYS = ("none", "upstream", "ours", "embedded")
+# the warm-up's prompts: the workload's shapes on prefixes of their own (the store holds none of pass 1's)
+WARMUP_SEED = 99
 EXTRA_WAYS = ("ours-off",)
 SEGMENT, BUFFER = "256MB", "64MB"
 
@@ -128,6 +132,7 @@ def _spec(wl: Workload, workdir: Path, connector: dict[str, Any] | None, passes:
             "max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_bytes": wl.kv_cache_bytes,
             "connector": connector, "request_ids": "per_pass", "step_times": True, "stall_timeout_s": 120,
             "reset_between_passes": True, "settle_timeout_s": 60, "preload": preload,
+            "warmup_prompts": wl.make_prompts(seed=WARMUP_SEED),
             **({"arrival_rate": wl.rate} if wl.rate else {})}
 
 
@@ -155,13 +160,11 @@ def _problems(way: str, res: dict[str, Any], want: list[list[int]] | None) -> li
 
 
 def _pass_figures(res: dict[str, Any], way: str) -> dict[str, list[float]]:
-    """pass 1's and the store passes' walls, steps and tokens taken from the store. Without a connector
-    every pass computes the same, and its first pays a warm-up of vLLM's CPU kernels (about a second, on
-    either model) that an engine with a connector pays at start-up: its pass-1 figure is its later passes'."""
+    """pass 1's and the store passes' walls, steps and tokens taken from the store (every way's pass 1
+    follows its engine's warm-up, `_spec`)."""
     ps = res["passes"]
     hits = [p["metrics"].get("external_prefix_cache_hits", 0.0) for p in ps]
-    first = ps[1:] if way == "none" else ps[:1]
-    return {"p1": [p["seconds"] for p in first], "p2": [p["seconds"] for p in ps[1:]],
+    return {"p1": [ps[0]["seconds"]], "p2": [p["seconds"] for p in ps[1:]],
             "steps1": [ps[0].get("steps", 0)], "steps2": [p.get("steps", 0) for p in ps[1:]],
             "hit2": [b - a for a, b in zip(hits, hits[1:])]}
 
@@ -169,17 +172,15 @@ def _pass_figures(res: dict[str, Any], way: str) -> dict[str, list[float]]:
 def _request_figures(res: dict[str, Any], way: str, trace: dict[str, dict[str, float]]) -> dict[str, list[float]]:
     """Open loop, per request (ms): time to first token from its arrival and time per output token after it,
     in pass 1 (the store has nothing: `ttft1`) and in the store passes (`ttft2`); from ours' load trace
-    (bench/loadtrace.py), each store-pass request's load-path stages (`stage <from>-><to>`). Without a
-    connector pass 1's figures are its warm passes' (`_pass_figures` says why)."""
+    (bench/loadtrace.py), each store-pass request's load-path stages (`stage <from>-><to>`)."""
     out: dict[str, list[float]] = {"ttft1": [], "ttft2": [], "tpot1": [], "tpot2": []}
     for n, ps in enumerate(res["passes"]):
         tl = ps.get("timeline") or {}
-        keys = ("1", "2") if way == "none" and n else ("2",) if n else () if way == "none" else ("1",)
+        k = "2" if n else "1"
         for i, r in enumerate(tl.get("requests", [])):
-            for k in keys:
-                out["ttft" + k].append((r["first_s"] - r["arrival_s"]) * 1e3)
-                if r["tokens"] > 1:
-                    out["tpot" + k].append((r["finish_s"] - r["first_s"]) / (r["tokens"] - 1) * 1e3)
+            out["ttft" + k].append((r["first_s"] - r["arrival_s"]) * 1e3)
+            if r["tokens"] > 1:
+                out["tpot" + k].append((r["finish_s"] - r["first_s"]) / (r["tokens"] - 1) * 1e3)
             if n and trace:
                 got = loadtrace.stages(trace.get(ps["request_ids"][i], {}), tl["t0"] + r["arrival_s"],
                                        tl["t0"] + r["first_s"])
@@ -328,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"  {_ratio(p1, med(wname, 'none', 'p1'))}   {_ratio(p2, med(wname, 'none', 'p2'))}"
                   f"    {_ratio(p1, med(wname, 'upstream', 'p1'))}    {_ratio(p2, med(wname, 'upstream', 'p2'))}")
         _print_requests(wname, wl, ways, figures)
-    print("\n(pass 2: the store passes, vLLM's own cache emptied before each; none's pass 1: its warm passes; "
-          "every output equal to the no-connector run's)")
+    print("\n(pass 1: after the engine's warm-up on prompts of their own; pass 2: the store passes, vLLM's own "
+          "cache emptied before each; every output equal to the no-connector run's)")
     for (wname, way), why in problems.items():
         print(f"{wname} {way}: {'; '.join(why[:3])}")
     return 1 if problems else 0

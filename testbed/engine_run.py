@@ -6,6 +6,9 @@ The spec (all keys but `workdir` and `prompts` optional):
 
     workdir        where the tiny model dir is written (model path = part of the connector's keys)
     prompts        list of token-id lists; `passes` times each (default 2), `max_tokens` each (default 8)
+    warmup_prompts token-id lists run once before pass 1, then reset_prefix_cache() (retried while the
+                   connector holds pins): vLLM's CPU kernels are warm in pass 1 and the store holds only
+                   these prompts' KV (not reported; with request_ids "fixed"/"per_pass" their ids are "w-req-<i>")
     tp, mp         tensor_parallel_size (1); VLLM_ENABLE_V1_MULTIPROCESSING (0: EngineCore in this process)
     backend        distributed_executor_backend: "uni" | "mp" (default: "uni" for tp 1, else "mp")
     connector      null (no connector) or {"extra": kv_connector_extra_config, "policy": "recompute"|"fail",
@@ -359,6 +362,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     max_tokens = int(spec.get("max_tokens", 8))
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
     settle_s = float(spec.get("settle_timeout_s", 60))
+    warmup = [list(map(int, p)) for p in spec.get("warmup_prompts") or ()]
+    if warmup:
+        t1 = time.monotonic()
+        if fixed_ids:
+            _generate_fixed_ids(llm, warmup, sp, pass_no=-1, id_prefix="w-")
+        else:
+            llm.generate([{"prompt_token_ids": p} for p in warmup], sp, use_tqdm=False)
+        result["warmup"] = {"seconds": round(time.monotonic() - t1, 2),
+                            "reset": _reset_prefix_cache(llm, mp, settle_s)}
     for n in range(int(spec.get("passes", 2))):
         entry: dict[str, Any] = {}
         early = bool((spec.get("barrier") or {}).get("before_reset"))
