@@ -176,11 +176,11 @@ def _request_figures(res: dict[str, Any], way: str, trace: dict[str, dict[str, f
     out: dict[str, list[float]] = {"ttft1": [], "ttft2": [], "tpot1": [], "tpot2": []}
     for n, ps in enumerate(res["passes"]):
         tl = ps.get("timeline") or {}
-        k = "2" if n else "1"
+        which = "2" if n else "1"
         for i, r in enumerate(tl.get("requests", [])):
-            out["ttft" + k].append((r["first_s"] - r["arrival_s"]) * 1e3)
+            out["ttft" + which].append((r["first_s"] - r["arrival_s"]) * 1e3)
             if r["tokens"] > 1:
-                out["tpot" + k].append((r["finish_s"] - r["first_s"]) / (r["tokens"] - 1) * 1e3)
+                out["tpot" + which].append((r["finish_s"] - r["first_s"]) / (r["tokens"] - 1) * 1e3)
             if n and trace:
                 got = loadtrace.stages(trace.get(ps["request_ids"][i], {}), tl["t0"] + r["arrival_s"],
                                        tl["t0"] + r["first_s"])
