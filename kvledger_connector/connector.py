@@ -170,8 +170,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
             builders = self._key_builders()
             # the resets' removals run on their own thread (nothing reads the keys they remove)
             self.removals = StoreRemovals(self.store, stats=self.stats)
-            # the engine step's store calls: each bounded by lookup_timeout_ms, timed
-            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats)
+            # the engine step's store calls: each bounded by lookup_timeout_ms, a lookup's wait in one step
+            # by lookup_wait_ms, timed
+            bounded = self._lookups = DeadlineStore(self.store, cfg.lookup_timeout_ms / 1000.0, self.stats,
+                                                    wait_s=cfg.lookup_wait_ms / 1000.0)
             self.scheduler_side = SchedulerSide(cfg, key_builders=builders, stats=self.stats, trace=trace,
                                                 store=bounded, weights_version=facts.weights_version)
             if facts.kv_events:  # BlockStored/BlockRemoved for routers, per KV cache group

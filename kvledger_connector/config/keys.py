@@ -207,10 +207,15 @@ KEYS: tuple[Key, ...] = (
               "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
               "::test_recompute_policy_keeps_every_load_async"),
     Key("lookup_timeout_ms", "int", 200, "connector",
-        "deadline of each store call the scheduler makes inside an engine step (lookups, the KV-events "
-        "check); one past it answers a miss and opens the store's breaker, so a store that stops answering "
-        "costs one step this long, not a reconnect (~4-5 s) per lookup", lo=1, hi=60_000,
+        "deadline of each store call the scheduler makes (lookups, the KV-events check), from when it is sent; "
+        "one past it answers a miss and opens the store's breaker, so a store that stops answering costs this "
+        "long once, not a reconnect (~4-5 s) per lookup", lo=1, hi=60_000,
         tests="test_store_breaker.py::test_a_lookup_past_its_deadline_misses_and_trips_the_breaker"),
+    Key("lookup_wait_ms", "int", 20, "connector",
+        "the longest one engine step waits for a lookup's answer (at most `lookup_timeout_ms`); a store slower "
+        "than this, e.g. a master the engine's compute threads starve of CPU, leaves the request waiting for "
+        "the next step while the call goes on, instead of holding every other request's step", lo=1,
+        hi=60_000, tests="test_lookup_wait.py::test_a_slow_answer_leaves_the_request_waiting_then_hits"),
     Key("max_lookup_cache", "int", 4096, "connector",
         "lookup answers kept for waiting requests (vLLM asks again every step)", lo=1, hi=1 << 20,
         tests="test_connector_e2e.py::test_lookup_cache_is_bounded"),

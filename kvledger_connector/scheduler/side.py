@@ -40,6 +40,7 @@ from kvledger_connector.metadata import KVLedgerConnectorMetadata, KVLedgerWorke
 from kvledger_connector.scheduler.steps import SchedulerSteps
 from kvledger_connector.telemetry.stats import StatsRecorder
 from kvledger_connector.store.contract import KVStore
+from kvledger_connector.store.deadline import DeadlineStore
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class SchedulerSide:
             if steps.requeue_after_failed_load(request):
                 return None, False  # vLLM skips it this step: out of its queue of KV-holding requests
             ext = ask_store(steps, self.store, request, num_computed_tokens)
+            if ext is None:
+                return None, False  # the store has not answered yet: asked again next step
             return (ext, steps.load_is_async(request.request_id, ext)) if ext > 0 else (0, False)
         except Exception as e:  # a cache miss
             self._hook_error("get_num_new_matched_tokens", e)
@@ -178,16 +181,24 @@ class SchedulerSide:
         return False, None
 
 
-def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_tokens: int) -> int:
+def ask_store(steps: SchedulerSteps, store: Any, request: Any, num_computed_tokens: int) -> int | None:
     """Lookup (`SchedulerSteps.ask` / `answer`) with its one store call made here, at the edge: vLLM's
-    `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked."""
+    `get_num_new_matched_tokens` and the drivers that stand in for it. ``store`` None: nothing is asked.
+    Through a `DeadlineStore` (the connector's), None while the store has not answered within the step's wait
+    (`DeadlineStore.ask_exist`): vLLM leaves the request waiting and asks again next step."""
     ask = steps.ask(request, num_computed_tokens)
     if isinstance(ask, int):
         return ask
     if store is None:
         return 0
+    keys = list(ask.keys)
     try:
-        codes = store.batch_is_exist(list(ask.keys))
+        if isinstance(store, DeadlineStore):
+            codes = store.ask_exist(keys)
+            if codes is None:
+                return None
+        else:
+            codes = store.batch_is_exist(keys)
     except Exception:  # the store wrapper returns codes; a raising test double is a miss
         codes = None
     return steps.answer(request, ask, codes)

@@ -2,6 +2,12 @@
 outcome counted into the one counter sink. A store that does not answer costs an engine step at most
 ``lookup_timeout_ms``, once, then nothing until the store answers again.
 
+A prefix lookup (`ask_exist`) holds an engine step at most ``wait_s`` (``lookup_wait_ms``): a store slower
+than that, e.g. a master starved of CPU by the engine's own compute threads, answers None ("not known yet":
+vLLM leaves the request waiting and asks again next step, when the same call is waited on again) instead of
+a miss, and the engine goes on with its other requests meanwhile. Only a call unanswered ``timeout_s`` after
+it was sent is answered as a miss and trips the breaker.
+
     scheduler thread                         kvledger-lookup thread (one per scheduler side)
     batch_is_exist(keys) ──put──► queue ──► store.batch_is_exist(keys) ──► result ──► done.set()
          └─ done.wait(timeout_s) ─┬─ answered in time: the store's codes
@@ -45,6 +51,7 @@ class _Call:
     keys: list[str]
     done: threading.Event = field(default_factory=threading.Event)
     result: list[int] | None = None
+    sent: float = field(default_factory=time.monotonic)
 
 
 class DeadlineStore:
@@ -52,11 +59,16 @@ class DeadlineStore:
     `StatsRecorder`; its own `Counts` when None), read as ``counts``. Everything else, attribute reads and
     writes included, is the wrapped store's own."""
 
-    def __init__(self, store: KVStore, timeout_s: float, stats: Counter | None = None) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise LedgerInputError("timeout_s", timeout_s, "a store call's deadline must be > 0 seconds")
+    def __init__(self, store: KVStore, timeout_s: float, stats: Counter | None = None,
+                 wait_s: float | None = None) -> None:
+        for name, v in (("timeout_s", timeout_s), ("wait_s", timeout_s if wait_s is None else wait_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise LedgerInputError(name, v, "a store call's deadline and wait must be > 0 seconds")
         object.__setattr__(self, "_kvl_store", store)
         object.__setattr__(self, "_kvl_timeout_s", float(timeout_s))
+        # a prefix lookup's wait inside one step (`ask_exist`); None: the whole deadline, as `check_exist`
+        object.__setattr__(self, "_kvl_wait_s", float(timeout_s if wait_s is None else min(wait_s, timeout_s)))
+        object.__setattr__(self, "_kvl_asked", None)  # the lookup `ask_exist` left in flight (a _Call)
         object.__setattr__(self, "_kvl_q", queue.SimpleQueue())
         object.__setattr__(self, "_kvl_busy", threading.Lock())  # held while a call is inside the store
         object.__setattr__(self, "_kvl_thread", None)
@@ -80,24 +92,74 @@ class DeadlineStore:
         """These calls for existence checks that are not prefix lookups (the KV-events check)."""
         return UntimedChecks(self)
 
+    def ask_exist(self, keys: Sequence[str]) -> list[int] | None:
+        """A prefix lookup that holds the step at most ``wait_s``: the store's codes, or None while the call
+        is in flight (the module doc). One lookup is in flight at a time: asked again with the same keys, it
+        is waited on again; another lookup meanwhile answers None too (asked again next step), and once the
+        call has answered, an answer nobody asked for again is dropped. Timed (``lookup_s``) once, when
+        answered, from when the call was sent."""
+        store = self._kvl_store
+        if self._kvl_stopped or store.breaker_open:
+            return self.batch_is_exist(keys)
+        call: _Call | None = self._kvl_asked
+        if call is not None and call.keys != list(keys) and call.done.is_set():
+            call = None  # answered, never asked for again (the request went): dropped
+        if call is None:
+            call = self._send(keys)
+            if call is None:
+                return [int(StoreCode.UNHEALTHY_SKIPPED)] * len(keys)
+            object.__setattr__(self, "_kvl_asked", call)
+        elif call.keys != list(keys):  # another request's lookup is in flight
+            if time.monotonic() - call.sent < self._kvl_timeout_s:
+                self._kvl_stats.add("lookups_deferred")
+                return None
+            object.__setattr__(self, "_kvl_asked", None)
+            self._past_deadline(call, len(call.keys))
+            return [int(StoreCode.RPC_TIMEOUT)] * len(keys)
+        left = self._kvl_timeout_s - (time.monotonic() - call.sent)
+        if not call.done.wait(max(0.0, min(self._kvl_wait_s, left))):
+            if left > self._kvl_wait_s:
+                self._kvl_stats.add("lookups_deferred")
+                return None
+            object.__setattr__(self, "_kvl_asked", None)
+            self._kvl_stats.add("lookup_s", time.monotonic() - call.sent)
+            return self._past_deadline(call, len(keys))
+        object.__setattr__(self, "_kvl_asked", None)
+        self._kvl_stats.add("lookup_s", time.monotonic() - call.sent)
+        return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * len(keys)
+
     def check_exist(self, keys: Sequence[str]) -> list[int]:
         """The breaker-skipped, bounded ``batch_is_exist`` (module doc), not timed."""
         n = len(keys)
         store = self._kvl_store
         if self._kvl_stopped or store.breaker_open:
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
-        if not self._kvl_busy.acquire(blocking=False):  # an abandoned call is still inside
-            self._kvl_stats.add("lookups_skipped_busy")
+        call = self._send(keys)
+        if call is None:
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n
+        if call.done.wait(self._kvl_timeout_s):
+            return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
+        return self._past_deadline(call, n)
+
+    def _send(self, keys: Sequence[str]) -> _Call | None:
+        """``keys``' existence check handed to the helper thread; None (counted) while an abandoned call is
+        still inside the store."""
+        if not self._kvl_busy.acquire(blocking=False):
+            self._kvl_stats.add("lookups_skipped_busy")
+            return None
         call = _Call(list(keys))
         self._start()
         self._kvl_q.put(call)
-        if call.done.wait(self._kvl_timeout_s):
-            return call.result if call.result is not None else [int(StoreCode.CLIENT_EXCEPTION)] * n
+        return call
+
+    def _past_deadline(self, call: _Call, n: int) -> list[int]:
+        """``call`` unanswered at its deadline: abandoned (its late answer is dropped), the breaker tripped,
+        ``n`` misses."""
         self._kvl_stats.add("lookups_past_deadline")
-        store.trip()
+        self._kvl_store.trip()
         logger.warning("store existence check of %d key(s) unanswered after %.0f ms: answered as a miss, "
-                       "store calls skipped until the master answers a probe", n, self._kvl_timeout_s * 1e3)
+                       "store calls skipped until the master answers a probe", len(call.keys),
+                       self._kvl_timeout_s * 1e3)
         return [int(StoreCode.RPC_TIMEOUT)] * n
 
     def _start(self) -> None:

@@ -42,7 +42,8 @@ whatever the traffic (upstream keeps one row per RPC; we keep counters and durat
                left the client open: a call was still inside it), master_restarts (the embedded master
                restarted by its supervisor, store/embedded.py, counted where its owner hands a recorder);
                lookups_past_deadline (store/deadline.py: a scheduler store call answered as a miss at its deadline),
-               lookups_skipped_busy (store/deadline.py: answered at once, an abandoned call still inside the store)
+               lookups_skipped_busy (store/deadline.py: answered at once, an abandoned call still inside the store),
+               lookups_deferred (store/deadline.py: a lookup unanswered within the step's wait, asked again next step)
     durations  put_s, get_s, lookup_s (sums; the count is puts / gets / lookups)
     latency    h.<op>.<i> → calls, hs.<op>.<i> → their seconds, for op in put, get, lookup and i the index of
                the first bound of LATENCY_BUCKETS_S at or above the call's duration (len: above them all);
@@ -92,7 +93,7 @@ COUNTERS = (
     "jobs_released", "unknown_reports", "loads_pinned", "loads_released", "loads_finished",
     "kv_events_stored_blocks", "kv_events_removed_blocks", "reset_removals",
     "breaker_trips", "breaker_probes", "master_unauthentic", "store_close_leaked", "master_restarts",
-    "lookups_past_deadline", "lookups_skipped_busy",
+    "lookups_past_deadline", "lookups_skipped_busy", "lookups_deferred",
 )
 GAUGES = ("pins_in_flight", "pinned_blocks")
 #: ops with a latency histogram, by the duration counter whose every add is one call
