@@ -181,9 +181,7 @@ KEYS: tuple[Key, ...] = (
         lo=1, hi=1 << 30, shown_default="derived",
         tests="test_config.py::test_derived_pin_cap, test_connector_config.py::test_pin_cap_is_derived_from_the_"
               "engine_when_unset, ::test_pin_cap_below_the_longest_request_is_refused_at_start"),
-    Key("load_threads", "int", 2, "connector",
-        "load threads per rank (two: one load's transfer runs while another's tag is checked, so loads that "
-        "arrive together do not queue behind one thread)", lo=1, hi=64,
+    Key("load_threads", "int", 1, "connector", "load threads per rank", lo=1, hi=64,
         tests="test_connector_config.py::test_upstream_load_recv_threads_env_sets_load_threads"),
     Key("save_decode", "bool", False, "connector", "also save full blocks of generated tokens (default: prompt "
         "blocks only)"),
