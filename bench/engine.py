@@ -73,8 +73,10 @@ def run_engine(spec: dict[str, Any], env: dict[str, str], log: Path, timeout_s: 
     full_env = {**os.environ, **env, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                 "GLOG_minloglevel": "2"}
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    spec_file = log.with_name(log.name + ".spec.json")  # a file: a long prompt list exceeds one argument's limit
+    spec_file.write_text(json.dumps(spec))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "testbed.engine_run", json.dumps(spec)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "testbed.engine_run", str(spec_file)], cwd=ROOT,
                                 env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
