@@ -1,7 +1,7 @@
 """Probes of the connector's edges that only integration tests reached before: the integrity
 secret's privacy, the embedded default's generated secret and mode, a seal's comparison of tags, the
 owner of a replicated KV head under the TP-shared layout, the store breaker's probe backoff, the lookup
-deadline behind an abandoned call, the rendezvous metadata URL, the embedded master's supervision, and
+deadline behind an abandoned call, a slow lookup's wait for the next step, the rendezvous metadata URL, the embedded master's supervision, and
 the reset: the weights-version switch first, the removal after it off the engine thread (bounded retries),
 lookups missing while a removal of the keys they read is owed. Each calls the shipped function through the module (or class) the
 connector looks it up in, so a patched function (a mutant) is the one probed, and raises
@@ -347,6 +347,37 @@ def probe_lookup_deadline_behind_an_abandoned_call() -> None:
         helper = object.__getattribute__(ds, "_kvl_thread")
         if helper is not None:
             helper.join(2.0)
+
+
+def probe_a_slow_lookup_waits_for_the_next_step() -> None:
+    """A prefix lookup the store has not answered within the step's wait answers "not known yet" (None: vLLM
+    asks again next step) well before the deadline, and asked again with the same keys, gets the store's
+    answer of the same call (one call sent), not a miss."""
+    inner = _StuckStore()
+    ds = DeadlineStore(inner, 2.0, wait_s=0.01)
+    try:
+        t0 = time.monotonic()
+        first = ds.ask_exist(["a"])
+        took = time.monotonic() - t0
+        check(first is None, f"a lookup the store had not answered within the step's wait answered {first}, "
+                             "not None (asked again next step)")
+        check(took < 1.0, f"a lookup held its step {took:.2f} s, past the step's 10 ms wait")
+        inner.release.set()
+        end = time.monotonic() + 5.0
+        got = None
+        while got is None and time.monotonic() < end:
+            got = ds.ask_exist(["a"])
+        check(got == [1], f"asked again once the store answered, the lookup got {got}, not the hit")
+        check(inner.calls == 1, f"{inner.calls} calls went into the store for one lookup")
+    finally:
+        inner.release.set()
+        ds.stop()
+
+
+def _lookup_holds_the_step(orig):  # a lookup waits for its answer up to the deadline, inside the step
+    def ask_exist(self, keys):
+        return self.batch_is_exist(keys)
+    return ask_exist
 
 
 def _waits_behind_abandoned_call(orig):  # a lookup waits for the abandoned call to leave the store first
@@ -703,6 +734,7 @@ PROBES: list[Callable[[], None]] = [
     probe_embedded_default_runs_mac_under_one_private_generated_secret,
     probe_a_seal_verifies_every_tag_it_is_asked_for,
     probe_breaker_backoff_doubles_to_its_cap, probe_lookup_deadline_behind_an_abandoned_call,
+    probe_a_slow_lookup_waits_for_the_next_step,
     probe_attached_process_uses_the_published_metadata_url, probe_supervisor_restarts_a_dead_master,
     probe_reset_switches_the_weights_version, probe_a_reset_keeping_the_version_moves_the_keys_to_a_fresh_epoch,
 ]
@@ -722,6 +754,7 @@ MUTANTS: dict[str, list[Patch]] = {
     "tp_shared_head_owner_modulo": [(engine_facts, "kv_head_shard", _head_owner_modulo)],
     "breaker_backoff_never_doubles": [(Breaker, "backoff_s", _backoff_never_doubles)],
     "lookup_waits_behind_abandoned_call": [(DeadlineStore, "check_exist", _waits_behind_abandoned_call)],
+    "lookup_holds_the_step": [(DeadlineStore, "ask_exist", _lookup_holds_the_step)],
     "rendezvous_metadata_url_master_port": [(embedded.EmbeddedMooncake, "metadata_server",
                                              _metadata_url_on_master_port)],
     "rendezvous_attach_metadata_from_master_port": [(rendezvous, "parse_info", _attach_metadata_from_master_port)],
@@ -749,6 +782,7 @@ SHOWS: dict[str, Callable[[], None]] = {
     "tp_shared_head_owner_modulo": probe_replicated_kv_head_owner,
     "breaker_backoff_never_doubles": probe_breaker_backoff_doubles_to_its_cap,
     "lookup_waits_behind_abandoned_call": probe_lookup_deadline_behind_an_abandoned_call,
+    "lookup_holds_the_step": probe_a_slow_lookup_waits_for_the_next_step,
     "rendezvous_metadata_url_master_port": probe_attached_process_uses_the_published_metadata_url,
     "rendezvous_attach_metadata_from_master_port": probe_attached_process_uses_the_published_metadata_url,
     "embedded_master_not_restarted": probe_supervisor_restarts_a_dead_master,

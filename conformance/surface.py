@@ -96,6 +96,7 @@ PATCHED: frozenset[str] = frozenset({
     # kvledger_connector.store.client
     "kvledger_connector.store.client:MooncakeStore.authentic",
     # kvledger_connector.store.deadline
+    "kvledger_connector.store.deadline:DeadlineStore.ask_exist",
     "kvledger_connector.store.deadline:DeadlineStore.check_exist",
     # kvledger_connector.store.embedded
     "kvledger_connector.store.embedded:EmbeddedMooncake._restart",
