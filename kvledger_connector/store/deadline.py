@@ -6,7 +6,8 @@ A prefix lookup (`ask_exist`) holds an engine step at most ``wait_s`` (``lookup_
 than that, e.g. a master starved of CPU by the engine's own compute threads, answers None ("not known yet":
 vLLM leaves the request waiting and asks again next step, when the same call is waited on again) instead of
 a miss, and the engine goes on with its other requests meanwhile. Only a call unanswered ``timeout_s`` after
-it was sent is answered as a miss and trips the breaker.
+it was sent is answered as a miss and trips the breaker. Such a call is still wanted, not abandoned: an
+existence check that is no lookup (`check_exist`) waits for it to leave the store, within its deadline.
 
     scheduler thread                         kvledger-lookup thread (one per scheduler side)
     batch_is_exist(keys) ──put──► queue ──► store.batch_is_exist(keys) ──► result ──► done.set()
@@ -101,15 +102,16 @@ class DeadlineStore:
         store = self._kvl_store
         if self._kvl_stopped or store.breaker_open:
             return self.batch_is_exist(keys)
+        want = list(keys)
         call: _Call | None = self._kvl_asked
-        if call is not None and call.keys != list(keys) and call.done.is_set():
+        if call is not None and call.keys != want and call.done.is_set():
             call = None  # answered, never asked for again (the request went): dropped
         if call is None:
-            call = self._send(keys)
+            call = self._send(want)
             if call is None:
-                return [int(StoreCode.UNHEALTHY_SKIPPED)] * len(keys)
+                return [int(StoreCode.UNHEALTHY_SKIPPED)] * len(want)
             object.__setattr__(self, "_kvl_asked", call)
-        elif call.keys != list(keys):  # another request's lookup is in flight
+        elif call.keys != want:  # another request's lookup is in flight
             if time.monotonic() - call.sent < self._kvl_timeout_s:
                 self._kvl_stats.add("lookups_deferred")
                 return None
@@ -134,6 +136,9 @@ class DeadlineStore:
         store = self._kvl_store
         if self._kvl_stopped or store.breaker_open:
             return store.batch_is_exist(keys)  # closed or skipping: answers at once, no thread needed
+        asked: _Call | None = self._kvl_asked
+        if asked is not None:  # a lookup left in flight is inside the store, not abandoned: wait for it to leave
+            asked.done.wait(max(0.0, self._kvl_timeout_s - (time.monotonic() - asked.sent)))
         call = self._send(keys)
         if call is None:
             return [int(StoreCode.UNHEALTHY_SKIPPED)] * n

@@ -110,6 +110,21 @@ def test_another_requests_call_past_its_deadline_is_a_miss_too() -> None:
         ds.stop()
 
 
+def test_a_check_that_is_no_lookup_waits_for_the_lookup_in_flight_not_skipped() -> None:
+    """The KV-events check (`check_exist`) made while a lookup is left in flight waits for that call to leave
+    the store and then gets the store's answer: only an abandoned call makes it answer UNHEALTHY_SKIPPED."""
+    store = _Held()
+    ds = DeadlineStore(store, 10.0, wait_s=0.01)
+    try:
+        assert ds.ask_exist(["a"]) is None
+        threading.Timer(0.05, store.release.set).start()
+        assert ds.untimed().batch_is_exist(["e"]) == [1]
+        assert store.asked == [["a"], ["e"]] and ds.counts.total("lookups_skipped_busy") == 0
+    finally:
+        store.release.set()
+        ds.stop()
+
+
 @pytest.mark.parametrize("field,kw", [("wait_s", {"wait_s": 0}), ("wait_s", {"wait_s": True}),
                                       ("timeout_s", {"timeout_s": -1.0})])
 def test_a_bad_wait_or_deadline_is_refused_by_name(field: str, kw: dict[str, Any]) -> None:
