@@ -101,6 +101,8 @@ class DeadlineStore:
         answered, from when the call was sent."""
         store = self._kvl_store
         if self._kvl_stopped or store.breaker_open:
+            # a call left in flight is dropped: once the breaker closes its answer would be stale
+            object.__setattr__(self, "_kvl_asked", None)
             return self.batch_is_exist(keys)
         want = list(keys)
         call: _Call | None = self._kvl_asked

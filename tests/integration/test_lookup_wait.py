@@ -110,6 +110,27 @@ def test_another_requests_call_past_its_deadline_is_a_miss_too() -> None:
         ds.stop()
 
 
+def test_a_lookup_left_in_flight_when_the_breaker_opens_is_dropped_not_answered_later() -> None:
+    """The breaker opened for another reason (a worker's failed put) while a lookup was left in flight: that
+    call's answer predates the outage, so once the breaker closes the same keys are asked of the store again."""
+    store = _Held()
+    ds = DeadlineStore(store, 10.0, wait_s=0.01)
+    try:
+        assert ds.ask_exist(["a"]) is None  # in flight
+        store.breaker_open = True
+        store.release.set()
+        assert _answered(ds, ["x"]) == [1]  # breaker open: the wrapped store answers at once (this double: 1)
+        store.breaker_open = False
+        end = time.monotonic() + 10.0  # until the dropped call has left the store, a lookup is skipped at once
+        while (got := _answered(ds, ["a"])) == [int(StoreCode.UNHEALTHY_SKIPPED)] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert got == [1]
+        assert store.asked == [["a"], ["x"], ["a"]]  # "a" sent again, its old answer dropped
+    finally:
+        store.release.set()
+        ds.stop()
+
+
 def test_a_check_that_is_no_lookup_waits_for_the_lookup_in_flight_not_skipped() -> None:
     """The KV-events check (`check_exist`) made while a lookup is left in flight waits for that call to leave
     the store and then gets the store's answer: only an abandoned call makes it answer UNHEALTHY_SKIPPED."""
