@@ -32,7 +32,12 @@ the store: a run that fails either is reported and makes the exit status 1 (a be
 never loads measures nothing).
 
     python -m bench.real [--rounds N] [--passes P] [--workloads prefill,light,...] [--ways none,upstream,...]
-                         [--omp-bind]
+                         [--omp-bind] [--policy fail|recompute]
+
+Every connector runs under the same `kv_load_failure_policy`: `--policy`, by default vLLM's own default
+"fail". Under "recompute" ours loads every hit asynchronously (kvledger_connector/scheduler/steps.py says
+why); under "fail" it loads a hit of up to `sync_load_max_tokens` (on this CPU engine, by default,
+CPU_SYNC_LOAD_MAX_TOKENS) inside the step that schedules its request.
 """
 from __future__ import annotations
 
@@ -95,18 +100,19 @@ WORKLOADS = {
 }
 
 
-def _connectors(master: str, metadata: str, config_path: Path) -> dict[str, tuple[dict[str, Any] | None,
-                                                                               dict[str, str]]]:
+def _connectors(master: str, metadata: str, config_path: Path, policy: str = "fail"
+                ) -> dict[str, tuple[dict[str, Any] | None, dict[str, str]]]:
+    """Each way's connector spec and environment; every connector under the same `kv_load_failure_policy`."""
     from testbed.upstream import extra_config
     ours = {"master_server_address": master, "metadata_server": metadata, "global_segment_size": SEGMENT,
             "local_buffer_size": BUFFER}
     return {
         "none": (None, {}),
-        "upstream": ({"name": "MooncakeStoreConnector", "module_path": None, "policy": "recompute",
+        "upstream": ({"name": "MooncakeStoreConnector", "module_path": None, "policy": policy,
                       "extra": extra_config(None)}, {"MOONCAKE_CONFIG_PATH": str(config_path)}),
-        "ours": ({"module_path": None, "policy": "recompute", "extra": ours}, {}),
-        "embedded": ({"module_path": None, "policy": "recompute", "extra": {}}, {}),
-        "ours-off": ({"module_path": None, "policy": "recompute", "extra": {**ours, "integrity": "off"}}, {}),
+        "ours": ({"module_path": None, "policy": policy, "extra": ours}, {}),
+        "embedded": ({"module_path": None, "policy": policy, "extra": {}}, {}),
+        "ours-off": ({"module_path": None, "policy": policy, "extra": {**ours, "integrity": "off"}}, {}),
     }
 
 
@@ -238,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill,light", help=f"of {','.join(WORKLOADS)} (default prefill,light)")
     ap.add_argument("--omp-bind", action="store_true",
                     help="above TP 1, bind each rank's OpenMP threads to its share of the cores (`omp_binding`)")
+    ap.add_argument("--policy", default="fail", choices=("fail", "recompute"),
+                    help="every connector's kv_load_failure_policy (default fail, vLLM's default)")
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"of {','.join(WAYS + EXTRA_WAYS)} (none is always run)")
     args = ap.parse_args([] if argv is None else argv)
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     mc = EmbeddedMooncake(rpc_timeout_ms=5000)
     cfg = Path(write_config(str(work / "mooncake.json"), mc.master_address, mc.metadata_server,
                             global_segment_size=SEGMENT, local_buffer_size=BUFFER))  # type: ignore[arg-type]
-    connectors = _connectors(mc.master_address, mc.metadata_server, cfg)
+    connectors = _connectors(mc.master_address, mc.metadata_server, cfg, args.policy)
     figures: dict[tuple[str, str], dict[str, list[float]]] = {}
     problems: dict[tuple[str, str], list[str]] = {}
     t_all = time.monotonic()
@@ -312,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nvLLM's CPU engine (in-process EngineCore; TP 2: a worker process per rank), real architectures with "
           f"random weights; "
-          f"{args.rounds} round(s) x {args.passes} passes, rotating order, medians; "
-          f"{time.monotonic() - t_all:.0f} s in all")
+          f"{args.rounds} round(s) x {args.passes} passes, rotating order, medians; every connector under "
+          f"kv_load_failure_policy {args.policy}; {time.monotonic() - t_all:.0f} s in all")
     for wname in workloads:
         wl = WORKLOADS[wname]
         print(f"\n{wname}: {wl.what}, 8 tokens generated each")

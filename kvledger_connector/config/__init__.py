@@ -8,15 +8,15 @@ its modules' names:
     docs.py      the Markdown tables rendered from the key tables (``python -m kvledger_connector.config``)
 """
 from kvledger_connector.config.docs import GENERATED, settings_markdown, spliced, upstream_markdown
-from kvledger_connector.config.keys import BY_NAME, DERIVED, KEYS, Key
+from kvledger_connector.config.keys import BY_NAME, CPU_SYNC_LOAD_MAX_TOKENS, DERIVED, KEYS, Key
 from kvledger_connector.config.model import (LOAD_FAILURE_POLICIES, MIN_OFFLOAD_SEGMENT, ConnectorConfig,
-                                             EngineFigures, Settings, StoreConfig, derive_pin_cap, integrity_mode,
-                                             max_job_blocks, read_settings)
+                                             EngineFigures, Settings, StoreConfig, derive_pin_cap,
+                                             derive_sync_load_cap, integrity_mode, max_job_blocks, read_settings)
 from kvledger_connector.config.parsers import ConfigError, parse_size
 from kvledger_connector.config.sources import advertised_address
 from kvledger_connector.upstream_keys import ENV_CONFIG_PATH
 
-__all__ = ["BY_NAME", "DERIVED", "ENV_CONFIG_PATH", "GENERATED", "KEYS", "LOAD_FAILURE_POLICIES",
-           "MIN_OFFLOAD_SEGMENT", "ConfigError", "ConnectorConfig", "EngineFigures", "Key", "Settings", "StoreConfig",
-           "advertised_address", "derive_pin_cap", "integrity_mode", "max_job_blocks", "parse_size", "read_settings",
-           "settings_markdown", "spliced", "upstream_markdown"]
+__all__ = ["BY_NAME", "CPU_SYNC_LOAD_MAX_TOKENS", "DERIVED", "ENV_CONFIG_PATH", "GENERATED", "KEYS",
+           "LOAD_FAILURE_POLICIES", "MIN_OFFLOAD_SEGMENT", "ConfigError", "ConnectorConfig", "EngineFigures", "Key",
+           "Settings", "StoreConfig", "advertised_address", "derive_pin_cap", "derive_sync_load_cap", "integrity_mode",
+           "max_job_blocks", "parse_size", "read_settings", "settings_markdown", "spliced", "upstream_markdown"]

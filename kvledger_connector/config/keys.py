@@ -19,6 +19,8 @@ from kvledger_connector.config.parsers import PARSERS, KeyType
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
+#: `sync_load_max_tokens` not given, on vLLM's CPU engine (`config.derive_sync_load_cap`)
+CPU_SYNC_LOAD_MAX_TOKENS: Final = 2048
 
 #: the Python type of a key's value (None too where its default is None: absent)
 _VALUE_TYPES: dict[str, type] = {
@@ -197,11 +199,15 @@ KEYS: tuple[Key, ...] = (
         "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
         "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
         "while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and admitted past "
-        "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour). Only under vLLM's "
+        "`max_num_seqs`. 0: every load asynchronous (upstream's behaviour). Not set, on vLLM's CPU engine "
+        f"(`device_type` cpu): {CPU_SYNC_LOAD_MAX_TOKENS}, since there the KV cache is host memory, a load one copy "
+        "and the forward it would overlap runs on the same cores. Only under vLLM's "
         "`kv_load_failure_policy` \"fail\" (its default): under \"recompute\" vLLM keeps a failed sync load's "
         "blocks in its prefix cache, so every load is asynchronous there, as for a hybrid model (vLLM takes "
         "a failed load of several KV cache groups per request)", lo=0, hi=1 << 24,
+        shown_default=f"256 (CPU engine: {CPU_SYNC_LOAD_MAX_TOKENS})",
         tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
+              "::test_on_a_cpu_engine_a_load_past_the_keys_default_runs_in_the_step, "
               "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
               "::test_recompute_policy_keeps_every_load_async"),
     Key("lookup_timeout_ms", "int", 200, "connector",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from kvledger_connector.config.keys import BY_NAME, DERIVED, Holder, Key, holds
+from kvledger_connector.config.keys import BY_NAME, CPU_SYNC_LOAD_MAX_TOKENS, DERIVED, Holder, Key, holds
 from kvledger_connector.config.parsers import ConfigError, size_text
 from kvledger_connector.config.sources import advertised_address, read_sources
 
@@ -225,6 +225,16 @@ class EngineFigures(Protocol):
     def key_parts(self) -> int: ...
     @property
     def num_state_groups(self) -> int: ...
+    @property
+    def device_type(self) -> str: ...
+
+
+def derive_sync_load_cap(device_type: str) -> int:
+    """The default ``sync_load_max_tokens`` for an engine on ``device_type``: on vLLM's CPU engine the KV cache
+    is host memory, a load one copy out of the store, and the forward it would overlap runs on the same cores,
+    so a load inside the step costs less than the step an async one waits to be reported
+    (CPU_SYNC_LOAD_MAX_TOKENS); on an accelerator the key's default."""
+    return CPU_SYNC_LOAD_MAX_TOKENS if device_type == "cpu" else int(BY_NAME["sync_load_max_tokens"].default)
 
 
 def derive_pin_cap(*, max_model_len: int, block_size: int, num_gpu_blocks: int | None,
@@ -346,6 +356,8 @@ class ConnectorConfig:
     def build(cls, settings: Settings, engine: EngineFigures) -> ConnectorConfig:
         """The configuration of one connector: `settings` (`read_settings`) for `engine`."""
         given = settings.given("connector")
+        if "sync_load_max_tokens" not in given:
+            given = {**given, "sync_load_max_tokens": derive_sync_load_cap(engine.device_type)}
         try:
             cfg = cls(store=settings.store(), block_size=engine.block_size, world_size=engine.world_size,
                       nnodes=engine.nnodes, max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,

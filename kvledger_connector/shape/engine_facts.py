@@ -384,6 +384,7 @@ class EngineFacts:
     kv_heads_per_key: int = 0
     total_kv_heads: int = 0
     first_kv_head: int = 0
+    device_type: str = ""  # vLLM's device_config.device_type ("cpu": the KV cache is host memory)
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, *, scheduler: bool,
@@ -433,7 +434,8 @@ class EngineFacts:
                    groups=tuple(groups), group_layouts=tuple(layouts), num_blocks=kv_cfg.num_blocks,
                    model_config_hash=vllm_config.model_config.compute_hash(),
                    hash_algo=str(cc.prefix_caching_hash_algo), weights_version=weights_version,
-                   kv_heads_per_key=kv_heads_per_key, total_kv_heads=total_heads, first_kv_head=first_head)
+                   kv_heads_per_key=kv_heads_per_key, total_kv_heads=total_heads, first_kv_head=first_head,
+                   device_type=str(vllm_config.device_config.device_type))
 
     @property
     def num_groups(self) -> int:

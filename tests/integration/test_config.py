@@ -13,6 +13,8 @@ import pytest
 
 from kvledger_connector import upstream_keys
 from kvledger_connector.config import (
+    BY_NAME,
+    CPU_SYNC_LOAD_MAX_TOKENS,
     ENV_CONFIG_PATH,
     GENERATED,
     KEYS,
@@ -403,6 +405,7 @@ class _Engine:  # config.EngineFigures
     num_groups: int = 1
     key_parts: int = 1
     num_state_groups: int = 0
+    device_type: str = "cuda"
 
 
 def test_connector_config_is_built_once_from_settings_and_engine() -> None:
@@ -425,6 +428,19 @@ def test_connector_config_is_built_once_from_settings_and_engine() -> None:
         ConnectorConfig.build(read_settings({}, env={}), _Engine(nnodes=2))
     with pytest.raises(ConfigError, match="vllm cache_config: block_size=0"):
         ConnectorConfig.build(read_settings({}, env={}), _Engine(block_size=0))
+
+
+def test_sync_load_cap_not_given_follows_the_device_and_a_given_one_stands() -> None:
+    """On vLLM's CPU engine (the KV cache in host memory) a load of up to CPU_SYNC_LOAD_MAX_TOKENS runs inside
+    the step; on an accelerator the key's default; a value given is kept on either, 0 included."""
+    default = BY_NAME["sync_load_max_tokens"].default
+    assert CPU_SYNC_LOAD_MAX_TOKENS > default
+    assert ConnectorConfig.build(read_settings({}, env={}), _Engine()).sync_load_max_tokens == default
+    cpu = _Engine(device_type="cpu")
+    assert ConnectorConfig.build(read_settings({}, env={}), cpu).sync_load_max_tokens == CPU_SYNC_LOAD_MAX_TOKENS
+    for given in (0, 64):
+        assert ConnectorConfig.build(read_settings({"sync_load_max_tokens": given}, env={}),
+                                     cpu).sync_load_max_tokens == given
 
 
 def test_derived_pin_cap_refuses_nonsense_engine_figures() -> None:

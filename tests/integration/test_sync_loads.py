@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvledger_connector.config import StoreConfig
+from kvledger_connector.config import BY_NAME, CPU_SYNC_LOAD_MAX_TOKENS, StoreConfig
 from kvledger_connector.store.contract import StoreCode
 from testbed.faults import FaultPlan, FaultRule, FaultyStore
 from testbed.harness import Harness, shared_prefix_prompts
@@ -69,6 +69,24 @@ def test_short_load_runs_in_the_step_that_schedules_it(store_config: StoreConfig
         h.run()
         assert h.check_at_rest() == []
         assert h.check_store()[1] == 0
+
+
+def test_on_a_cpu_engine_a_load_past_the_keys_default_runs_in_the_step(store_config: StoreConfig):
+    """vLLM's KV cache on the CPU (the harness's DeviceConfig "cpu"), `sync_load_max_tokens` not set: a load
+    of 320 tokens, past the key's accelerator default, still runs inside the step that schedules it."""
+    prompt = _prompt(66, full_blocks=20)  # 320 tokens to load
+    assert 20 * BS > BY_NAME["sync_load_max_tokens"].default
+    with Harness(store_config, num_blocks=64, policy="fail") as h:
+        ss = h.scheduler_connector.scheduler_side.steps
+        assert ss.sync_load_max_tokens == CPU_SYNC_LOAD_MAX_TOKENS
+        _warm(h, prompt)
+        h.add_request("b", prompt, 3)
+        seen = _statuses(h, "b")
+        assert "WAITING_FOR_REMOTE_KVS" not in seen and seen[0] == "RUNNING", seen
+        assert ss.stats.total("loads_emitted") == ss.stats.total("sync_loads") == 1
+        assert h.stats.outputs["b"] == h.expected_output(prompt, 3) and h.garbage == []
+        h.run()
+        assert h.check_at_rest() == []
 
 
 def test_sync_load_max_tokens_zero_keeps_every_load_async(store_config: StoreConfig):

@@ -25,7 +25,7 @@ def _engine(**figures: Any) -> Any:
     return types.SimpleNamespace(**{
         "block_size": 16, "world_size": 1, "nnodes": 1, "max_model_len": 128, "num_gpu_blocks": 64,
         "save_enabled": True, "load_enabled": True, "kv_load_failure_policy": "fail", "num_groups": 1,
-        "key_parts": 1, "num_state_groups": 0, **figures})
+        "key_parts": 1, "num_state_groups": 0, "device_type": "cuda", **figures})
 
 
 # (what is combined, extra config, engine figures, the field refused, its value in the message)
