@@ -128,8 +128,9 @@ def test_one_forged_key_of_a_block_stored_as_several_fails_the_block(store_confi
     """The TP-shared layout (``kv_heads_per_key`` 1): a block is one key per KV head. Only each block's first
     head is forged: the block is not loaded (its other keys load fine), reported per block; under recompute
     vLLM recomputes from it, under fail the request ends with an error."""
+    # every load asynchronous (under "fail" too): the forger acts while a request waits for its load
     with Harness(store_config, tp_size=2, num_kv_heads=TP_SHARED_HEADS // 2, num_blocks=48, policy=policy,
-                 extra={"kv_heads_per_key": 1}, stall_timeout_s=STALL_S) as h:
+                 extra={"kv_heads_per_key": 1, "sync_load_max_tokens": 0}, stall_timeout_s=STALL_S) as h:
         assert len(h.workers[0].worker_side.steps.block_shape().builders) == 2  # two keys per block on each rank
         h.run_pass(TWO, 4, tag="a")
         h.scheduler.reset_prefix_cache()
