@@ -100,7 +100,7 @@ WORKLOADS = {
 }
 
 
-def _connectors(master: str, metadata: str, config_path: Path, policy: str = "fail"
+def _connectors(master: str, metadata: str, config_path: Path, policy: str
                 ) -> dict[str, tuple[dict[str, Any] | None, dict[str, str]]]:
     """Each way's connector spec and environment; every connector under the same `kv_load_failure_policy`."""
     from testbed.upstream import extra_config

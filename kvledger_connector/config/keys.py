@@ -19,7 +19,8 @@ from kvledger_connector.config.parsers import PARSERS, KeyType
 Holder = Literal["store", "connector", "engine"]
 #: `ConnectorConfig.max_pinned_blocks` given as DERIVED (the default) is derived (`derive_pin_cap`)
 DERIVED: Final = 0
-#: `sync_load_max_tokens` not given, on vLLM's CPU engine (`config.derive_sync_load_cap`)
+#: `sync_load_max_tokens`' default, and its value when not given on vLLM's CPU engine (`config.derive_sync_load_cap`)
+SYNC_LOAD_MAX_TOKENS: Final = 256
 CPU_SYNC_LOAD_MAX_TOKENS: Final = 2048
 
 #: the Python type of a key's value (None too where its default is None: absent)
@@ -195,7 +196,7 @@ KEYS: tuple[Key, ...] = (
         tests="test_partial_tail.py::test_tail_is_saved_and_a_repeated_prompt_loads_all_but_its_last_token, "
               "::test_a_tail_of_a_block_stored_as_several_keys_is_saved_and_loaded_by_every_key, "
               "test_mamba_hybrid.py::test_partial_tails_are_refused_for_a_mamba_hybrid_by_name"),
-    Key("sync_load_max_tokens", "int", 256, "connector",
+    Key("sync_load_max_tokens", "int", SYNC_LOAD_MAX_TOKENS, "connector",
         "a load of at most this many tokens runs inside the engine step that schedules its request (vLLM's "
         "`load_kv_async=False`: every rank loads before the forward); a longer one runs on the load threads "
         "while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and admitted past "
@@ -205,7 +206,7 @@ KEYS: tuple[Key, ...] = (
         "`kv_load_failure_policy` \"fail\" (its default): under \"recompute\" vLLM keeps a failed sync load's "
         "blocks in its prefix cache, so every load is asynchronous there, as for a hybrid model (vLLM takes "
         "a failed load of several KV cache groups per request)", lo=0, hi=1 << 24,
-        shown_default=f"256 (CPU engine: {CPU_SYNC_LOAD_MAX_TOKENS})",
+        shown_default=f"{SYNC_LOAD_MAX_TOKENS} (CPU engine: {CPU_SYNC_LOAD_MAX_TOKENS})",
         tests="test_sync_loads.py::test_short_load_runs_in_the_step_that_schedules_it, "
               "::test_on_a_cpu_engine_a_load_past_the_keys_default_runs_in_the_step, "
               "::test_sync_load_max_tokens_zero_keeps_every_load_async, "
